@@ -1,0 +1,39 @@
+# meshplan — `make demo` and `make test` are the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+ZOO_DIR ?= $(HOME)/.cache/meshplan/zoo
+export MESHPLAN_ZOO_DIR := $(ZOO_DIR)
+# One thread per process: 2 cores here, and multi-process tests share them.
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: demo test lint bench zoo clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch exactly 2.13.0: the CPU build on this machine's disk (any other version pulls CUDA builds).
+	$(PY) -m pip install --quiet -e '.[torch,zoo,dev]'
+	touch $(STAMP)
+
+zoo: $(STAMP)
+	$(PY) -m bench.zoo
+
+demo: $(STAMP)
+	$(PY) -m bench.zoo gpt2-tiny
+	$(VENV)/bin/meshplan inspect $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=4 --dim seq=32
+
+# pytest exits 5 when it collected no test: that is a failure, not a pass.
+test: $(STAMP)
+	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy planner costmodel hwprofiles cli.py
+
+bench: $(STAMP)
+	$(PY) -m bench.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""bench: the model zoo and the benchmarks behind `make bench`."""

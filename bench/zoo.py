@@ -1,0 +1,352 @@
+"""The model zoo: real architectures exported to ONNX, built in code, cached outside git.
+
+transformers configs with random weights (nothing is downloaded) and hand-written torch modules.
+Small models keep their weights (the executor trains them); large ones are *shape-only*: built on the
+meta device and saved with every parameter declared (name, dtype, dims) as external data that is
+absent, which is how 8B–70B graphs are planned on a laptop.
+
+Each export writes `<name>.onnx` and `<name>.json` (the facts the tests check the importer against:
+the torch parameter count with tied weights counted once, the default dims, the config).
+
+    python -m bench.zoo [NAME ...] [--dir DIR] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+# Bump when an export recipe changes: cached files of another version are rebuilt.
+ZOO_VERSION = 2
+_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+DEFAULT_DIR = Path(os.environ.get("MESHPLAN_ZOO_DIR", Path.home() / ".cache" / "meshplan" / "zoo"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written modules
+
+
+class MLP(nn.Module):
+    """Two-layer perceptron with GELU: the smallest model with a Megatron column/row answer."""
+
+    def __init__(self, d_in: int = 64, d_hidden: int = 256, d_out: int = 64) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.down: nn.Module = nn.Identity()
+        if stride != 1 or c_in != c_out:
+            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.down(x))
+
+
+class ConvNet(nn.Module):
+    """ResNet-style: stem, stages of basic blocks, global average pool, classifier.
+    Written by hand because torchvision does not import beside the CPU torch build here."""
+
+    def __init__(self, widths: tuple[int, ...] = (16, 32), blocks: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU())
+        stages, c = [], widths[0]
+        for i, w in enumerate(widths):
+            stages.append(nn.Sequential(*[BasicBlock(c if b == 0 else w, w, 2 if (b == 0 and i > 0) else 1)
+                                          for b in range(blocks)]))
+            c = w
+        self.stages = nn.Sequential(*stages)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
+
+
+class CausalLMLogits(nn.Module):
+    """`forward(ids) -> logits` around a transformers model: one tensor in, one out, no cache."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, use_cache=False, return_dict=False)[0]
+
+
+class EncoderLogits(nn.Module):
+    def __init__(self, model: nn.Module, key: str) -> None:
+        super().__init__()
+        self.model = model
+        self.key = key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x}, return_dict=False)[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers builders (imported lazily: transformers is a zoo-only dependency)
+
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, n_pos: int) -> tuple[nn.Module, dict[str, Any]]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=n_pos,
+                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
+    return CausalLMLogits(GPT2LMHeadModel(cfg)), cfg.to_diff_dict()
+
+
+def _llama(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int,
+           max_pos: int) -> tuple[nn.Module, dict[str, Any]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
+                      max_position_embeddings=max_pos, rope_theta=500000.0, tie_word_embeddings=False,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
+    return CausalLMLogits(LlamaForCausalLM(cfg)), cfg.to_diff_dict()
+
+
+def _bert() -> tuple[nn.Module, dict[str, Any]]:
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                     vocab_size=256, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0)
+    return EncoderLogits(BertForMaskedLM(cfg), "input_ids"), cfg.to_diff_dict()
+
+
+def _vit() -> tuple[nn.Module, dict[str, Any]]:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=128, num_labels=10, attn_implementation="sdpa")
+    return EncoderLogits(ViTForImageClassification(cfg), "pixel_values"), cfg.to_diff_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# The catalogue
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ZooEntry:
+    name: str
+    build: Callable[[], tuple[nn.Module, dict[str, Any]]]
+    input_kind: Literal["tokens", "image", "features"]
+    input_dims: tuple[str | int, ...]  # symbolic names become dynamic dims
+    example_dims: dict[str, int]  # values used for the export trace
+    default_dims: dict[str, int]  # values a user would plan with
+    vocab: int = 0
+    with_weights: bool = True
+    exporter: Literal["dynamo", "legacy"] = "dynamo"
+    dim_max: dict[str, int] = field(default_factory=dict)
+    description: str = ""
+
+
+ZOO: dict[str, ZooEntry] = {
+    e.name: e
+    for e in [
+        ZooEntry(name="mlp", build=lambda: (MLP(), {"d_in": 64, "d_hidden": 256, "d_out": 64}),
+                 input_kind="features", input_dims=("batch", 64), example_dims={"batch": 4},
+                 default_dims={"batch": 32}, description="Linear-GELU-Linear, 33k params"),
+        ZooEntry(name="mlp-legacy", build=lambda: (MLP(), {"d_in": 64, "d_hidden": 256, "d_out": 64}),
+                 input_kind="features", input_dims=("batch", 64), example_dims={"batch": 4},
+                 default_dims={"batch": 32}, exporter="legacy", description="the MLP, TorchScript exporter"),
+        ZooEntry(name="convnet", build=lambda: (ConvNet(), {"widths": [16, 32], "blocks": 2}),
+                 input_kind="image", input_dims=("batch", 3, 32, 32), example_dims={"batch": 2},
+                 default_dims={"batch": 8}, description="ResNet-style, 2 stages × 2 basic blocks"),
+        # The TorchScript exporter fails on transformers ≥5 models (aten::diff in the mask code), so
+        # its samples are the hand-written modules.
+        ZooEntry(name="convnet-legacy", build=lambda: (ConvNet(), {"widths": [16, 32], "blocks": 2}),
+                 input_kind="image", input_dims=("batch", 3, 32, 32), example_dims={"batch": 2},
+                 default_dims={"batch": 8}, exporter="legacy", description="the ConvNet, TorchScript exporter"),
+        ZooEntry(name="gpt2-tiny", build=lambda: _gpt2(2, 64, 4, 256, 64), input_kind="tokens",
+                 input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 4, "seq": 32}, vocab=256, dim_max={"seq": 64},
+                 description="GPT-2, 2 layers, h=64"),
+        ZooEntry(name="gpt2-medium", build=lambda: _gpt2(24, 1024, 16, 50257, 1024), input_kind="tokens",
+                 input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 8, "seq": 1024}, vocab=50257, with_weights=False,
+                 dim_max={"seq": 1024}, description="GPT-2 medium (355M), shape-only"),
+        ZooEntry(name="bert-tiny", build=_bert, input_kind="tokens", input_dims=("batch", "seq"),
+                 example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 4, "seq": 32}, vocab=256,
+                 dim_max={"seq": 64}, description="BERT masked LM, 2 layers, h=64"),
+        ZooEntry(name="vit-tiny", build=_vit, input_kind="image", input_dims=("batch", 3, 32, 32),
+                 example_dims={"batch": 2}, default_dims={"batch": 8}, description="ViT, 4×4 patches of 8px, h=64"),
+        ZooEntry(name="llama-tiny", build=lambda: _llama(2, 64, 172, 4, 2, 256, 128), input_kind="tokens",
+                 input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 4, "seq": 32}, vocab=256, description="Llama, 2 layers, GQA 4/2 heads"),
+        ZooEntry(name="llama3-8b", build=lambda: _llama(32, 4096, 14336, 32, 8, 128256, 8192),
+                 input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
+                 description="Llama-3-8B, shape-only"),
+        ZooEntry(name="llama3-70b", build=lambda: _llama(80, 8192, 28672, 64, 8, 128256, 8192),
+                 input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
+                 description="Llama-3-70B, shape-only"),
+    ]
+}
+SMALL = [n for n, e in ZOO.items() if e.with_weights]
+
+
+# ---------------------------------------------------------------------------------------------
+# Export
+
+
+def _example(entry: ZooEntry, device: str) -> torch.Tensor:
+    shape = [entry.example_dims[d] if isinstance(d, str) else d for d in entry.input_dims]
+    g = torch.Generator().manual_seed(0)
+    if entry.input_kind == "tokens":
+        return torch.randint(0, entry.vocab, shape, generator=g).to(device)
+    return torch.randn(shape, generator=g).to(device)
+
+
+def _randomize_norm_state(model: nn.Module) -> None:
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.1, 0.1)
+                assert m.running_mean is not None and m.running_var is not None
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+
+
+def _param_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
+
+
+def _declare_shape_only_initializers(path: Path, model: nn.Module) -> None:
+    """Declare every parameter the graph reads as an initializer whose external data is absent."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    g = proto.graph
+    produced = {o for n in g.node for o in n.output} | {i.name for i in g.initializer}
+    read = {i for n in g.node for i in n.input if i and i not in produced}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    data_file = path.with_suffix(".weights")  # never written: the declarations point at absent data
+    keep_inputs = [i for i in g.input if i.name not in params and i.name not in buffers]
+    del g.input[:]
+    g.input.extend(keep_inputs)
+    for name in sorted(read & (set(params) | set(buffers))):
+        t = params.get(name, buffers.get(name))
+        assert t is not None
+        elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=t.dtype).numpy().dtype)
+        init = onnx.TensorProto(name=name, dims=list(t.shape), data_type=elem)
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", data_file.name), ("offset", "0"), ("length", str(t.numel() * t.element_size()))):
+            init.external_data.add(key=k, value=v)
+        g.initializer.append(init)
+        # Declare the kind as the exporter does for initializers it writes itself.
+        vi = onnx.helper.make_tensor_value_info(name, elem, list(t.shape))
+        vi.metadata_props.add(key=_KIND_KEY, value="PARAMETER" if name in params else "BUFFER")
+        g.value_info.append(vi)
+    onnx.save(proto, str(path))
+
+
+def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Path:
+    """Export zoo model `name` to `out_dir/<name>.onnx` (cached by ZOO_VERSION) and return the path."""
+    entry = ZOO[name]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path, meta_path = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
+    if not force and path.exists() and meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta.get("zoo_version") == ZOO_VERSION and meta.get("torch") == torch.__version__:
+            return path
+
+    torch.manual_seed(0)
+    device = "cpu" if entry.with_weights else "meta"
+    t0 = time.perf_counter()
+    with torch.device(device):
+        model, config = entry.build()
+    model.eval()
+    x = _example(entry, device)
+    dyn = {i: torch.export.Dim(d, max=entry.dim_max.get(d, 1 << 20)) for i, d in enumerate(entry.input_dims)
+           if isinstance(d, str)}
+    tmp = path.with_suffix(".onnx.tmp")
+    with _quiet():
+        if entry.exporter == "dynamo":
+            prog = torch.onnx.export(model, (x,), dynamo=True, dynamic_shapes=(dyn,), optimize=False)
+            assert prog is not None
+            prog.save(str(tmp), include_initializers=entry.with_weights)
+        else:
+            axes = {i: d for i, d in enumerate(entry.input_dims) if isinstance(d, str)}
+            _randomize_norm_state(model)  # else the exporter merges equal initializers (all-ones γ) into one
+            torch.onnx.export(model, (x,), str(tmp), dynamo=False, input_names=["input"], output_names=["output"],
+                              dynamic_axes={"input": axes}, opset_version=17, do_constant_folding=False)
+    if not entry.with_weights:
+        _declare_shape_only_initializers(tmp, model)
+    tmp.replace(path)
+    meta = {
+        "zoo_version": ZOO_VERSION,
+        "torch": torch.__version__,
+        "name": name,
+        "description": entry.description,
+        "exporter": entry.exporter,
+        "with_weights": entry.with_weights,
+        "num_params": _param_count(model),
+        "input_dims": list(entry.input_dims),
+        "default_dims": entry.default_dims,
+        "example_dims": entry.example_dims,
+        "config": config,
+        "export_s": round(time.perf_counter() - t0, 2),
+    }
+    meta_path.write_text(json.dumps(meta, indent=1, default=str))
+    return path
+
+
+def metadata(name: str, out_dir: Path = DEFAULT_DIR) -> dict[str, Any]:
+    return json.loads((out_dir / f"{name}.json").read_text())
+
+
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """The exporters print progress and warnings on every call; the zoo reports its own."""
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        yield
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.zoo", description=__doc__.splitlines()[0])
+    ap.add_argument("names", nargs="*", help=f"zoo models (default: all): {', '.join(ZOO)}")
+    ap.add_argument("--dir", type=Path, default=DEFAULT_DIR)
+    ap.add_argument("--force", action="store_true", help="re-export even when cached")
+    args = ap.parse_args(argv)
+    unknown = [n for n in args.names if n not in ZOO]
+    if unknown:
+        ap.error(f"unknown zoo model(s) {', '.join(unknown)}; known: {', '.join(ZOO)}")
+    for n in args.names or list(ZOO):
+        t0 = time.perf_counter()
+        p = export(n, args.dir, force=args.force)
+        print(f"{n:18s} {p}  ({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Forward FLOPs per operator, on full (unsharded) shapes.
+
+Two classes, kept apart because the field reports them apart:
+- *matmul-class* (MatMul, Gemm, Conv, ConvTranspose, Einsum): 2 FLOPs per multiply-add. Their sum is
+  the "model FLOPs" of MFU figures and of Megatron-LM's 72·B·s·L·h²·(1 + s/6h + V/12hL) per step
+  (Korthikanti et al. 2022, appendix A), so `flops_forward` counts only these;
+- *other* (element-wise, normalisations, softmax, reductions): a per-element count, reported
+  separately; on real sizes it is a few percent of the total but it is memory-bound work, priced by
+  bytes in the roofline, not by FLOPs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from planner.graph import OpGraph, OpNode
+
+FlopsFn = Callable[[OpNode, OpGraph], float]
+_MATMUL_CLASS: dict[str, FlopsFn] = {}
+_PER_ELEMENT: dict[str, float] = {}
+
+
+def register_flops(*op_types: str) -> Callable[[FlopsFn], FlopsFn]:
+    def deco(fn: FlopsFn) -> FlopsFn:
+        for op in op_types:
+            _MATMUL_CLASS[op] = fn
+        return fn
+
+    return deco
+
+
+def _shape(graph: OpGraph, name: str) -> tuple[int, ...]:
+    return graph.tensors[name].shape
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+@register_flops("MatMul")
+def _matmul(node: OpNode, graph: OpGraph) -> float:
+    a = _shape(graph, node.inputs[0])
+    k = a[-1] if a else 1
+    return 2.0 * _numel(_shape(graph, node.outputs[0])) * k
+
+
+@register_flops("Gemm")
+def _gemm(node: OpNode, graph: OpGraph) -> float:
+    a = _shape(graph, node.inputs[0])
+    k = a[0] if node.attr("transA", 0) else a[1]
+    return 2.0 * _numel(_shape(graph, node.outputs[0])) * k
+
+
+@register_flops("Conv", "ConvTranspose")
+def _conv(node: OpNode, graph: OpGraph) -> float:
+    # Each output element (Conv) or input element (ConvTranspose) takes Cin/group · prod(kernel) MACs.
+    w = _shape(graph, node.inputs[1])  # Conv: (Cout, Cin/g, k…); ConvTranspose: (Cin, Cout/g, k…)
+    kernel = _numel(w[2:])
+    if node.op_type == "Conv":
+        return 2.0 * _numel(_shape(graph, node.outputs[0])) * w[1] * kernel
+    return 2.0 * _numel(_shape(graph, node.inputs[0])) * w[1] * kernel
+
+
+@register_flops("Einsum")
+def _einsum(node: OpNode, graph: OpGraph) -> float:
+    eq = str(node.attr("equation", "")).replace(" ", "")
+    lhs = eq.split("->")[0].split(",")
+    sizes: dict[str, int] = {}
+    for term, t in zip(lhs, node.inputs, strict=False):
+        for letter, size in zip(term, _shape(graph, t), strict=False):
+            sizes[letter] = size
+    return 2.0 * float(np.prod(list(sizes.values()), dtype=np.float64))
+
+
+# Approximate FLOPs per output element for the memory-bound ops (what a fused kernel computes).
+for _op, _per in {
+    "Add": 1, "Sub": 1, "Mul": 1, "Div": 1, "Pow": 1, "Sqrt": 1, "Reciprocal": 1, "Neg": 1, "Max": 1, "Min": 1,
+    "Relu": 1, "Tanh": 4, "Sigmoid": 4, "Erf": 4, "Gelu": 8, "Exp": 1, "Log": 1, "Where": 1,
+    "Softmax": 5, "LogSoftmax": 5, "LayerNormalization": 8, "BatchNormalization": 4,
+    "SimplifiedLayerNormalization": 6, "ReduceMean": 1, "ReduceSum": 1,
+    "AveragePool": 1, "MaxPool": 1, "GlobalAveragePool": 1,
+}.items():
+    _PER_ELEMENT[_op] = float(_per)
+
+
+@dataclass(frozen=True, slots=True)
+class FlopCount:
+    matmul: float
+    other: float
+
+    @property
+    def total(self) -> float:
+        return self.matmul + self.other
+
+
+def node_flops(node: OpNode, graph: OpGraph) -> FlopCount:
+    fn = _MATMUL_CLASS.get(node.op_type)
+    if fn is not None:
+        return FlopCount(fn(node, graph), 0.0)
+    per = _PER_ELEMENT.get(node.op_type)
+    if per is None or not node.outputs or node.outputs[0] not in graph.tensors:
+        return FlopCount(0.0, 0.0)
+    src = node.inputs[0] if node.op_type.startswith(("Reduce", "Global")) else node.outputs[0]
+    return FlopCount(0.0, per * _numel(_shape(graph, src)))
+
+
+def graph_flops(graph: OpGraph) -> FlopCount:
+    """Forward FLOPs of the whole graph (constant subgraphs excluded)."""
+    mm = other = 0.0
+    for n in graph.compute_nodes:
+        c = node_flops(n, graph)
+        mm += c.matmul
+        other += c.other
+    return FlopCount(mm, other)

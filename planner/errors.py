@@ -1,0 +1,23 @@
+"""One error hierarchy for everything meshplan rejects.
+
+Every error a user can cause derives from `MeshplanError`; `cli.py` prints it as one line and exits 2.
+Messages name the problem and the fix. This module is the root of the flow: every stage may import it.
+"""
+
+from __future__ import annotations
+
+
+class MeshplanError(Exception):
+    """A problem with the user's input (model, profile, mesh, strategy, limits); never a bug."""
+
+
+class ModelError(MeshplanError):
+    """The ONNX file cannot be read or its graph cannot be planned as given."""
+
+
+class DimBindingError(ModelError):
+    """A symbolic dimension is unbound, bound twice, or bound to a name the model does not have."""
+
+
+class ProfileError(MeshplanError):
+    """A hardware profile is unknown, malformed or inconsistent."""

@@ -1,0 +1,482 @@
+"""ONNX → OpGraph: the first stage of the flow.
+
+`load_graph(path, dims)` reads an ONNX file without its weights, binds the symbolic dimensions the
+user gives (`--dim batch=8`), infers every tensor's static shape, classifies tensors (input,
+parameter, constant, activation), marks constant subgraphs (Shape→Gather→Concat→Reshape chains) so
+that later stages skip them, keeps the torch module path of every node, and records repeated layers
+(`layers.0 … layers.31`) for the solver to tie.
+
+Both torch exporters are accepted: the dynamo exporter (module paths in the node metadata
+`pkg.torch.onnx.name_scopes`, parameter kinds in `value_info` metadata) and the legacy TorchScript
+exporter (module paths in `/a/b/c/Op` node names, parameters recognised as float initializers).
+"""
+
+from __future__ import annotations
+
+import ast
+import enum
+import hashlib
+import operator
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import numpy_helper, shape_inference
+
+from planner.errors import DimBindingError, ModelError
+from planner.layers import LayerGroup, find_repeated_layers
+
+# Protobuf refuses messages over 2 GiB; above this a model's shapes are inferred on the file.
+_PROTO_LIMIT_BYTES = 2**31 - 1
+# Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
+_SMALL_TENSOR_ELEMS = 64
+
+# Ops whose output depends only on the *shape* of their inputs, which is static once dims are bound.
+_SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
+# Inputs that contribute only their dtype or shape, never their values (CastLike's target_type).
+_META_ONLY_INPUTS = {"CastLike": (1,)}
+# Input slots that take running statistics, not trainable weights (for exports without parameter kinds).
+_STATISTICS_INPUTS = {"BatchNormalization": (3, 4)}
+_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+
+
+class TensorKind(enum.Enum):
+    INPUT = "input"
+    PARAM = "param"
+    CONSTANT = "constant"
+    ACTIVATION = "activation"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # numpy dtype name: "float32", "bfloat16", "int64", …
+    kind: TensorKind
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def itemsize_bytes(self) -> int:
+        return _ITEMSIZE_BYTES.get(self.dtype, 4)
+
+    @property
+    def size_bytes(self) -> int:
+        return self.numel * self.itemsize_bytes
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype in _FLOAT_DTYPES
+
+
+@dataclass(frozen=True, slots=True)
+class OpNode:
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]  # "" marks an absent optional input, as in ONNX
+    outputs: tuple[str, ...]
+    attrs: tuple[tuple[str, object], ...]
+    domain: str = ""
+    module_path: str = ""  # torch module that emitted the node, e.g. "model.layers.0.mlp.up_proj"
+
+    def attr(self, key: str, default: object = None) -> object:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+
+_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8e4m3fn", "float8e5m2"})
+_ITEMSIZE_BYTES = {
+    "float8e4m3fn": 1, "float8e5m2": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
+    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+}
+
+
+def _dtype_name(elem_type: int) -> str:
+    if elem_type == onnx.TensorProto.BFLOAT16:
+        return "bfloat16"
+    if elem_type == onnx.TensorProto.FLOAT8E4M3FN:
+        return "float8e4m3fn"
+    if elem_type == onnx.TensorProto.FLOAT8E5M2:
+        return "float8e5m2"
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return "undefined"
+    return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
+
+
+class OpGraph:
+    """An ONNX graph with static shapes: nodes in topological order, tensors by name, and structure.
+
+    `graph` is a networkx DiGraph over node names (an edge per producer → consumer, with the tensor
+    names it carries in the `tensors` edge attribute). Constant nodes stay in `nodes` (the executor
+    needs them) but are listed in `constant_nodes`; planning stages iterate `compute_nodes`.
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        nodes: tuple[OpNode, ...],
+        tensors: Mapping[str, TensorInfo],
+        inputs: tuple[str, ...],
+        outputs: tuple[str, ...],
+        constant_nodes: frozenset[str],
+        opset: int,
+        dims: Mapping[str, int],
+    ) -> None:
+        self.name = name
+        self.nodes = nodes
+        self.tensors = dict(tensors)
+        self.inputs = inputs
+        self.outputs = outputs
+        self.constant_nodes = constant_nodes
+        self.opset = opset
+        self.dims = dict(dims)
+        self.node_by_name = {n.name: n for n in nodes}
+        self.producer = {t: n.name for n in nodes for t in n.outputs if t}
+        self.graph = self._build_digraph()
+
+    def _build_digraph(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        g.add_nodes_from(n.name for n in self.nodes)
+        for n in self.nodes:
+            for t in n.inputs:
+                src = self.producer.get(t)
+                if src is None:
+                    continue
+                if g.has_edge(src, n.name):
+                    g.edges[src, n.name]["tensors"] += (t,)
+                else:
+                    g.add_edge(src, n.name, tensors=(t,))
+        return g
+
+    @cached_property
+    def compute_nodes(self) -> tuple[OpNode, ...]:
+        return tuple(n for n in self.nodes if n.name not in self.constant_nodes)
+
+    @cached_property
+    def params(self) -> tuple[TensorInfo, ...]:
+        return tuple(t for t in self.tensors.values() if t.kind is TensorKind.PARAM)
+
+    @cached_property
+    def layers(self) -> tuple[LayerGroup, ...]:
+        return find_repeated_layers(self)
+
+    @property
+    def num_params(self) -> int:
+        return sum(t.numel for t in self.params)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.size_bytes for t in self.params)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Digest of the compute structure and shapes; names of nodes are left out on purpose so
+        that a re-export of the same model with the same shapes keeps its fingerprint."""
+        h = hashlib.sha256()
+        index = {t: i for i, t in enumerate(self.tensors)}
+        for n in self.compute_nodes:
+            h.update(n.op_type.encode())
+            for t in (*n.inputs, *n.outputs):
+                info = self.tensors.get(t)
+                h.update(repr((index.get(t, -1), info.shape if info else None)).encode())
+        return h.hexdigest()[:16]
+
+    def __repr__(self) -> str:
+        return (
+            f"OpGraph({self.name!r}, nodes={len(self.nodes)}, compute={len(self.compute_nodes)}, "
+            f"params={self.num_params})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_model_proto(path: str | Path) -> onnx.ModelProto:
+    """Read an ONNX file's structure, never its external weights. Errors name the file and the fix."""
+    p = Path(path)
+    if not p.exists():
+        raise ModelError(f"{p}: no such file; pass the path of an .onnx file")
+    if p.is_dir():
+        raise ModelError(f"{p}: is a directory; pass the path of an .onnx file")
+    if p.stat().st_size == 0:
+        raise ModelError(f"{p}: the file is empty; re-export the model with torch.onnx.export")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except Exception as e:  # protobuf raises DecodeError, RuntimeWarning-derived or ValueError
+        raise ModelError(
+            f"{p}: not a readable ONNX model ({type(e).__name__}); the file is truncated or not ONNX — "
+            "re-export it with torch.onnx.export"
+        ) from e
+    if not model.graph.node:
+        raise ModelError(f"{p}: the ONNX graph has no nodes; export a model with at least one operator")
+    if not model.opset_import:
+        raise ModelError(f"{p}: the model declares no opset; re-export it with torch.onnx.export")
+    return model
+
+
+def load_graph(path: str | Path, dims: Mapping[str, int] | None = None) -> OpGraph:
+    """Import an ONNX file as an OpGraph with every shape static. `dims` binds symbolic dims."""
+    model = load_model_proto(path)
+    return graph_from_proto(model, dims or {}, name=Path(path).stem)
+
+
+def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: str = "model") -> OpGraph:
+    g = model.graph
+    init_names = {t.name for t in g.initializer}
+    user_inputs = [v for v in g.input if v.name not in init_names]
+    bound = _bind_dims(user_inputs, dims)
+    param_kind = {n: meta.get(_KIND_KEY) for n, meta in _value_metadata(g).items()}
+    model = _with_static_shapes(model, bound)
+    g = model.graph
+
+    infos: dict[str, tuple[tuple[int, ...] | None, str]] = {}
+    sequences: set[str] = set()
+    for v in (*g.input, *g.value_info, *g.output):
+        if v.type.HasField("sequence_type"):
+            sequences.add(v.name)
+        infos[v.name] = (_static_shape(v.type), _dtype_name(v.type.tensor_type.elem_type))
+
+    has_export_kinds = any(k is not None for k in param_kind.values())
+
+    statistics = {
+        n.input[i] for n in g.node for i in _STATISTICS_INPUTS.get(n.op_type, ()) if i < len(n.input)
+    }
+    tensors: dict[str, TensorInfo] = {}
+    for v in user_inputs:
+        shape, dtype = infos[v.name]
+        tensors[v.name] = TensorInfo(v.name, shape or (), dtype, TensorKind.INPUT)
+    for init in g.initializer:
+        dtype = _dtype_name(init.data_type)
+        if has_export_kinds:
+            is_param = param_kind.get(init.name) == "PARAMETER"
+        else:  # legacy exporter: trainable weights are the float initializers with more than one element
+            is_param = dtype in _FLOAT_DTYPES and int(np.prod(init.dims)) > 1 and init.name not in statistics
+        kind = TensorKind.PARAM if is_param else TensorKind.CONSTANT
+        tensors[init.name] = TensorInfo(init.name, tuple(int(d) for d in init.dims), dtype, kind)
+
+    nodes = tuple(_op_node(n, i) for i, n in enumerate(g.node))
+    constant_nodes = _constant_nodes(nodes, tensors)
+    missing: list[str] = []
+    for node in nodes:
+        kind = TensorKind.CONSTANT if node.name in constant_nodes else TensorKind.ACTIVATION
+        for t in node.outputs:
+            if not t or t in tensors:
+                continue
+            shape, dtype = infos.get(t, (None, "undefined"))
+            if t in sequences:  # SplitToSequence → SequenceAt: the elements carry the shapes
+                dtype = "sequence"
+            elif shape is None and kind is TensorKind.ACTIVATION:
+                missing.append(f"{t} ({node.op_type})")
+            tensors[t] = TensorInfo(t, shape or (), dtype, kind)
+    if missing:
+        raise ModelError(
+            f"shape inference left {len(missing)} tensor(s) without a static shape (first: {missing[0]}); "
+            "bind every symbolic dim with --dim NAME=N or export with static shapes"
+        )
+
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    return OpGraph(
+        name=name,
+        nodes=nodes,
+        tensors=tensors,
+        inputs=tuple(v.name for v in user_inputs),
+        outputs=tuple(v.name for v in g.output),
+        constant_nodes=constant_nodes,
+        opset=opset,
+        dims=bound,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Symbolic dims
+
+
+def symbolic_dims(model: onnx.ModelProto) -> list[str]:
+    """The dim_param names used by the model's (non-initializer) inputs, in order of appearance."""
+    init_names = {t.name for t in model.graph.initializer}
+    names: list[str] = []
+    for v in model.graph.input:
+        if v.name in init_names:
+            continue
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param and d.dim_param not in names:
+                names.append(d.dim_param)
+    return names
+
+
+def _bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -> dict[str, int]:
+    needed: list[str] = []
+    for v in user_inputs:
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param and d.dim_param not in needed:
+                needed.append(d.dim_param)
+            elif not d.dim_param and not d.HasField("dim_value"):
+                raise DimBindingError(
+                    f"input {v.name!r} has an unnamed dynamic dim; re-export with named dynamic dims "
+                    "(torch.export.Dim) or static shapes"
+                )
+    unknown = sorted(set(dims) - set(needed))
+    if unknown:
+        hint = ", ".join(needed) if needed else "none: every input shape is static"
+        raise DimBindingError(f"--dim names {', '.join(unknown)} not in the model; its symbolic dims: {hint}")
+    unbound = [d for d in needed if d not in dims]
+    if unbound:
+        flags = " ".join(f"--dim {d}=N" for d in unbound)
+        raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}")
+    for k, v in dims.items():
+        if v <= 0:
+            raise DimBindingError(f"--dim {k}={v}: a dimension must be a positive integer")
+    return {d: int(dims[d]) for d in needed}
+
+
+def _value_metadata(g: onnx.GraphProto) -> dict[str, dict[str, str]]:
+    return {
+        v.name: {p.key: p.value for p in v.metadata_props}
+        for v in (*g.input, *g.value_info)
+        if len(v.metadata_props)
+    }
+
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+
+
+def _eval_dim(expr: str, bound: Mapping[str, int]) -> int | None:
+    """Evaluate an exporter's dim expression such as "2*seq" or "s0 + 1" with the bound dims."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.Name) and node.id in bound:
+            return bound[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        raise ValueError(expr)
+
+    try:
+        return ev(ast.parse(expr, mode="eval").body)
+    except (ValueError, SyntaxError, ZeroDivisionError):
+        return None
+
+
+def _with_static_shapes(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto:
+    """Copy the model with bound dims substituted everywhere and the remaining shapes inferred."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    for v in m.graph.input:
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param in bound:
+                d.dim_value = bound[d.dim_param]
+    # The dynamo exporter declares every intermediate shape with expressions ("batch*seq"): make them
+    # static too, so that inference need not rediscover what the exporter knew.
+    for v in (*m.graph.value_info, *m.graph.output):
+        for d in v.type.tensor_type.shape.dim:
+            if d.dim_param:
+                val = _eval_dim(d.dim_param, bound)
+                d.Clear()
+                if val is not None:
+                    d.dim_value = val
+    try:
+        if m.ByteSize() < _PROTO_LIMIT_BYTES:
+            return shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            src, dst = f"{tmp}/in.onnx", f"{tmp}/out.onnx"
+            onnx.save(m, src, save_as_external_data=True)
+            shape_inference.infer_shapes_path(src, dst, strict_mode=False, data_prop=True)
+            return onnx.load(dst, load_external_data=False)
+    except (onnx.shape_inference.InferenceError, ValueError) as e:
+        raise ModelError(
+            f"ONNX shape inference failed: {str(e).splitlines()[0]}; check the --dim values"
+        ) from e
+
+
+def _static_shape(tp: onnx.TypeProto) -> tuple[int, ...] | None:
+    tt = tp.tensor_type
+    if not tp.HasField("tensor_type") or not tt.HasField("shape"):
+        return None
+    out: list[int] = []
+    for d in tt.shape.dim:
+        if not d.HasField("dim_value"):
+            return None
+        out.append(int(d.dim_value))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Nodes
+
+
+def _attr_value(a: onnx.AttributeProto) -> object:
+    v = onnx.helper.get_attribute_value(a)
+    if isinstance(v, bytes):
+        return v.decode(errors="replace")
+    if isinstance(v, onnx.TensorProto):
+        if int(np.prod(v.dims)) <= _SMALL_TENSOR_ELEMS and not v.HasField("data_location"):
+            arr = numpy_helper.to_array(v)
+            return ("tensor", str(arr.dtype), tuple(arr.shape), tuple(arr.reshape(-1).tolist()))
+        return ("tensor", _dtype_name(v.data_type), tuple(v.dims), None)
+    if isinstance(v, list):
+        return tuple(x.decode(errors="replace") if isinstance(x, bytes) else x for x in v
+                     if not isinstance(x, onnx.TensorProto | onnx.GraphProto))
+    if isinstance(v, onnx.GraphProto):
+        return ("graph", v.name)
+    return v
+
+
+def _module_path(n: onnx.NodeProto) -> str:
+    for p in n.metadata_props:
+        if p.key == _SCOPES_KEY:
+            try:
+                scopes = ast.literal_eval(p.value)
+            except (ValueError, SyntaxError):
+                return ""
+            # The last entry names the op itself ("addmm_3"); the one before is its module.
+            return str(scopes[-2]) if len(scopes) >= 2 else ""
+    if n.name.startswith("/"):  # legacy exporter: "/stages/stages.0/stages.0.1/conv1/Conv"
+        path = ""
+        for part in n.name.split("/")[1:-1]:
+            # A container's children are named by their qualified name ("stages.0" under "stages").
+            path = part if not path or part.startswith(path + ".") else f"{path}.{part}"
+        return path
+    return ""
+
+
+def _op_node(n: onnx.NodeProto, index: int) -> OpNode:
+    return OpNode(
+        name=n.name or f"{n.op_type}_{index}",
+        op_type=n.op_type,
+        inputs=tuple(n.input),
+        outputs=tuple(n.output),
+        attrs=tuple((a.name, _attr_value(a)) for a in n.attribute),
+        domain=n.domain,
+        module_path=_module_path(n),
+    )
+
+
+def _constant_nodes(nodes: tuple[OpNode, ...], tensors: Mapping[str, TensorInfo]) -> frozenset[str]:
+    """Nodes whose outputs are known before any data arrives: constants, shape queries, and
+    everything computed only from those (the exporters' Shape→Gather→Concat→Reshape chains)."""
+    const_tensors = {t.name for t in tensors.values() if t.kind is TensorKind.CONSTANT}
+    out: set[str] = set()
+    for n in nodes:  # ONNX requires topological order
+        skip = _META_ONLY_INPUTS.get(n.op_type, ())
+        ins = [t for i, t in enumerate(n.inputs) if t and i not in skip]
+        if n.op_type in _SHAPE_ONLY_OPS or all(t in const_tensors for t in ins):
+            out.add(n.name)
+            const_tensors.update(t for t in n.outputs if t)
+    return frozenset(out)
