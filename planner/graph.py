@@ -334,9 +334,9 @@ def _bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) 
     if unbound:
         flags = " ".join(f"--dim {d}=N" for d in unbound)
         raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}")
-    for k, v in dims.items():
-        if v <= 0:
-            raise DimBindingError(f"--dim {k}={v}: a dimension must be a positive integer")
+    for k, size in dims.items():
+        if size <= 0:
+            raise DimBindingError(f"--dim {k}={size}: a dimension must be a positive integer")
     return {d: int(dims[d]) for d in needed}
 
 
