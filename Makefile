@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-ZOO_DIR ?= $(HOME)/.cache/meshplan/zoo
+ZOO_DIR ?= $(or $(MESHPLAN_ZOO_DIR),$(HOME)/.cache/meshplan/zoo)
 export MESHPLAN_ZOO_DIR := $(ZOO_DIR)
 # One thread per process: 2 cores here, and multi-process tests share them.
 export OMP_NUM_THREADS ?= 1
