@@ -128,5 +128,108 @@ def _render_summary(s: dict[str, Any]) -> None:
     console.print(layers)
 
 
+@main.group()
+def profile() -> None:
+    """Hardware profiles: datasheet presets, and calibration by microbenchmarks."""
+
+
+@profile.command("list")
+@_one_line_errors
+def profile_list() -> None:
+    """List the preset profiles shipped with meshplan."""
+    from hwprofiles.profile import list_presets, load_profile
+
+    table = Table(title="hardware profile presets")
+    for col in ("name", "origin", "description"):
+        table.add_column(col)
+    for name in list_presets():
+        p = load_profile(name)
+        table.add_row(name, p.origin.get("kind", ""), p.description)
+    console.print(table)
+
+
+@profile.command("show")
+@click.argument("name_or_path")
+@click.option("--json", "as_json", is_flag=True, help="Print the profile JSON.")
+@_one_line_errors
+def profile_show(name_or_path: str, as_json: bool) -> None:
+    """Show a profile (a preset name or a JSON path): every value with its unit and source."""
+    from hwprofiles.profile import load_profile, profile_to_json
+
+    p = load_profile(name_or_path)
+    data = profile_to_json(p)
+    if as_json:
+        click.echo(json.dumps(data, indent=1, ensure_ascii=False))
+        return
+    table = Table(title=f"{p.name} — {p.description}  (digest {p.digest})")
+    for col in ("field", "value", "unit", "source"):
+        table.add_column(col, overflow="fold", no_wrap=col == "field")
+    for path, q in _quantities(data):
+        table.add_row(path, f"{q['value']:.4g}", q["unit"], q["source"])
+    console.print(table)
+
+
+def _quantities(obj: Any, prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    if isinstance(obj, dict) and {"value", "unit", "source"} <= obj.keys():
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() if k != "table" for x in _quantities(v, f"{prefix}.{k}" if prefix else k)]
+    return []
+
+
+@profile.command("calibrate")
+@click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to spawn for the collectives.")
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
+@click.option("--quick", is_flag=True, help="Fewer sizes and repetitions (under 2 minutes at --nproc 2 on a CPU).")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default="calibrated.json", show_default=True,
+              help="Profile JSON to write; a PNG plot and a report JSON are written next to it.")
+@click.option("--base", default=None, help="Start from this preset and keep what is not measured.")
+@click.option("--name", default=None, help="Name of the new profile.")
+@_one_line_errors
+def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base: str | None,
+                      name: str | None) -> None:
+    """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON."""
+    from pathlib import Path
+
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from hwprofiles.calibrate import CalibrationConfig, calibrate, dump_report, plot_report
+    from hwprofiles.profile import load_profile, save_profile
+
+    cfg = CalibrationConfig(nproc=nproc, backend=backend, quick=quick, base=base, name=name)
+    if base:
+        load_profile(base)  # fail before measuring
+    out = Path(out_path)
+    with Progress(TextColumn("{task.description:<16}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=err_console) as bar:
+        tasks: dict[str, Any] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            key = "collectives" if label not in ("matmul", "memory") else label
+            if key not in tasks:
+                tasks[key] = bar.add_task(key, total=total)
+            bar.update(tasks[key], completed=done, description=f"{key} {label if key == 'collectives' else ''}")
+
+        prof, report = calibrate(cfg, progress)
+    save_profile(prof, out)
+    plot_report(report, prof, out.with_suffix(".png")) if report.collectives else None
+    dump_report(report, out.with_suffix(".report.json"))
+
+    table = Table(title=f"calibration ({report.elapsed_s:.0f} s, {nproc} ranks, {backend})")
+    for col in ("measured", "fit", "median |fit − measured| / measured"):
+        table.add_column(col)
+    assert report.efficiency is not None
+    e = report.efficiency
+    table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
+                  f"{e.median_rel_error:.1%}")
+    table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
+    table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs", "")
+    for k, fit in report.fits.items():
+        table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
+                      f"{fit.median_rel_error:.1%}")
+    console.print(table)
+    console.print(f"wrote {out}, {out.with_suffix('.png')}, {out.with_suffix('.report.json')}")
+
+
 if __name__ == "__main__":
     main()

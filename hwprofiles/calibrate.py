@@ -1,0 +1,492 @@
+"""`meshplan profile calibrate`: microbenchmarks on this machine, fitted into a profile JSON.
+
+What is measured (warm-up first, then repetitions; the median is kept, the spread reported):
+- matmul sweep (one rank = one process with one thread on CPU, one GPU with nccl): n×n×n for a range
+  of n → achieved FLOP/s per size → the efficiency curve P·F/(F + F½);
+- memory copy of a large buffer → bandwidth (read + write bytes over time);
+- a one-element op → per-op overhead (the CPU's "kernel launch");
+- each collective over message sizes at the requested world size, ranks spawned here on 127.0.0.1
+  with a free port; a repetition's time is the slowest rank's → α and β per collective (`fit.py`),
+  and the raw table, which the cost model prefers inside its range.
+
+Only this module (and the executor) imports torch, and only inside functions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_alpha_beta, fit_efficiency
+from hwprofiles.profile import (
+    Collective,
+    HardwareProfile,
+    LinkLevel,
+    load_profile,
+    profile_from_json,
+    profile_to_json,
+)
+from planner.errors import MeshplanError
+
+
+class CalibrationError(MeshplanError):
+    """The microbenchmarks could not run (bad options, a rank that failed or hung)."""
+
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CalibrationConfig:
+    nproc: int = 2
+    backend: str = "gloo"
+    quick: bool = False
+    base: str | None = None
+    name: str | None = None
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.nproc < 1:
+            raise CalibrationError(f"--nproc {self.nproc}: needs at least 1 rank (2 or more to measure collectives)")
+        if self.backend not in ("gloo", "nccl"):
+            raise CalibrationError(f"--backend {self.backend}: use gloo (CPU) or nccl (GPUs)")
+
+    @property
+    def message_sizes(self) -> list[int]:
+        top = 16 * MiB if self.quick else 256 * MiB
+        sizes, s = [], 4 * KiB
+        while s <= top:
+            sizes.append(s)
+            s *= 4
+        return sizes
+
+    @property
+    def matmul_sizes(self) -> list[int]:
+        return [32, 64, 128, 256, 384, 512, 768] if self.quick else [32, 64, 128, 256, 384, 512, 768, 1024, 1536]
+
+    @property
+    def repeats(self) -> int:
+        """Fewest timed repetitions per size (more are taken while `budget_s` allows)."""
+        return 15 if self.quick else 25
+
+    @property
+    def max_repeats(self) -> int:
+        return 300 if self.quick else 1000
+
+    @property
+    def budget_s(self) -> float:
+        """Time spent timing one collective at one size."""
+        return 0.2 if self.quick else 0.6
+
+
+@dataclass(kw_only=True, slots=True)
+class Measurement:
+    kind: str
+    size: float  # bytes for collectives, FLOPs for matmuls
+    times_s: list[float]
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range over the median."""
+        if len(self.times_s) < 4:
+            return (max(self.times_s) - min(self.times_s)) / self.median_s
+        q = statistics.quantiles(self.times_s, n=4)
+        return (q[2] - q[0]) / self.median_s
+
+    @property
+    def mean_s(self) -> float:
+        return statistics.fmean(self.times_s)
+
+
+@dataclass(kw_only=True, slots=True)
+class CalibrationReport:
+    matmul: list[Measurement] = field(default_factory=list)
+    efficiency: EfficiencyFit | None = None
+    copy_bandwidth_bytes_per_s: float = 0.0
+    op_overhead_s: float = 0.0
+    collectives: dict[str, list[Measurement]] = field(default_factory=dict)
+    fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
+    elapsed_s: float = 0.0
+
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Single-process benchmarks
+
+
+def _device(backend: str, rank: int) -> Any:
+    import torch
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int, min_time_s: float = 0.0) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - start < min_time_s and len(times) < 50):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # one rank = one process on one core
+    device = _device(cfg.backend, 0)
+    dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
+    for i, n in enumerate(cfg.matmul_sizes):
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        times = _time_op(functools.partial(torch.matmul, a, b), device, warmup=2, repeats=cfg.repeats,
+                         min_time_s=0.2)
+        report.matmul.append(Measurement(kind="matmul", size=2.0 * n**3, times_s=times))
+        progress("matmul", i + 1, len(cfg.matmul_sizes))
+    report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
+
+    nbytes = (32 if cfg.quick else 128) * MiB
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    copy_times = _time_op(lambda: dst.copy_(src), device, warmup=2, repeats=cfg.repeats)
+    report.copy_bandwidth_bytes_per_s = 2 * nbytes / statistics.median(copy_times)
+    one = torch.ones(1, device=device)
+    report.op_overhead_s = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    progress("memory", 1, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives over spawned ranks
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _collective_fn(kind: Collective, size_bytes: int, rank: int, n: int, device: Any) -> Callable[[], object]:
+    import torch
+    import torch.distributed as dist
+
+    elems = max(size_bytes // 4, n)
+    elems -= elems % n  # divisible by n so that shards are equal
+    if kind is Collective.ALL_REDUCE:
+        t = torch.ones(elems, device=device)
+        return lambda: dist.all_reduce(t)
+    if kind is Collective.ALL_GATHER:  # S = the gathered output
+        out, inp = torch.empty(elems, device=device), torch.ones(elems // n, device=device)
+        return lambda: dist.all_gather_into_tensor(out, inp)
+    if kind is Collective.REDUCE_SCATTER:  # S = the input
+        out, inp = torch.empty(elems // n, device=device), torch.ones(elems, device=device)
+        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: rs(out, inp)
+    if kind is Collective.ALL_TO_ALL:
+        out, inp = torch.empty(elems, device=device), torch.ones(elems, device=device)
+        return lambda: dist.all_to_all_single(out, inp)
+    if kind is Collective.BROADCAST:
+        t = torch.ones(elems, device=device)
+        return lambda: dist.broadcast(t, 0)
+    # send_recv: ranks pair up (0↔1, 2↔3, …); an odd last rank idles.
+    t = torch.ones(elems, device=device)
+    peer = rank ^ 1
+    if peer >= n:
+        return lambda: None
+    if rank % 2 == 0:
+        return lambda: (dist.send(t, peer), dist.recv(t, peer))
+    return lambda: (dist.recv(t, peer), dist.send(t, peer))
+
+
+def _collective_worker(rank: int, n: int, port: int, backend: str, sizes: list[int], repeats: int,
+                       max_repeats: int, budget_s: float, out: Any) -> None:
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
+                                timeout=dt.timedelta(seconds=120))
+        device = _device(backend, rank)
+        results: dict[str, list[tuple[int, list[float]]]] = {}
+        total, done = len(Collective) * len(sizes), 0
+        for kind in Collective:
+            for size in sizes:
+                fn = _collective_fn(kind, size, rank, n, device)
+                for _ in range(2):
+                    fn()
+                _sync(device)
+                # Every op is timed on its own: gloo's latency has a heavy tail (p90 up to 5× p50 here),
+                # so a batch mean is unstable while the per-op median is not. The count comes from a
+                # MAX-reduced probe, hence is the same on every rank.
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                probe = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(probe, op=dist.ReduceOp.MAX)
+                count = int(min(max_repeats, max(repeats, budget_s // max(probe.item(), 1e-6))))
+                mine = []
+                dist.barrier()
+                for _ in range(count):
+                    t0 = time.perf_counter()
+                    fn()
+                    _sync(device)
+                    mine.append(time.perf_counter() - t0)
+                slowest = torch.tensor(mine, dtype=torch.float64)
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                results.setdefault(kind.value, []).append((size, slowest.tolist()))
+                done += 1
+                if rank == 0:
+                    out.put(("progress", kind.value, done, total))
+        if rank == 0:
+            out.put(("result", results))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:  # reported to the parent, which stops every rank
+        out.put(("error", rank, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from e
+
+
+def measure_collectives(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    env_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    procs = [ctx.Process(target=_collective_worker, daemon=True,
+                         args=(r, cfg.nproc, port, cfg.backend, cfg.message_sizes, cfg.repeats,
+                               cfg.max_repeats, cfg.budget_s, out))
+             for r in range(cfg.nproc)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + cfg.timeout_s
+        result = None
+        while result is None:
+            if time.monotonic() > deadline:
+                raise CalibrationError(f"collective benchmarks did not finish in {cfg.timeout_s:.0f} s; try --quick")
+            try:
+                msg = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise CalibrationError(f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode}") from None
+                continue
+            if msg[0] == "progress":
+                progress(msg[1], msg[2], msg[3])
+            elif msg[0] == "error":
+                raise CalibrationError(f"rank {msg[1]} failed: {msg[2]}")
+            else:
+                result = msg[1]
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        if env_threads is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = env_threads
+    for kind_name, rows in result.items():
+        kind = Collective(kind_name)
+        ms = [Measurement(kind=kind_name, size=float(s), times_s=t) for s, t in rows]
+        report.collectives[kind_name] = ms
+        report.fits[kind_name] = fit_alpha_beta(kind, cfg.nproc, [m.size for m in ms], [m.median_s for m in ms])
+
+
+# ---------------------------------------------------------------------------------------------
+# The profile
+
+
+def _host() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{platform.node()} ({cpu}, {os.cpu_count()} cores)"
+
+
+def _memory_bytes() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 8.0 * (1 << 30)
+
+
+def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> HardwareProfile:
+    """A profile from the measurements. With `base`, the base's datasheet values stay where nothing
+    was measured (peak FLOP/s, capacity, the network between nodes); without, this machine is the
+    node and its loopback the only link."""
+    import torch
+
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    host = _host()
+    tag = f"calibrated {now} on {host}, torch {torch.__version__}, {cfg.backend}, {cfg.nproc} ranks"
+    assert report.efficiency is not None
+    eff = report.efficiency
+
+    def q(value: float, unit: str, what: str) -> dict[str, Any]:
+        return {"value": value, "unit": unit, "source": f"{tag}: {what}"}
+
+    link: dict[str, Any] | None = None
+    if report.fits:
+        p2p = report.fits[Collective.SEND_RECV.value]
+        link = {"name": f"{cfg.backend} over loopback" if cfg.backend == "gloo" else "intra-node, measured",
+                "bandwidth_bytes_per_s": q(p2p.bus_bandwidth_bytes_per_s, "B/s", "send/recv α-β fit"),
+                "latency_s": q(p2p.alpha_s, "s", "send/recv α-β fit")}
+
+    if cfg.base:
+        data = profile_to_json(load_profile(cfg.base))
+        data["name"] = cfg.name or f"{cfg.base}-calibrated"
+        data["origin"] = {"kind": "calibrated", "date": now, "host": host, "base": cfg.base}
+        peak = data["device"]["peak_flops_per_s"]["fp32" if cfg.backend == "gloo" else "bf16"]["value"]
+        if link is not None:
+            data["node"]["link"] = link
+    else:
+        if link is None:
+            raise CalibrationError("--nproc 1 measures no link; calibrate with --nproc 2 or more, or pass --base")
+        peak = eff.peak_achieved_flops_per_s
+        assumed = "assumed: one machine, no inter-node link measured; equal to the loopback link"
+        data = {
+            "schema_version": 1,
+            "name": cfg.name or "calibrated",
+            "description": f"{host}: one rank = one process on one core, links = {cfg.backend} over loopback",
+            "origin": {"kind": "calibrated", "date": now, "host": host},
+            "device": {
+                "name": f"CPU core ({host})",
+                "peak_flops_per_s": {"fp32": q(peak, "FLOP/s", "asymptote of the fitted matmul curve")},
+                "mem_capacity_bytes": q(_memory_bytes() / cfg.nproc, "B", "physical memory / ranks"),
+            },
+            "node": {"devices_per_node": q(os.cpu_count() or 1, "1", "cores on this machine"), "link": link},
+            "network": {"name": "none (single machine)",
+                        "bandwidth_bytes_per_s": {**link["bandwidth_bytes_per_s"], "source": assumed},
+                        "latency_s": {**link["latency_s"], "source": assumed}},
+        }
+    dev = data["device"]
+    dev["mem_bandwidth_bytes_per_s"] = q(report.copy_bandwidth_bytes_per_s, "B/s", "buffer copy, read + write")
+    dev["kernel_launch_s"] = q(report.op_overhead_s, "s", "median time of a one-element op")
+    dev["matmul_efficiency"] = {
+        "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
+        "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),
+    }
+    colls = data.setdefault("collectives", {}).setdefault(LinkLevel.INTRA_NODE.value, {})
+    for kind_name, fit in report.fits.items():
+        colls[kind_name] = {
+            "alpha_s": q(fit.alpha_s, "s", "α-β fit"),
+            "bus_bandwidth_bytes_per_s": q(fit.bus_bandwidth_bytes_per_s, "B/s", "α-β fit"),
+            "table": [{"ranks": cfg.nproc, "bytes": m.size, "seconds": m.median_s} for m in report.collectives[kind_name]],
+        }
+    return profile_from_json(data, origin_hint="calibrated profile")
+
+
+def calibrate(cfg: CalibrationConfig, progress: ProgressFn | None = None) -> tuple[HardwareProfile, CalibrationReport]:
+    progress = progress or (lambda _label, _done, _total: None)
+    t0 = time.perf_counter()
+    report = CalibrationReport()
+    measure_compute(cfg, report, progress)
+    if cfg.nproc >= 2:
+        measure_collectives(cfg, report, progress)
+    report.elapsed_s = time.perf_counter() - t0
+    return build_profile(cfg, report), report
+
+
+def plot_report(report: CalibrationReport, profile: HardwareProfile, path: Path) -> None:
+    """Measurements (points, with the spread as error bars) against the fitted models (lines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    kinds = list(report.collectives)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7.5))
+    flat = axes.ravel()
+    for ax, kind_name in zip(flat, kinds, strict=False):
+        ms = report.collectives[kind_name]
+        sizes = np.array([m.size for m in ms])
+        med = np.array([m.median_s for m in ms])
+        err = np.array([m.spread * m.median_s / 2 for m in ms])
+        model = profile.collectives[(LinkLevel.INTRA_NODE, Collective(kind_name))]
+        xs = np.geomspace(sizes.min(), sizes.max(), 100)
+        n = next(iter(p.ranks for p in model.table), 2)
+        fit = [model.alpha_beta_time_s(Collective(kind_name), x, n) for x in xs]
+        ax.errorbar(sizes, med, yerr=err, fmt="o", label="measured (median, IQR)")
+        ax.plot(xs, fit, "-", label=f"α-β fit ({report.fits[kind_name].median_rel_error:.0%} median error)")
+        ax.set(xscale="log", yscale="log", title=f"{kind_name}, {n} ranks", xlabel="message bytes", ylabel="seconds")
+        ax.legend(fontsize=7)
+    ax = flat[len(kinds)]
+    f = np.array([m.size for m in report.matmul])
+    ach = np.array([m.size / m.median_s for m in report.matmul])
+    assert report.efficiency is not None
+    fs = np.geomspace(f.min(), f.max(), 100)
+    e = report.efficiency
+    ax.plot(f, ach / 1e9, "o", label="measured")
+    ax.plot(fs, e.peak_achieved_flops_per_s * fs / (fs + e.half_flops) / 1e9, "-",
+            label=f"P·F/(F+F½) ({e.median_rel_error:.0%} median error)")
+    ax.set(xscale="log", title="matmul", xlabel="FLOPs per matmul", ylabel="achieved GFLOP/s")
+    ax.legend(fontsize=7)
+    for extra in flat[len(kinds) + 1:]:
+        extra.axis("off")
+    fig.suptitle(f"meshplan calibration — {profile.name}: {profile.origin.get('host', '')}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def report_json(report: CalibrationReport) -> dict[str, Any]:
+    return {
+        "elapsed_s": report.elapsed_s,
+        "matmul": [{"flops": m.size, "median_s": m.median_s, "spread": m.spread} for m in report.matmul],
+        "efficiency_fit_median_rel_error": report.efficiency.median_rel_error if report.efficiency else None,
+        "copy_bandwidth_bytes_per_s": report.copy_bandwidth_bytes_per_s,
+        "op_overhead_s": report.op_overhead_s,
+        "collectives": {
+            k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
+                "median_rel_error": report.fits[k].median_rel_error,
+                "points": [{"bytes": m.size, "median_s": m.median_s, "spread": m.spread} for m in ms]}
+            for k, ms in report.collectives.items()
+        },
+    }
+
+
+def dump_report(report: CalibrationReport, path: Path) -> None:
+    path.write_text(json.dumps(report_json(report), indent=1) + "\n")

@@ -1,0 +1,100 @@
+"""Fits of measurements to the profile's models (numpy only, so they are tested without torch).
+
+Both fits weigh *relative* error, since a profile is judged by how well it predicts a time as a
+fraction of itself, at 4 KiB as much as at 256 MiB.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hwprofiles.profile import Collective
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBetaFit:
+    alpha_s: float
+    bus_bandwidth_bytes_per_s: float
+    median_rel_error: float  # |model − measured| / measured, median over the sizes
+
+
+def fit_alpha_beta(kind: Collective, num_ranks: int, sizes_bytes: Sequence[float],
+                   times_s: Sequence[float]) -> AlphaBetaFit:
+    """Fit t = steps(n)·α + factor(n)·S/β minimising Σ|model − t|/t (L1 on relative residuals),
+    α ≥ 0, β > 0.
+
+    L1, not least squares, because measured collective times carry outliers (a slow scheduler
+    quantum on a shared core) that squares would chase. An L1 optimum of a two-parameter linear
+    model passes through two of the points (or lies on a bound), so enumerating those candidates
+    finds it exactly.
+    """
+    s = np.asarray(sizes_bytes, dtype=np.float64)
+    t = np.asarray(times_s, dtype=np.float64)
+    if len(s) < 2 or np.any(t <= 0) or np.any(s <= 0):
+        raise ValueError("need at least two sizes with positive times to fit α and β")
+    steps, factor = kind.steps(num_ranks), kind.bus_factor(num_ranks)
+    # Unknowns a = α and b = 1/β: model = steps·a + factor·S·b.
+    candidates: list[tuple[float, float]] = []
+    for i, j in itertools.combinations(range(len(s)), 2):
+        if s[i] != s[j]:
+            b = (t[j] - t[i]) / (factor * (s[j] - s[i]))
+            candidates.append(((t[i] - factor * s[i] * b) / steps, b))
+    candidates += [(0.0, ti / (factor * si)) for si, ti in zip(s, t, strict=True)]  # bound α = 0
+    best: tuple[float, float, float] | None = None
+    for a, b in candidates:
+        if a < 0 or b <= 0:
+            continue
+        cost = float(np.sum(np.abs(steps * a + factor * s * b - t) / t))
+        if best is None or cost < best[0]:
+            best = (cost, a, b)
+    assert best is not None  # the α = 0 candidates are always admissible
+    _, alpha, inv_beta = best
+    rel = np.abs(steps * alpha + factor * s * inv_beta - t) / t
+    return AlphaBetaFit(alpha_s=alpha, bus_bandwidth_bytes_per_s=1.0 / inv_beta, median_rel_error=float(np.median(rel)))
+
+
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with both coefficients ≥ 0 (two unknowns: try the free fit, then each face)."""
+    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
+    if np.all(coef >= 0):
+        return coef
+    best, best_err = np.zeros(2), float(np.sum(b**2))
+    for j in range(2):
+        col = a[:, j]
+        c = float(col @ b / (col @ col)) if col @ col > 0 else 0.0
+        if c < 0:
+            continue
+        cand = np.zeros(2)
+        cand[j] = c
+        err = float(np.sum((a @ cand - b) ** 2))
+        if err < best_err:
+            best, best_err = cand, err
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class EfficiencyFit:
+    peak_achieved_flops_per_s: float  # P: the asymptote of achieved FLOP/s
+    half_flops: float  # F½: the matmul size reaching P/2
+    median_rel_error: float
+
+
+def fit_efficiency(flops: Sequence[float], achieved_flops_per_s: Sequence[float]) -> EfficiencyFit:
+    """Fit achieved(F) = P·F/(F + F½): linear in 1/F as 1/achieved = 1/P + (F½/P)·(1/F)."""
+    f = np.asarray(flops, dtype=np.float64)
+    a = np.asarray(achieved_flops_per_s, dtype=np.float64)
+    # Relative residuals again: weight each row by the achieved rate.
+    design = np.stack([np.ones_like(f), 1.0 / f], axis=1) * a[:, None]
+    coef = _nonnegative_lstsq(design, np.ones_like(a))
+    inv_p, half_over_p = float(coef[0]), float(coef[1])
+    if inv_p <= 0:
+        inv_p = 1.0 / float(np.max(a))
+    peak = 1.0 / inv_p
+    half = half_over_p * peak
+    model = peak * f / (f + half)
+    return EfficiencyFit(peak_achieved_flops_per_s=peak, half_flops=half,
+                         median_rel_error=float(np.median(np.abs(model - a) / a)))

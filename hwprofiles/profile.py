@@ -1,0 +1,415 @@
+"""HardwareProfile: what one kind of node can do — devices, links, and collectives per link level.
+
+A profile is a JSON file (schema `profile.schema.json`, version 1) in which every number is a
+quantity `{"value": …, "unit": …, "source": …}`: datasheet values name their datasheet, fitted values
+say "calibrated …" with the date and the machine. The loader is strict: structure is checked with the
+JSON Schema, then every dataclass validates its own fields in `__post_init__`; the first problem is
+raised as one `ProfileError` naming the field.
+
+Collective times follow the nccl-tests conventions (doc/PERFORMANCE.md): for a message of S bytes on
+n ranks, time = steps(n)·α + factor(n)·S/β_bus, with the ring algorithm's
+  all_reduce      steps 2(n−1), factor 2(n−1)/n     (S = the buffer)
+  all_gather      steps  n−1,   factor  (n−1)/n     (S = the gathered output)
+  reduce_scatter  steps  n−1,   factor  (n−1)/n     (S = the input)
+  all_to_all      steps  n−1,   factor  (n−1)/n     (S = the buffer each rank holds)
+  broadcast       steps  n−1,   factor  1
+  send_recv       steps  1,     factor  1
+A measured table (message size → time at a given n) takes precedence inside its range, interpolated
+log-log and made monotonic.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cache
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import jsonschema
+import numpy as np
+
+from planner.errors import ProfileError
+
+SCHEMA_VERSION = 1
+PRESETS_PACKAGE = "hwprofiles.presets"
+
+
+class LinkLevel(enum.Enum):
+    INTRA_NODE = "intra_node"
+    INTER_NODE = "inter_node"
+
+
+class Collective(enum.Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    BROADCAST = "broadcast"
+    SEND_RECV = "send_recv"
+
+    def steps(self, n: int) -> int:
+        """Latency terms of the ring algorithm on n ranks."""
+        if n <= 1:
+            return 0
+        if self is Collective.ALL_REDUCE:
+            return 2 * (n - 1)
+        if self is Collective.SEND_RECV:
+            return 1
+        return n - 1
+
+    def bus_factor(self, n: int) -> float:
+        """Bytes each rank moves over its link per byte of message (nccl-tests' bus-bandwidth factor)."""
+        if n <= 1:
+            return 0.0
+        if self is Collective.ALL_REDUCE:
+            return 2 * (n - 1) / n
+        if self in (Collective.BROADCAST, Collective.SEND_RECV):
+            return 1.0
+        return (n - 1) / n
+
+
+def _positive(obj: object, field_name: str, *, allow_zero: bool = False) -> None:
+    v = getattr(obj, field_name)
+    if not isinstance(v, int | float) or isinstance(v, bool) or not np.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
+        raise ValueError(f"{field_name}: must be a {'non-negative' if allow_zero else 'positive'} number, got {v!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TablePoint:
+    ranks: int
+    size_bytes: float
+    time_s: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CollectiveModel:
+    """α-β model of one collective on one link level, with an optional measured table."""
+
+    alpha_s: float
+    bus_bandwidth_bytes_per_s: float
+    table: tuple[TablePoint, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive(self, "alpha_s", allow_zero=True)
+        _positive(self, "bus_bandwidth_bytes_per_s")
+
+    def alpha_beta_time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
+        return kind.steps(num_ranks) * self.alpha_s + kind.bus_factor(num_ranks) * size_bytes / self.bus_bandwidth_bytes_per_s
+
+    def time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
+        if num_ranks <= 1 or size_bytes <= 0:
+            return 0.0
+        measured = _interpolate(self.table, num_ranks, size_bytes)
+        return measured if measured is not None else self.alpha_beta_time_s(kind, size_bytes, num_ranks)
+
+
+@cache
+def _table_arrays(table: tuple[TablePoint, ...], num_ranks: int) -> tuple[np.ndarray, np.ndarray] | None:
+    pts = sorted((p.size_bytes, p.time_s) for p in table if p.ranks == num_ranks)
+    if len(pts) < 2:
+        return None
+    sizes = np.log(np.array([s for s, _ in pts]))
+    times = np.maximum.accumulate(np.array([t for _, t in pts]))  # a bigger message never takes less time
+    return sizes, np.log(times)
+
+
+def _interpolate(table: tuple[TablePoint, ...], num_ranks: int, size_bytes: float) -> float | None:
+    arrays = _table_arrays(table, num_ranks) if table else None
+    if arrays is None:
+        return None
+    log_sizes, log_times = arrays
+    x = np.log(size_bytes)
+    if x < log_sizes[0] or x > log_sizes[-1]:
+        return None
+    return float(np.exp(np.interp(x, log_sizes, log_times)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EfficiencyCurve:
+    """Achieved fraction of peak for a matmul of F FLOPs: max_fraction · F / (F + half_flops).
+
+    Small matmuls are latency- and occupancy-bound; the curve saturates at the best achieved fraction.
+    """
+
+    max_fraction: float
+    half_flops: float
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_fraction")
+        _positive(self, "half_flops", allow_zero=True)
+        if self.max_fraction > 1.0:
+            raise ValueError(f"max_fraction: a fraction of peak must be at most 1, got {self.max_fraction}")
+
+    def fraction(self, flops: float) -> float:
+        return self.max_fraction * flops / (flops + self.half_flops) if flops > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DeviceSpec:
+    name: str
+    peak_flops_per_s: Mapping[str, float]  # by dtype: "fp32", "tf32", "bf16", "fp16", "fp8"
+    mem_bandwidth_bytes_per_s: float
+    mem_capacity_bytes: float
+    kernel_launch_s: float
+    matmul_efficiency: EfficiencyCurve
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
+        if "fp32" not in self.peak_flops_per_s:
+            raise ValueError("peak_flops_per_s.fp32: every device needs an fp32 peak")
+        for dtype, v in self.peak_flops_per_s.items():
+            if not v > 0:
+                raise ValueError(f"peak_flops_per_s.{dtype}: must be a positive number, got {v!r}")
+        _positive(self, "mem_bandwidth_bytes_per_s")
+        _positive(self, "mem_capacity_bytes")
+        _positive(self, "kernel_launch_s", allow_zero=True)
+
+    def peak_for(self, dtype: str) -> float:
+        """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
+        return self.peak_flops_per_s.get(dtype, self.peak_flops_per_s["fp32"])
+
+    def matmul_time_s(self, flops: float, dtype: str) -> float:
+        if flops <= 0:
+            return 0.0
+        return flops / (self.peak_for(dtype) * self.matmul_efficiency.fraction(flops))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    name: str
+    bandwidth_bytes_per_s: float  # per device, per direction
+    latency_s: float
+    rails: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(self, "bandwidth_bytes_per_s")
+        _positive(self, "latency_s", allow_zero=True)
+        if self.rails < 1:
+            raise ValueError(f"rails: must be at least 1, got {self.rails}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HardwareProfile:
+    name: str
+    description: str
+    origin: Mapping[str, str]  # {"kind": "datasheet"|"calibrated", "date": …, "host": …}
+    device: DeviceSpec
+    devices_per_node: int
+    links: Mapping[LinkLevel, LinkSpec]
+    collectives: Mapping[tuple[LinkLevel, Collective], CollectiveModel]
+    sources: Mapping[str, str] = field(default_factory=dict)  # dotted field path → where the number comes from
+
+    def __post_init__(self) -> None:
+        if self.devices_per_node < 1:
+            raise ValueError(f"node.devices_per_node: must be at least 1, got {self.devices_per_node}")
+        for level in LinkLevel:
+            if level not in self.links:
+                raise ValueError(f"{'node.link' if level is LinkLevel.INTRA_NODE else 'network'}: missing")
+        # A collective the file does not list is priced from its link: α = latency, β = link bandwidth.
+        full = dict(self.collectives)
+        for level in LinkLevel:
+            link = self.links[level]
+            for kind in Collective:
+                full.setdefault((level, kind), CollectiveModel(alpha_s=link.latency_s,
+                                                               bus_bandwidth_bytes_per_s=link.bandwidth_bytes_per_s))
+        object.__setattr__(self, "collectives", MappingProxyType(full))
+        object.__setattr__(self, "links", MappingProxyType(dict(self.links)))
+        object.__setattr__(self, "origin", MappingProxyType(dict(self.origin)))
+        object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
+
+    def collective_time_s(self, kind: Collective, size_bytes: float, num_ranks: int, level: LinkLevel) -> float:
+        return self.collectives[(level, kind)].time_s(kind, size_bytes, num_ranks)
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(profile_to_json(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON
+
+
+@cache
+def _schema() -> dict[str, Any]:
+    return json.loads(resources.files("hwprofiles").joinpath("profile.schema.json").read_text())
+
+
+_UNITS = {
+    "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
+    "kernel_launch_s": "s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
+    "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
+    "bus_bandwidth_bytes_per_s": "B/s",
+}
+
+
+class _Reader:
+    """Reads quantities out of the JSON, checking units and collecting sources by field path."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, str] = {}
+
+    def q(self, obj: Mapping[str, Any], key: str, path: str) -> float:
+        quantity = obj[key]
+        unit_key = path.split(".")[-2] if path.split(".")[-2] == "peak_flops_per_s" else key
+        expected = _UNITS[unit_key]
+        if quantity["unit"] != expected:
+            raise ProfileError(f"field {path}: unit must be {expected!r}, got {quantity['unit']!r}")
+        self.sources[path] = quantity["source"]
+        return float(quantity["value"])
+
+
+def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") -> HardwareProfile:
+    try:
+        jsonschema.validate(data, _schema())
+    except jsonschema.ValidationError as e:
+        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise ProfileError(f"{origin_hint}: field {where}: {e.message}") from e
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise ProfileError(f"{origin_hint}: schema_version {data['schema_version']} is not {SCHEMA_VERSION}")
+    r = _Reader()
+    try:
+        dev = data["device"]
+        eff = dev["matmul_efficiency"]
+        device = DeviceSpec(
+            name=dev["name"],
+            peak_flops_per_s={k: r.q(dev["peak_flops_per_s"], k, f"device.peak_flops_per_s.{k}")
+                              for k in dev["peak_flops_per_s"]},
+            mem_bandwidth_bytes_per_s=r.q(dev, "mem_bandwidth_bytes_per_s", "device.mem_bandwidth_bytes_per_s"),
+            mem_capacity_bytes=r.q(dev, "mem_capacity_bytes", "device.mem_capacity_bytes"),
+            kernel_launch_s=r.q(dev, "kernel_launch_s", "device.kernel_launch_s"),
+            matmul_efficiency=EfficiencyCurve(
+                max_fraction=r.q(eff, "max_fraction", "device.matmul_efficiency.max_fraction"),
+                half_flops=r.q(eff, "half_flops", "device.matmul_efficiency.half_flops"),
+            ),
+        )
+        links = {
+            LinkLevel.INTRA_NODE: _link(r, data["node"]["link"], "node.link"),
+            LinkLevel.INTER_NODE: _link(r, data["network"], "network"),
+        }
+        collectives: dict[tuple[LinkLevel, Collective], CollectiveModel] = {}
+        for level_name, per_kind in data.get("collectives", {}).items():
+            level = LinkLevel(level_name)
+            for kind_name, c in per_kind.items():
+                path = f"collectives.{level_name}.{kind_name}"
+                collectives[(level, Collective(kind_name))] = CollectiveModel(
+                    alpha_s=r.q(c, "alpha_s", f"{path}.alpha_s"),
+                    bus_bandwidth_bytes_per_s=r.q(c, "bus_bandwidth_bytes_per_s", f"{path}.bus_bandwidth_bytes_per_s"),
+                    table=tuple(TablePoint(ranks=int(p["ranks"]), size_bytes=float(p["bytes"]),
+                                           time_s=float(p["seconds"])) for p in c.get("table", [])),
+                )
+        return HardwareProfile(
+            name=data["name"],
+            description=data.get("description", ""),
+            origin=data["origin"],
+            device=device,
+            devices_per_node=int(r.q(data["node"], "devices_per_node", "node.devices_per_node")),
+            links=links,
+            collectives=collectives,
+            sources=r.sources,
+        )
+    except ValueError as e:
+        raise ProfileError(f"{origin_hint}: {e}") from e
+
+
+def _link(r: _Reader, obj: Mapping[str, Any], path: str) -> LinkSpec:
+    return LinkSpec(
+        name=obj["name"],
+        bandwidth_bytes_per_s=r.q(obj, "bandwidth_bytes_per_s", f"{path}.bandwidth_bytes_per_s"),
+        latency_s=r.q(obj, "latency_s", f"{path}.latency_s"),
+        rails=int(r.q(obj, "rails", f"{path}.rails")) if "rails" in obj else 1,
+    )
+
+
+def _quantity(value: float, unit: str, source: str) -> dict[str, Any]:
+    return {"value": value, "unit": unit, "source": source}
+
+
+def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dict[str, Any]:
+    """The JSON form; collectives derived from links are left out unless `include_derived`."""
+    src = p.sources
+
+    def q(value: float, unit: str, path: str) -> dict[str, Any]:
+        return _quantity(value, unit, src.get(path, "derived"))
+
+    def link(lk: LinkSpec, path: str) -> dict[str, Any]:
+        out = {"name": lk.name, "bandwidth_bytes_per_s": q(lk.bandwidth_bytes_per_s, "B/s", f"{path}.bandwidth_bytes_per_s"),
+               "latency_s": q(lk.latency_s, "s", f"{path}.latency_s")}
+        if f"{path}.rails" in src:
+            out["rails"] = q(lk.rails, "1", f"{path}.rails")
+        return out
+
+    collectives: dict[str, dict[str, Any]] = {}
+    for (level, kind), c in p.collectives.items():
+        path = f"collectives.{level.value}.{kind.value}"
+        if not include_derived and f"{path}.alpha_s" not in src:
+            continue
+        entry: dict[str, Any] = {
+            "alpha_s": q(c.alpha_s, "s", f"{path}.alpha_s"),
+            "bus_bandwidth_bytes_per_s": q(c.bus_bandwidth_bytes_per_s, "B/s", f"{path}.bus_bandwidth_bytes_per_s"),
+        }
+        if c.table:
+            entry["table"] = [{"ranks": t.ranks, "bytes": t.size_bytes, "seconds": t.time_s} for t in c.table]
+        collectives.setdefault(level.value, {})[kind.value] = entry
+    d = p.device
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "name": p.name,
+        "description": p.description,
+        "origin": dict(p.origin),
+        "device": {
+            "name": d.name,
+            "peak_flops_per_s": {k: q(v, "FLOP/s", f"device.peak_flops_per_s.{k}") for k, v in d.peak_flops_per_s.items()},
+            "mem_bandwidth_bytes_per_s": q(d.mem_bandwidth_bytes_per_s, "B/s", "device.mem_bandwidth_bytes_per_s"),
+            "mem_capacity_bytes": q(d.mem_capacity_bytes, "B", "device.mem_capacity_bytes"),
+            "kernel_launch_s": q(d.kernel_launch_s, "s", "device.kernel_launch_s"),
+            "matmul_efficiency": {
+                "max_fraction": q(d.matmul_efficiency.max_fraction, "1", "device.matmul_efficiency.max_fraction"),
+                "half_flops": q(d.matmul_efficiency.half_flops, "FLOP", "device.matmul_efficiency.half_flops"),
+            },
+        },
+        "node": {"devices_per_node": q(p.devices_per_node, "1", "node.devices_per_node"),
+                 "link": link(p.links[LinkLevel.INTRA_NODE], "node.link")},
+        "network": link(p.links[LinkLevel.INTER_NODE], "network"),
+        "collectives": collectives,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets and files
+
+
+def list_presets() -> list[str]:
+    return sorted(f.name.removesuffix(".json") for f in resources.files(PRESETS_PACKAGE).iterdir()
+                  if f.name.endswith(".json"))
+
+
+def load_profile(name_or_path: str | Path) -> HardwareProfile:
+    """A preset by name (`h100-sxm`) or a profile JSON by path."""
+    s = str(name_or_path)
+    if s in list_presets():
+        text = resources.files(PRESETS_PACKAGE).joinpath(f"{s}.json").read_text()
+        return _parse(text, s)
+    p = Path(s)
+    if p.suffix == ".json" or p.exists():
+        if not p.is_file():
+            raise ProfileError(f"{p}: no such profile file; pass a preset name ({', '.join(list_presets())}) or a path")
+        return _parse(p.read_text(), str(p))
+    raise ProfileError(f"unknown profile {s!r}; known presets: {', '.join(list_presets())} (or pass a JSON path)")
+
+
+def _parse(text: str, origin_hint: str) -> HardwareProfile:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ProfileError(f"{origin_hint}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    return profile_from_json(data, origin_hint=origin_hint)
+
+
+def save_profile(p: HardwareProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile_to_json(p), indent=1) + "\n")
