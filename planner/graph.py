@@ -131,6 +131,7 @@ class OpGraph:
         constant_nodes: frozenset[str],
         opset: int,
         dims: Mapping[str, int],
+        const_values: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.name = name
         self.nodes = nodes
@@ -140,6 +141,7 @@ class OpGraph:
         self.constant_nodes = constant_nodes
         self.opset = opset
         self.dims = dict(dims)
+        self.const_values = dict(const_values or {})
         self.node_by_name = {n.name: n for n in nodes}
         self.producer = {t: n.name for n in nodes for t in n.outputs if t}
         self.graph = self._build_digraph()
@@ -190,6 +192,10 @@ class OpGraph:
                 info = self.tensors.get(t)
                 h.update(repr((index.get(t, -1), info.shape if info else None)).encode())
         return h.hexdigest()[:16]
+
+    def constant_value(self, name: str) -> np.ndarray | None:
+        """The value of a small constant (an initializer or a Constant node's output), if known."""
+        return self.const_values.get(name)
 
     def __repr__(self) -> str:
         return (
@@ -274,8 +280,11 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
             if not t or t in tensors:
                 continue
             shape, dtype = infos.get(t, (None, "undefined"))
-            if t in sequences:  # SplitToSequence → SequenceAt: the elements carry the shapes
+            if t in sequences:
+                # A sequence (SplitToSequence → SequenceAt) stands for the tensor it was split from:
+                # that shape tells the rules which dims its elements share with it.
                 dtype = "sequence"
+                shape = tensors[node.inputs[0]].shape if node.op_type == "SplitToSequence" else shape
             elif shape is None and kind is TensorKind.ACTIVATION:
                 missing.append(f"{t} ({node.op_type})")
             tensors[t] = TensorInfo(t, shape or (), dtype, kind)
@@ -284,6 +293,16 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
             f"shape inference left {len(missing)} tensor(s) without a static shape (first: {missing[0]}); "
             "bind every symbolic dim with --dim NAME=N or export with static shapes"
         )
+
+    const_values: dict[str, np.ndarray] = {}
+    for init in g.initializer:
+        if int(np.prod(init.dims)) <= _SMALL_TENSOR_ELEMS and init.data_location != onnx.TensorProto.EXTERNAL:
+            const_values[init.name] = numpy_helper.to_array(init)
+    for node in nodes:
+        if node.op_type == "Constant" and node.outputs:
+            value = _constant_node_value(node)
+            if value is not None:
+                const_values[node.outputs[0]] = value
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     return OpGraph(
@@ -295,6 +314,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         constant_nodes=constant_nodes,
         opset=opset,
         dims=bound,
+        const_values=const_values,
     )
 
 
@@ -466,6 +486,17 @@ def _op_node(n: onnx.NodeProto, index: int) -> OpNode:
         domain=n.domain,
         module_path=_module_path(n),
     )
+
+
+def _constant_node_value(node: OpNode) -> np.ndarray | None:
+    for key, v in node.attrs:
+        if key == "value" and isinstance(v, tuple) and v[0] == "tensor" and v[3] is not None:
+            return np.array(v[3], dtype=v[1]).reshape(v[2])
+        if key in ("value_int", "value_float"):
+            return np.array(v)
+        if key in ("value_ints", "value_floats"):
+            return np.array(v)
+    return None
 
 
 def _constant_nodes(nodes: tuple[OpNode, ...], tensors: Mapping[str, TensorInfo]) -> frozenset[str]:

@@ -127,7 +127,7 @@ def test_validation_names_the_field(mutate: Any, message: str) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["show", "h200"], "unknown profile 'h200'; known presets: a100-sxm, h100-sxm"),
+        (["show", "h200"], "unknown profile 'h200'; known presets: a100-sxm, cpu, h100-sxm"),
         (["show", "{missing}.json"], "no such profile file"),
         (["show", "{bad}"], "malformed JSON at line 1"),
         (["show", "{negative}"], "field device.mem_capacity_bytes.value"),

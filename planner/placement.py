@@ -1,0 +1,131 @@
+"""Placements and sharding specs: how one tensor lies on a device mesh.
+
+A spec holds one placement per mesh axis, the vocabulary of `torch.distributed.tensor` so that the
+executor maps 1:1: `Shard(d)` splits tensor dim d over the axis (torch.chunk semantics: the first
+ranks hold ceil(n/k), the last may hold less or nothing), `Replicate()` copies it, `Partial("sum")`
+holds addends that sum to the tensor. `dims_mapping` is Paddle's view of the same: for each tensor
+dim, the mesh axis that splits it or −1. String form, as on the CLI and in JSON: "S(0),R", "P,S(1)".
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from planner.errors import MeshplanError
+
+
+class PlacementError(MeshplanError):
+    """A placement string that does not parse or does not fit its tensor or mesh."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True, slots=True)
+class Replicate:
+    def __str__(self) -> str:
+        return "R"
+
+
+@dataclass(frozen=True, slots=True)
+class Partial:
+    reduce_op: str = "sum"
+
+    def __str__(self) -> str:
+        return "P" if self.reduce_op == "sum" else f"P({self.reduce_op})"
+
+
+Placement = Shard | Replicate | Partial
+R = Replicate()
+P = Partial()
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """Placements of one tensor, one per mesh axis."""
+
+    placements: tuple[Placement, ...]
+
+    def __str__(self) -> str:
+        return ",".join(map(str, self.placements))
+
+    def __repr__(self) -> str:
+        return f"Spec({self})"
+
+    @staticmethod
+    def replicated(mesh_ndim: int) -> Spec:
+        return Spec((R,) * mesh_ndim)
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def shard_axes(self, dim: int) -> tuple[int, ...]:
+        """Mesh axes splitting tensor dim `dim`, outermost first."""
+        return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+
+    def num_shards(self, dim: int, mesh_shape: tuple[int, ...]) -> int:
+        return math.prod(mesh_shape[a] for a in self.shard_axes(dim))
+
+    def dims_mapping(self, ndim: int) -> list[int | list[int]]:
+        """Tensor dim → the mesh axis splitting it (−1 if none; a list if several axes do)."""
+        out: list[int | list[int]] = []
+        for d in range(ndim):
+            axes = list(self.shard_axes(d))
+            out.append(-1 if not axes else axes[0] if len(axes) == 1 else axes)
+        return out
+
+    def local_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The largest local shard (rank 0's under torch.chunk), the one that bounds time and memory."""
+        return tuple(-(-size // self.num_shards(d, mesh_shape)) for d, size in enumerate(shape))
+
+    def validate(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...], what: str = "tensor") -> None:
+        if len(self.placements) != len(mesh_shape):
+            raise PlacementError(f"{what}: {len(self.placements)} placements ({self}) for a {len(mesh_shape)}-d mesh; "
+                                 "give one per mesh axis")
+        for p in self.placements:
+            if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
+                raise PlacementError(f"{what}: {p} names dim {p.dim} but the tensor has {len(shape)} dims "
+                                     f"(shape {list(shape)})")
+
+
+_TOKEN = re.compile(r"^(?:S\((-?\d+)\)|R|P(?:\((sum|avg|max)\))?)$")
+
+
+def parse_placement(text: str) -> Placement:
+    m = _TOKEN.match(text.strip())
+    if not m:
+        raise PlacementError(f"placement {text.strip()!r} does not parse; use S(dim), R or P")
+    t = text.strip()
+    if t.startswith("S"):
+        return Shard(int(m.group(1)))
+    if t.startswith("P"):
+        return Partial(m.group(2) or "sum")
+    return R
+
+
+def parse_spec(text: str, ndim: int | None = None) -> Spec:
+    """"S(0),R" → Spec((Shard(0), Replicate())); negative dims count from the end when `ndim` is known."""
+    parts = [p for p in re.split(r",(?![^(]*\))", text) if p.strip()]
+    if not parts:
+        raise PlacementError(f"placements {text!r} are empty; write one per mesh axis, e.g. S(0),R")
+    out: list[Placement] = []
+    for part in parts:
+        p = parse_placement(part)
+        if isinstance(p, Shard) and p.dim < 0:
+            if ndim is None:
+                raise PlacementError(f"placement {p} counts from the end; give a non-negative dim")
+            p = Shard(p.dim + ndim)
+        out.append(p)
+    return Spec(tuple(out))

@@ -1,0 +1,52 @@
+"""Gather family: embeddings and index selection.
+
+Gather(data, indices, axis) = Y with shape data[:axis] + indices.shape + data[axis+1:]:
+  data S(d), d ≠ axis; indices R  → Y S(d or d + rank(indices) − 1)
+  data R; indices S(j)            → Y S(axis + j)             (tokens split: data parallel)
+  data S(axis); indices R         → Y P, kernel masked_gather (vocab-parallel embedding: each rank
+                                     looks up the ids in its row range and writes zeros elsewhere)
+GatherElements(axis): data and indices S(d), d ≠ axis → Y S(d).
+GatherND(batch_dims=b): data and indices S(d), d < b  → Y S(d).
+"""
+
+from __future__ import annotations
+
+from planner.placement import P, R, Shard
+from planner.rules import AxisStrategy, OpContext, register_rule
+
+MASKED_GATHER = "masked_gather"
+
+
+@register_rule("Gather")
+def gather_rule(ctx: OpContext) -> list[AxisStrategy]:
+    data, idx = ctx.in_shapes
+    axis = ctx.axis_attr("axis", 0, len(data))
+    idx_placed = ctx.placeable[1]
+    idx_r = R if idx_placed else None
+    out = []
+    for d in range(len(data)):
+        if d == axis:
+            continue
+        y_dim = d if d < axis else d + len(idx) - 1
+        out.append(AxisStrategy(inputs=(Shard(d), idx_r), outputs=(Shard(y_dim),)))
+    if idx_placed:
+        for j in range(len(idx)):
+            out.append(AxisStrategy(inputs=(R if ctx.placeable[0] else None, Shard(j)), outputs=(Shard(axis + j),)))
+    if ctx.placeable[0]:
+        out.append(AxisStrategy(inputs=(Shard(axis), idx_r), outputs=(P,), kernel=MASKED_GATHER))
+    return out
+
+
+@register_rule("GatherElements")
+def gather_elements_rule(ctx: OpContext) -> list[AxisStrategy]:
+    data, idx = ctx.in_shapes
+    axis = ctx.axis_attr("axis", 0, len(data))
+    return [AxisStrategy(inputs=(Shard(d), Shard(d) if ctx.placeable[1] else None), outputs=(Shard(d),))
+            for d in range(len(data)) if d != axis and data[d] == idx[d]]
+
+
+@register_rule("GatherND")
+def gather_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
+    b = int(ctx.node.attr("batch_dims", 0))  # type: ignore[call-overload]
+    return [AxisStrategy(inputs=(Shard(d), Shard(d) if ctx.placeable[1] else None), outputs=(Shard(d),))
+            for d in range(b)]
