@@ -18,7 +18,8 @@ import numpy as np
 
 from planner.graph import OpGraph, OpNode
 
-FlopsFn = Callable[[OpNode, OpGraph], float]
+ShapeOf = Callable[[str], tuple[int, ...]]
+FlopsFn = Callable[[OpNode, ShapeOf], float]
 _MATMUL_CLASS: dict[str, FlopsFn] = {}
 _PER_ELEMENT: dict[str, float] = {}
 
@@ -32,45 +33,41 @@ def register_flops(*op_types: str) -> Callable[[FlopsFn], FlopsFn]:
     return deco
 
 
-def _shape(graph: OpGraph, name: str) -> tuple[int, ...]:
-    return graph.tensors[name].shape
-
-
 def _numel(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
 @register_flops("MatMul")
-def _matmul(node: OpNode, graph: OpGraph) -> float:
-    a = _shape(graph, node.inputs[0])
+def _matmul(node: OpNode, shape: ShapeOf) -> float:
+    a = shape(node.inputs[0])
     k = a[-1] if a else 1
-    return 2.0 * _numel(_shape(graph, node.outputs[0])) * k
+    return 2.0 * _numel(shape(node.outputs[0])) * k
 
 
 @register_flops("Gemm")
-def _gemm(node: OpNode, graph: OpGraph) -> float:
-    a = _shape(graph, node.inputs[0])
+def _gemm(node: OpNode, shape: ShapeOf) -> float:
+    a = shape(node.inputs[0])
     k = a[0] if node.attr("transA", 0) else a[1]
-    return 2.0 * _numel(_shape(graph, node.outputs[0])) * k
+    return 2.0 * _numel(shape(node.outputs[0])) * k
 
 
 @register_flops("Conv", "ConvTranspose")
-def _conv(node: OpNode, graph: OpGraph) -> float:
+def _conv(node: OpNode, shape: ShapeOf) -> float:
     # Each output element (Conv) or input element (ConvTranspose) takes Cin/group · prod(kernel) MACs.
-    w = _shape(graph, node.inputs[1])  # Conv: (Cout, Cin/g, k…); ConvTranspose: (Cin, Cout/g, k…)
+    w = shape(node.inputs[1])  # Conv: (Cout, Cin/g, k…); ConvTranspose: (Cin, Cout/g, k…)
     kernel = _numel(w[2:])
     if node.op_type == "Conv":
-        return 2.0 * _numel(_shape(graph, node.outputs[0])) * w[1] * kernel
-    return 2.0 * _numel(_shape(graph, node.inputs[0])) * w[1] * kernel
+        return 2.0 * _numel(shape(node.outputs[0])) * w[1] * kernel
+    return 2.0 * _numel(shape(node.inputs[0])) * w[1] * kernel
 
 
 @register_flops("Einsum")
-def _einsum(node: OpNode, graph: OpGraph) -> float:
+def _einsum(node: OpNode, shape: ShapeOf) -> float:
     eq = str(node.attr("equation", "")).replace(" ", "")
     lhs = eq.split("->")[0].split(",")
     sizes: dict[str, int] = {}
     for term, t in zip(lhs, node.inputs, strict=False):
-        for letter, size in zip(term, _shape(graph, t), strict=False):
+        for letter, size in zip(term, shape(t), strict=False):
             sizes[letter] = size
     return 2.0 * float(np.prod(list(sizes.values()), dtype=np.float64))
 
@@ -96,22 +93,23 @@ class FlopCount:
         return self.matmul + self.other
 
 
-def node_flops(node: OpNode, graph: OpGraph) -> FlopCount:
+def node_flops(node: OpNode, shape: ShapeOf) -> FlopCount:
+    """Forward FLOPs of one node with tensor shapes from `shape` (full shapes, or one rank's shards)."""
     fn = _MATMUL_CLASS.get(node.op_type)
     if fn is not None:
-        return FlopCount(fn(node, graph), 0.0)
+        return FlopCount(fn(node, shape), 0.0)
     per = _PER_ELEMENT.get(node.op_type)
-    if per is None or not node.outputs or node.outputs[0] not in graph.tensors:
+    if per is None or not node.outputs:
         return FlopCount(0.0, 0.0)
     src = node.inputs[0] if node.op_type.startswith(("Reduce", "Global")) else node.outputs[0]
-    return FlopCount(0.0, per * _numel(_shape(graph, src)))
+    return FlopCount(0.0, per * _numel(shape(src)))
 
 
 def graph_flops(graph: OpGraph) -> FlopCount:
     """Forward FLOPs of the whole graph (constant subgraphs excluded)."""
     mm = other = 0.0
     for n in graph.compute_nodes:
-        c = node_flops(n, graph)
+        c = node_flops(n, lambda t: graph.tensors[t].shape)
         mm += c.matmul
         other += c.other
     return FlopCount(mm, other)

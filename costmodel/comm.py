@@ -1,0 +1,36 @@
+"""Communication time of collectives over mesh axes, α-β per link level from the profile.
+
+A group over mesh axes that stays inside a node is priced at the intra-node level. A group that spans
+nodes with g > 1 of its devices per node is hierarchical (as NCCL does it for all-reduce):
+  all_reduce      reduce_scatter inside (g, S) + all_reduce across (n/g, S/g) + all_gather inside (g, S)
+  all_gather      all_gather across (n/g, S/g) + all_gather inside (g, S)
+  reduce_scatter  reduce_scatter inside (g, S) + reduce_scatter across (n/g, S/g)
+and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level.
+"""
+
+from __future__ import annotations
+
+from hwprofiles.profile import Collective, HardwareProfile, LinkLevel
+from planner.mesh import DeviceMesh
+
+
+def collective_time_s(profile: HardwareProfile, mesh: DeviceMesh, kind: Collective, size_bytes: float,
+                      axes: tuple[int, ...]) -> float:
+    n = mesh.group_size(axes)
+    if n <= 1 or size_bytes <= 0:
+        return 0.0
+    level = mesh.level(axes)
+    if level is LinkLevel.INTRA_NODE:
+        return profile.collective_time_s(kind, size_bytes, n, level)
+    g = mesh.inner_group_size(axes)
+    if g <= 1 or kind not in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
+        return profile.collective_time_s(kind, size_bytes, n, LinkLevel.INTER_NODE)
+    inner, outer = LinkLevel.INTRA_NODE, LinkLevel.INTER_NODE
+    m = n // g
+    t = profile.collective_time_s
+    if kind is Collective.ALL_REDUCE:
+        return (t(Collective.REDUCE_SCATTER, size_bytes, g, inner) + t(Collective.ALL_REDUCE, size_bytes / g, m, outer)
+                + t(Collective.ALL_GATHER, size_bytes, g, inner))
+    if kind is Collective.ALL_GATHER:
+        return t(Collective.ALL_GATHER, size_bytes / g, m, outer) + t(Collective.ALL_GATHER, size_bytes, g, inner)
+    return t(Collective.REDUCE_SCATTER, size_bytes, g, inner) + t(Collective.REDUCE_SCATTER, size_bytes / g, m, outer)

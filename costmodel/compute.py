@@ -1,0 +1,69 @@
+"""Compute time of one op on one rank: a roofline on the rank's local shard.
+
+Forward: matmul-class FLOPs at the profile's peak for the dtype times the efficiency curve for that
+matmul size; every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
+time) + the per-op launch overhead. Backward: a matmul is two matmuls (input and weight gradients),
+2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
+input gradients, ≈ 2× the forward bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from costmodel.flops import node_flops
+from costmodel.memory import Precision
+from hwprofiles.profile import HardwareProfile
+from planner.graph import OpGraph, OpNode, TensorInfo
+from planner.mesh import DeviceMesh
+from planner.placement import Spec
+
+BACKWARD_FLOPS_FACTOR = 2.0  # dX = dY·Wᵀ and dW = Xᵀ·dY
+BACKWARD_BYTES_FACTOR = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class ComputeCost:
+    fwd_flops: float
+    fwd_matmul_flops: float
+    fwd_bytes: float
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+def tensor_bytes(info: TensorInfo, shape: tuple[int, ...], precision: Precision) -> float:
+    itemsize = precision.activation_bytes if info.is_float else info.itemsize_bytes
+    return float(np.prod(shape, dtype=np.float64)) * itemsize
+
+
+def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None], mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
+    out = {}
+    for t in (*node.inputs, *node.outputs):
+        if not t or t not in graph.tensors:
+            continue
+        spec = specs.get(t)
+        shape = graph.tensors[t].shape
+        out[t] = spec.local_shape(shape, mesh.shape) if spec is not None else shape
+    return out
+
+
+def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile,
+                 precision: Precision) -> ComputeCost:
+    flops = node_flops(node, lambda t: shapes[t])
+    nbytes = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for t in shapes
+                 if graph.tensors[t].dtype != "sequence")
+    dev = profile.device
+    dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
+    mem_s = nbytes / dev.mem_bandwidth_bytes_per_s
+    peak = dev.peak_for(dtype)
+    fwd = max(dev.matmul_time_s(flops.matmul, dtype) + flops.other / peak, mem_s) + dev.kernel_launch_s
+    bwd = max(BACKWARD_FLOPS_FACTOR * dev.matmul_time_s(flops.matmul, dtype) + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * dev.kernel_launch_s
+    return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

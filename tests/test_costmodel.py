@@ -1,0 +1,160 @@
+"""The cost model against closed forms: Megatron FLOPs and TP volume, ring all-reduce, DP gradient
+volume, ZeRO memory."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from costmodel.comm import collective_time_s
+from costmodel.memory import PRECISIONS, model_state_bytes
+from costmodel.step import CostModel
+from hwprofiles.profile import Collective, LinkLevel, load_profile
+from planner.graph import OpGraph, graph_from_proto, load_graph
+from planner.mesh import DeviceMesh
+from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
+
+H100 = load_profile("h100-sxm")
+BF16 = PRECISIONS["bf16"]
+
+
+def pick(graph: OpGraph, mesh: DeviceMesh, node: str, want: str) -> OpStrategy:
+    """The strategy of `node` whose printed form is `want` (e.g. "[R] [S(1)] → [S(1)]")."""
+    options = strategies_for(graph.node_by_name[node], graph, mesh).strategies
+    for s in options:
+        if s.name == want:
+            return s
+    raise AssertionError(f"{node}: no strategy {want}; have {[s.name for s in options]}")
+
+
+def replicated_plan(graph: OpGraph, mesh: DeviceMesh) -> dict[str, OpStrategy]:
+    return {n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes}
+
+
+def test_megatron_training_flops(zoo: Callable[[str], Path]) -> None:
+    # Korthikanti et al. 2022, appendix A: per step (forward + backward = 3× forward), no recomputation,
+    # 72·B·s·L·h²·(1 + s/(6h)) for the layers — 24·B·s·h² forward for the four h×h-equivalent matmuls
+    # (QKV 3h², projection h², MLP 8h² → 12h² params, 2 FLOPs each) plus 4·B·s²·h for scores and
+    # context — and 3·2·B·s·h·V for the logits.
+    b, s = 2, 1024
+    g = load_graph(zoo("gpt2-medium"), {"batch": b, "seq": s})
+    h, n_layer, v = 1024, 24, 50257
+    mesh = DeviceMesh.build(1)
+    cost = CostModel(g, mesh, H100, BF16).price(replicated_plan(g, mesh))
+    expected = 72 * b * s * n_layer * h * h * (1 + s / (6 * h)) + 6 * b * s * h * v
+    assert cost.flops_matmul == pytest.approx(expected, rel=0.02)
+    assert cost.comm_s == 0.0
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_ring_all_reduce_on_a_mesh_axis(n: int) -> None:
+    # Inside one node: 2(n−1)·α + 2(n−1)/n·S/β with α = 1 µs, β = 370 GB/s (the H100 preset).
+    mesh = DeviceMesh.build(n, devices_per_node=8)
+    size = 256e6
+    t = collective_time_s(H100, mesh, Collective.ALL_REDUCE, size, (0,))
+    assert t == pytest.approx(2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * size / 370e9)
+
+
+def test_hierarchical_all_reduce_across_nodes() -> None:
+    # 2 nodes × 8: reduce-scatter inside (8), all-reduce across (2) on S/8, all-gather inside (8).
+    mesh = DeviceMesh.build(16, (2, 8), devices_per_node=8)
+    size = 1e9
+    t = collective_time_s(H100, mesh, Collective.ALL_REDUCE, size, (0, 1))
+    rs = 7 * 1e-6 + 7 / 8 * size / 370e9
+    ar = 2 * 1 * 5e-6 + 2 * 1 / 2 * (size / 8) / 46e9
+    assert t == pytest.approx(rs + ar + rs)
+    assert mesh.level((0,)) is LinkLevel.INTER_NODE and mesh.level((1,)) is LinkLevel.INTRA_NODE
+
+
+def _megatron_layer(bs: int, h: int) -> onnx.ModelProto:
+    """X0 · scale → two (col-parallel MatMul → Relu → row-parallel MatMul → + residual) blocks,
+    standing in for a transformer layer's attention and MLP halves."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(np.ones(h, np.float32), "scale")]
+    nodes = [helper.make_node("Mul", ["x0", "scale"], ["x"], name="embed")]
+    prev = "x"
+    for blk in range(2):
+        w1, w2 = f"w1_{blk}", f"w2_{blk}"
+        inits += [numpy_helper.from_array(rng.standard_normal((h, 4 * h)).astype(np.float32), w1),
+                  numpy_helper.from_array(rng.standard_normal((4 * h, h)).astype(np.float32), w2)]
+        nodes += [helper.make_node("MatMul", [prev, w1], [f"a{blk}"], name=f"col{blk}"),
+                  helper.make_node("Relu", [f"a{blk}"], [f"r{blk}"], name=f"relu{blk}"),
+                  helper.make_node("MatMul", [f"r{blk}", w2], [f"b{blk}"], name=f"row{blk}"),
+                  helper.make_node("Add", [f"b{blk}", prev], [f"y{blk}"], name=f"res{blk}")]
+        prev = f"y{blk}"
+    graph = helper.make_graph(nodes, "layer", [helper.make_tensor_value_info("x0", TensorProto.FLOAT, [bs, h])],
+                              [helper.make_tensor_value_info(prev, TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize("t", [2, 4, 8])
+def test_megatron_tensor_parallel_volume(t: int) -> None:
+    # Megatron-LM SC'21 §3.2: per layer and step, 2 all-reduces forward (after each row-parallel
+    # matmul) and 2 backward (the input gradient of each column-parallel matmul), each of B·s·h
+    # elements; nothing else moves.
+    bs, h = 64, 256
+    g = graph_from_proto(_megatron_layer(bs, h), {})
+    mesh = DeviceMesh.build(t, axis_names=("tp",), devices_per_node=8)
+    plan = replicated_plan(g, mesh)
+    for blk in range(2):
+        plan[f"col{blk}"] = pick(g, mesh, f"col{blk}", "[R] [S(1)] → [S(1)]")
+        plan[f"relu{blk}"] = pick(g, mesh, f"relu{blk}", "[S(1)] → [S(1)]")
+        plan[f"row{blk}"] = pick(g, mesh, f"row{blk}", "[S(1)] [S(0)] → [P]")
+    cost = CostModel(g, mesh, H100, BF16).price(plan)
+    kinds = sorted((e.kind.value, e.backward, e.size_bytes) for e in cost.events)
+    msg = bs * h * BF16.activation_bytes
+    assert kinds == [("all_reduce", False, msg)] * 2 + [("all_reduce", True, msg)] * 2
+    per = 2 * (t - 1) * 1e-6 + 2 * (t - 1) / t * msg / 370e9
+    assert cost.comm_s == pytest.approx(4 * per)
+    # Each device sends 4 · 2(t−1)/t · B·s·h = 8·B·s·h·(t−1)/t elements over the four ring
+    # all-reduces (REFERENCES.md's figure, in elements), i.e. twice that in bytes at 2 bytes each.
+    sent_bytes = sum(2 * (t - 1) / t * e.size_bytes for e in cost.events)
+    assert sent_bytes == pytest.approx(8 * bs * h * (t - 1) / t * BF16.activation_bytes)
+
+
+def test_data_parallel_gradient_volume(zoo: Callable[[str], Path]) -> None:
+    # Pure DP on 4 devices: every parameter's gradient (Ψ elements) is all-reduced once per step.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4)
+    def data_parallel(s: OpStrategy) -> bool:  # batch split, everything else replicated
+        return str(s.input_specs[0]) == "S(0)" and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+    plan = {n.name: next(filter(data_parallel, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
+    cost = CostModel(g, mesh, H100, BF16).price(plan)
+    syncs = [e for e in cost.events if e.reason.startswith("grad sync")]
+    assert all(e.kind is Collective.ALL_REDUCE and e.axes == (0,) and e.backward for e in syncs)
+    assert sum(e.size_bytes for e in syncs) == g.num_params * BF16.grad_bytes
+    assert len(cost.events) == len(syncs)
+    # Model states replicated: (2 + 2 + 12) bytes per parameter on every device.
+    states = cost.memory["parameters"] + cost.memory["gradients"] + cost.memory["optimizer"]
+    assert states == pytest.approx(16 * g.num_params)
+
+
+def test_optimizer_state_memory_closed_forms() -> None:
+    # ZeRO paper §5, mixed-precision Adam, K = 12: baseline (2+2+K)Ψ; stage 1 4Ψ + KΨ/N_d;
+    # stage 2 2Ψ + (2+K)Ψ/N_d; stage 3 (4+K)Ψ/N_d. fp32 training: 4 + 4 + 8 bytes per parameter.
+    psi, nd = 7.5e9, 64
+    assert BF16.optimizer_bytes == 12
+    assert model_state_bytes(psi, BF16) == 16 * psi
+    assert model_state_bytes(psi, BF16, zero_stage=1, dp_degree=nd) == pytest.approx(4 * psi + 12 * psi / nd)
+    assert model_state_bytes(psi, BF16, zero_stage=2, dp_degree=nd) == pytest.approx(2 * psi + 14 * psi / nd)
+    assert model_state_bytes(psi, BF16, zero_stage=3, dp_degree=nd) == pytest.approx(16 * psi / nd)
+    assert PRECISIONS["fp32"].model_state_bytes == 16
+    # The ZeRO paper's example: Ψ = 7.5B, N_d = 64 → 120 GB, 31.4 GB, 16.6 GB, 1.88 GB.
+    assert [round(model_state_bytes(psi, BF16, zero_stage=z, dp_degree=nd) / 1e9, 1) for z in range(4)] == \
+        [120.0, 31.4, 16.6, 1.9]
+
+
+def test_sharded_plan_divides_compute(zoo: Callable[[str], Path]) -> None:
+    # Splitting the batch 4 ways divides each matmul's FLOPs by 4.
+    g = load_graph(zoo("mlp"), {"batch": 4096})
+    one, four = DeviceMesh.build(1), DeviceMesh.build(4)
+    flops1 = CostModel(g, one, H100, BF16).price(replicated_plan(g, one)).flops_matmul
+    plan = {n.name: next(s for s in strategies_for(n, g, four).strategies if str(s.input_specs[0]) == "S(0)")
+            for n in g.compute_nodes}
+    assert CostModel(g, four, H100, BF16).price(plan).flops_matmul == pytest.approx(flops1 / 4)
