@@ -41,6 +41,46 @@ dim_option = click.option(
 )
 
 
+def _parse_mesh_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    from planner.mesh import MeshError
+
+    parts = text.lower().replace("×", "x").split("x")
+    if not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise MeshError(f"--mesh {text!r} does not parse; write sizes joined by x, e.g. 8x8")
+    return tuple(int(p) for p in parts)
+
+
+def _mesh(devices: int, mesh: str | None, axis_names: str | None, devices_per_node: int) -> Any:
+    from planner.mesh import DeviceMesh
+
+    names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
+    return DeviceMesh.build(devices, _parse_mesh_shape(mesh), names, devices_per_node=devices_per_node)
+
+
+def mesh_options(fn: F) -> F:
+    for opt in reversed([
+        click.option("--devices", type=int, required=True, help="Number of devices N."),
+        click.option("--mesh", default=None, metavar="AxB", help="Mesh shape, e.g. 8x8 (default: 1-d over N)."),
+        click.option("--axis-names", default=None, metavar="a,b", help="Mesh axis names (default dp or dp,tp)."),
+        click.option("--profile", "profile_name", default="h100-sxm", show_default=True,
+                     help="Hardware profile: a preset name or a JSON path."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+                     help="Training precision (default: bf16 on GPU profiles, fp32 on cpu)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def _precision(dtype: str | None, profile: Any) -> Any:
+    from costmodel.memory import PRECISIONS
+
+    if dtype is None:
+        dtype = "bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32"
+    return PRECISIONS[dtype]
+
+
 def _fmt_count(x: float) -> str:
     for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(x) >= div:
@@ -126,6 +166,103 @@ def _render_summary(s: dict[str, Any]) -> None:
     if not s["layers"]:
         layers.add_row("none found", "", "")
     console.print(layers)
+
+
+@main.command()
+@click.option("--shape", required=True, metavar="D0,D1,…", help="Global shape of the tensor, e.g. 1024,4096.")
+@click.option("--from", "src", required=True, metavar="PLACEMENTS", help="Source placements, e.g. S(0),R.")
+@click.option("--to", "dst", required=True, metavar="PLACEMENTS", help="Target placements, e.g. R,S(1).")
+@mesh_options
+@click.option("--no-all-to-all", is_flag=True, help="Replace all_to_all by all_gather + slice (MindSpore's enable_alltoall=False).")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis_names: str | None,
+            profile_name: str, dtype: str | None, no_all_to_all: bool, as_json: bool) -> None:
+    """The collectives that move a tensor from one sharding to another, with bytes and time."""
+    from costmodel.comm import collective_time_s
+    from hwprofiles.profile import load_profile
+    from planner.mesh import MeshError
+    from planner.placement import parse_spec
+    from planner.reshard import plan_reshard
+
+    prof = load_profile(profile_name)
+    m = _mesh(devices, mesh, axis_names, prof.devices_per_node)
+    try:
+        dims = tuple(int(x) for x in shape.split(","))
+    except ValueError:
+        raise MeshError(f"--shape {shape!r} does not parse; write dims joined by commas, e.g. 1024,4096") from None
+    a, b = parse_spec(src, len(dims)), parse_spec(dst, len(dims))
+    a.validate(dims, m.shape, "--from")
+    b.validate(dims, m.shape, "--to")
+    prec = _precision(dtype, prof)
+    plan = plan_reshard(a, b, dims, m.shape, prec.activation_bytes, enable_all_to_all=not no_all_to_all)
+    rows = []
+    for st in plan.steps:
+        t = collective_time_s(prof, m, st.collective, st.size_bytes, (st.axis,)) if st.collective else 0.0
+        rows.append({"op": st.collective.value if st.collective else "local", "axis": m.axis_names[st.axis],
+                     "from": str(st.src), "to": str(st.dst), "bytes": st.size_bytes, "time_s": t})
+    if as_json:
+        click.echo(json.dumps({"from": str(a), "to": str(b), "mesh": list(m.shape), "steps": rows}, indent=1))
+        return
+    table = Table(title=f"{a} → {b} on mesh {m} ({prof.name}, {prec.name})")
+    for col in ("op", "axis", "placement", "bytes", "time"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["op"], r["axis"], f"{r['from']} → {r['to']}", _fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.1f} µs")
+    if not rows:
+        table.add_row("none", "", "already there", "", "")
+    console.print(table)
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=True, path_type=str))
+@dim_option
+@mesh_options
+@click.option("--op", "op_types", multiple=True, help="Only nodes of these op types (repeatable).")
+@click.option("--node", "node_names", multiple=True, help="Only these nodes (repeatable).")
+@click.option("--top", type=int, default=10, show_default=True, help="Strategies shown per node, cheapest first.")
+@click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None,
+               profile_name: str, dtype: str | None, op_types: tuple[str, ...], node_names: tuple[str, ...], top: int,
+               strict: bool, as_json: bool) -> None:
+    """Each op's sharding strategies on the mesh, priced for one training step (without resharding)."""
+    from costmodel.step import CostModel
+    from hwprofiles.profile import load_profile
+    from planner.graph import load_graph
+    from planner.rules import rules_for_graph
+
+    prof = load_profile(profile_name)
+    m = _mesh(devices, mesh, axis_names, prof.devices_per_node)
+    graph = load_graph(model, dims)
+    rs = rules_for_graph(graph, m, strict=strict)
+    cm = CostModel(graph, m, prof, _precision(dtype, prof))
+    out = []
+    for name, ns in rs.by_node.items():
+        if (op_types and ns.node.op_type not in op_types) or (node_names and name not in node_names):
+            continue
+        priced = sorted(((cm.node_cost(ns.node, s), s) for s in ns.strategies),
+                        key=lambda cs: cs[0].compute.total_s + cs[0].comm_s)
+        out.append({"node": name, "op_type": ns.node.op_type, "module": ns.node.module_path, "fallback": ns.fallback,
+                    "num_strategies": len(ns.strategies),
+                    "strategies": [{"strategy": s.name, "compute_s": c.compute.total_s, "comm_s": c.comm_s,
+                                    "param_bytes": c.param_bytes, "activation_bytes": c.activation_bytes}
+                                   for c, s in priced[:top]]})
+    fallbacks = sorted({n.op_type for n in rs.fallbacks})
+    if as_json:
+        click.echo(json.dumps({"mesh": list(m.shape), "nodes": out, "fallback_op_types": fallbacks}, indent=1))
+        return
+    for entry in out:
+        table = Table(title=f"{entry['node']} ({entry['op_type']}, {entry['module'] or 'no module'}): "
+                            f"{entry['num_strategies']} strategies{' — FALLBACK' if entry['fallback'] else ''}")
+        for col in ("strategy", "compute", "grad sync", "params+states", "saved act."):
+            table.add_column(col)
+        for r in entry["strategies"]:
+            table.add_row(r["strategy"], f"{r['compute_s'] * 1e6:.1f} µs", f"{r['comm_s'] * 1e6:.1f} µs",
+                          _fmt_bytes(r["param_bytes"]), _fmt_bytes(r["activation_bytes"]))
+        console.print(table)
+    console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
 
 
 @main.group()

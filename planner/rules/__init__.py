@@ -206,8 +206,16 @@ def rules_for_graph(graph: OpGraph, mesh: DeviceMesh, *, strict: bool = False) -
         raise MissingRuleError(f"no sharding rule for op types {', '.join(missing)}; drop --strict to run them "
                                "replicated (the fallback) or add rules in planner/rules/")
     rs = RuleSet(mesh=mesh)
+    # Repeated layers repeat signatures: expand each distinct (op, attrs, shapes, constants) once.
+    seen: dict[tuple[object, ...], NodeStrategies] = {}
     for n in graph.compute_nodes:
-        rs.by_node[n.name] = strategies_for(n, graph, mesh)
+        ctx = OpContext.of(n, graph)
+        consts = tuple(None if v is None else tuple(np.asarray(v).reshape(-1).tolist()) for v in ctx.const_inputs)
+        key = (n.op_type, n.attrs, ctx.in_shapes, ctx.out_shapes, ctx.placeable, consts)
+        hit = seen.get(key)
+        if hit is None:
+            hit = seen[key] = strategies_for(n, graph, mesh)
+        rs.by_node[n.name] = NodeStrategies(n, hit.strategies, hit.fallback)
     return rs
 
 
