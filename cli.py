@@ -238,7 +238,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
     graph = load_graph(model, dims)
     rs = rules_for_graph(graph, m, strict=strict)
     cm = CostModel(graph, m, prof, _precision(dtype, prof))
-    out = []
+    out: list[dict[str, Any]] = []
     for name, ns in rs.by_node.items():
         if (op_types and ns.node.op_type not in op_types) or (node_names and name not in node_names):
             continue
