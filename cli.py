@@ -242,13 +242,19 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
     for name, ns in rs.by_node.items():
         if (op_types and ns.node.op_type not in op_types) or (node_names and name not in node_names):
             continue
-        priced = sorted(((cm.node_cost(ns.node, s), s) for s in ns.strategies),
-                        key=lambda cs: cs[0].compute.total_s + cs[0].comm_s)
+        rows: list[dict[str, Any]] = []
+        for s in ns.strategies:
+            # Parameters stored as this strategy requires them: their states and gradient syncs.
+            params = [(t, spec) for t, spec in zip(ns.node.inputs, s.input_specs, strict=True)
+                      if spec is not None and t in cm.param_owner]
+            sync = sum(e.time_s for t, spec in params for e in cm.edge_events(t, spec, spec, cm.split_axes(s)))
+            c = cm.node_cost(ns.node, s)
+            rows.append({"strategy": s.name, "compute_s": c.compute.total_s, "comm_s": sync,
+                         "param_bytes": sum(cm.param_state_bytes(t, spec) for t, spec in params),
+                         "activation_bytes": c.activation_bytes})
+        rows.sort(key=lambda r: r["compute_s"] + r["comm_s"])
         out.append({"node": name, "op_type": ns.node.op_type, "module": ns.node.module_path, "fallback": ns.fallback,
-                    "num_strategies": len(ns.strategies),
-                    "strategies": [{"strategy": s.name, "compute_s": c.compute.total_s, "comm_s": c.comm_s,
-                                    "param_bytes": c.param_bytes, "activation_bytes": c.activation_bytes}
-                                   for c, s in priced[:top]]})
+                    "num_strategies": len(ns.strategies), "strategies": rows[:top]})
     fallbacks = sorted({n.op_type for n in rs.fallbacks})
     if as_json:
         click.echo(json.dumps({"mesh": list(m.shape), "nodes": out, "fallback_op_types": fallbacks}, indent=1))

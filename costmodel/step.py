@@ -1,19 +1,21 @@
 """One training step under a plan: per-node and per-edge costs, kept split, and their totals.
 
-A plan chooses one `OpStrategy` per compute node. Its step costs
+A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its step costs
 - compute: every node's forward and backward time on its local shard (`compute.py`);
-- communication, every collective listed with its phase and reason:
-  * on each edge, the reshard from the producer's output spec to the consumer's required spec in the
-    forward pass, and its conjugate on the gradient in the backward pass (`reshard.conjugate`);
-  * gradient synchronisation: an input that is replicated on a mesh axis along which its op is split
-    (some input or output of the op is not replicated there) gets a partial gradient on that axis,
-    all-reduced in the backward pass — a parameter's data-parallel gradient all-reduce, and Megatron's
-    all-reduce of the input gradient of a column-parallel matmul alike;
-- memory per device: model states of every parameter at the spec its first consumer requires, plus
-  the activations saved for backward at their local size (a sum over the step, not a liveness peak).
-Graph inputs and parameters are placed as their first consumer requires (the data loader and the
-initialiser can produce any placement); constants cost nothing. Step time = compute + communication
-(no overlap is assumed).
+- communication, every collective listed with its phase and reason, all of it on edges (a tensor
+  from the spec it is produced in to the spec a consumer requires):
+  * forward: the reshard (`reshard.plan_reshard`);
+  * backward, per mesh axis: if the consumer is *split* on the axis (some input or output of its
+    strategy is not replicated there) and requires the tensor replicated there, the gradient comes
+    out partial and is reduced — by a reduce_scatter when the forward gathered a shard (all_gather ↔
+    reduce_scatter, FSDP's pattern), else by an all_reduce (a parameter's data-parallel gradient
+    sync; Megatron's all-reduce of a column-parallel matmul's input gradient). Otherwise the forward
+    step's conjugate runs: a slice's gradient is all-gathered, a reduce_scatter's too, an all_to_all's
+    goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
+- memory per device: model states of every parameter at its spec, plus the activations saved for
+  backward at their local size (a sum over the step, not a liveness peak).
+Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
+need no gradient; constants cost nothing. Step time = compute + communication (no overlap assumed).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from costmodel.comm import collective_time_s
-from costmodel.compute import ComputeCost, compute_cost, local_shapes, tensor_bytes
+from costmodel.compute import BACKWARD_FLOPS_FACTOR, ComputeCost, compute_cost, local_shapes, tensor_bytes
 from costmodel.memory import Precision, saved_tensors
 from hwprofiles.profile import Collective, HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
@@ -45,13 +49,7 @@ class CommEvent:
 @dataclass(frozen=True, slots=True)
 class NodeCost:
     compute: ComputeCost
-    comm: tuple[CommEvent, ...]
-    param_bytes: float  # model states of the parameters this node owns (first consumer)
     activation_bytes: float  # its saved outputs, local
-
-    @property
-    def comm_s(self) -> float:
-        return sum(e.time_s for e in self.comm)
 
 
 @dataclass
@@ -88,85 +86,92 @@ class CostModel:
     # -- one node --------------------------------------------------------------------------------
 
     def node_cost(self, node: OpNode, strategy: OpStrategy) -> NodeCost:
-        g, mesh = self.graph, self.mesh
+        g = self.graph
         specs: dict[str, Spec | None] = dict(zip(node.inputs, strategy.input_specs, strict=True))
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
-        shapes = local_shapes(node, g, specs, mesh)
+        shapes = local_shapes(node, g, specs, self.mesh)
         compute = compute_cost(node, g, shapes, self.profile, self.precision)
-
-        split_axes = [a for a in range(mesh.ndim) if mesh.shape[a] > 1 and any(
-            s is not None and not isinstance(s.placements[a], Replicate) for s in (*strategy.input_specs, *strategy.output_specs))]
-        events: list[CommEvent] = []
-        param_bytes = 0.0
-        for t, spec in zip(node.inputs, strategy.input_specs, strict=True):
-            info = g.tensors.get(t) if t else None
-            if spec is None or info is None or not info.is_float or info.kind in (TensorKind.INPUT, TensorKind.CONSTANT):
-                continue
-            is_param = info.kind is TensorKind.PARAM
-            if is_param and self.param_owner.get(t) == node.name:
-                param_bytes += float(info.numel) / _shards(spec, mesh) * self.precision.model_state_bytes
-            axes = tuple(a for a in split_axes if isinstance(spec.placements[a], Replicate))
-            if axes:
-                itemsize = self.precision.grad_bytes if is_param else self.precision.activation_bytes
-                size = float(info.numel) / _shards(spec, mesh) * itemsize
-                events.append(CommEvent(Collective.ALL_REDUCE, axes, size,
-                                        collective_time_s(self.profile, mesh, Collective.ALL_REDUCE, size, axes),
-                                        backward=True, reason=f"grad sync {t}"))
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
-        return NodeCost(compute=compute, comm=tuple(events), param_bytes=param_bytes, activation_bytes=act)
+        return NodeCost(compute=compute, activation_bytes=act)
+
+    def split_axes(self, strategy: OpStrategy) -> frozenset[int]:
+        """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
+        return frozenset(a for a in range(self.mesh.ndim) if self.mesh.shape[a] > 1 and any(
+            s is not None and not isinstance(s.placements[a], Replicate)
+            for s in (*strategy.input_specs, *strategy.output_specs)))
+
+    def param_state_bytes(self, tensor: str, spec: Spec) -> float:
+        return float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh) * self.precision.model_state_bytes
 
     # -- one edge --------------------------------------------------------------------------------
 
-    def reshard_events(self, tensor: str, src: Spec, dst: Spec) -> tuple[CommEvent, ...]:
-        if src == dst:
-            return ()
+    def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
+        """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient."""
         info = self.graph.tensors[tensor]
-        itemsize = (self.precision.weight_bytes if info.kind is TensorKind.PARAM else
+        is_param = info.kind is TensorKind.PARAM
+        itemsize = (self.precision.weight_bytes if is_param else
                     self.precision.activation_bytes if info.is_float else info.itemsize_bytes)
+        events: list[CommEvent] = []
+
+        def add(kind: Collective, axis: int, size: float, backward: bool, reason: str) -> None:
+            t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
+            events.append(CommEvent(kind, (axis,), size, t, backward, reason))
+
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
-        events = []
-        for step in plan.steps:
-            axes = (step.axis,)
-            if step.collective is not None:
-                events.append(CommEvent(step.collective, axes, step.size_bytes,
-                                        collective_time_s(self.profile, self.mesh, step.collective, step.size_bytes, axes),
-                                        backward=False, reason=f"reshard {tensor}"))
-            back = conjugate(step) if info.is_float and info.kind is not TensorKind.INPUT else None
-            if back is not None:
-                events.append(CommEvent(back, axes, step.size_bytes,
-                                        collective_time_s(self.profile, self.mesh, back, step.size_bytes, axes),
-                                        backward=True, reason=f"reshard {tensor}"))
+        for step in plan.collectives:
+            assert step.collective is not None
+            add(step.collective, step.axis, step.size_bytes, False, f"reshard {tensor}")
+        if not info.is_float or info.kind in (TensorKind.INPUT, TensorKind.CONSTANT):
+            return tuple(events)  # no gradient flows back
+        grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
+        grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
+        by_axis = {st.axis: st for st in plan.steps}
+        for a in range(self.mesh.ndim):
+            st = by_axis.get(a)
+            if a in consumer_split and isinstance(dst.placements[a], Replicate):
+                if st is not None and st.collective is Collective.ALL_GATHER:
+                    add(Collective.REDUCE_SCATTER, a, grad_local, True, f"grad reduce-scatter {tensor}")
+                else:
+                    add(Collective.ALL_REDUCE, a, grad_local, True, f"grad sync {tensor}")
+            elif st is not None:
+                back = conjugate(st)
+                if back is not None:
+                    add(back, a, st.size_bytes * grad_item / itemsize, True, f"reshard {tensor}")
         return tuple(events)
 
     # -- a whole plan ----------------------------------------------------------------------------
 
-    def price(self, choice: Mapping[str, OpStrategy]) -> StepCost:
-        g = self.graph
+    def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None) -> StepCost:
+        """Cost of a plan: a strategy per compute node; parameters at `param_specs`, by default at the
+        spec their first consumer requires."""
+        g, p = self.graph, self.precision
         cost = StepCost()
-        placed: dict[str, Spec] = {}  # tensor → the spec it is produced (or first placed) in
+        placed: dict[str, Spec] = dict(param_specs or {})  # tensor → the spec it is produced (or stored) in
         mem = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
-        p = self.precision
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
             cost.compute_s += nc.compute.total_s
-            cost.flops_matmul += nc.compute.fwd_matmul_flops * (1 + 2)
-            cost.events.extend(nc.comm)
+            cost.flops_matmul += nc.compute.fwd_matmul_flops * (1 + BACKWARD_FLOPS_FACTOR)
+            split = self.split_axes(strategy)
             for t, need in zip(node.inputs, strategy.input_specs, strict=True):
                 if need is None or not t:
                     continue
-                have = placed.setdefault(t, need)
-                cost.events.extend(self.reshard_events(t, have, need))
+                info = g.tensors[t]
+                if t not in placed:
+                    placed[t] = need
+                    if info.kind is TensorKind.INPUT and t in self.saved:
+                        mem["activations"] += tensor_bytes(info, need.local_shape(info.shape, self.mesh.shape), p)
+                have = need if info.kind is TensorKind.INPUT else placed[t]
+                cost.events.extend(self.edge_events(t, have, need, split))
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
-            states = nc.param_bytes
+            mem["activations"] += nc.activation_bytes
+        for t in self.param_owner:
+            states = self.param_state_bytes(t, placed[t])
             mem["parameters"] += states * p.weight_bytes / p.model_state_bytes
             mem["gradients"] += states * p.grad_bytes / p.model_state_bytes
             mem["optimizer"] += states * p.optimizer_bytes / p.model_state_bytes
-            mem["activations"] += nc.activation_bytes
-        for t in g.inputs:  # saved graph inputs (e.g. pixels read by the first conv)
-            if t in self.saved and t in placed:
-                mem["activations"] += tensor_bytes(g.tensors[t], placed[t].local_shape(g.tensors[t].shape, self.mesh.shape), p)
         cost.comm_s = sum(e.time_s for e in cost.events)
         cost.memory = mem
         return cost

@@ -17,6 +17,7 @@ from costmodel.step import CostModel
 from hwprofiles.profile import Collective, LinkLevel, load_profile
 from planner.graph import OpGraph, graph_from_proto, load_graph
 from planner.mesh import DeviceMesh
+from planner.placement import Shard, Spec
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
 
 H100 = load_profile("h100-sxm")
@@ -158,3 +159,26 @@ def test_sharded_plan_divides_compute(zoo: Callable[[str], Path]) -> None:
     plan = {n.name: next(s for s in strategies_for(n, g, four).strategies if str(s.input_specs[0]) == "S(0)")
             for n in g.compute_nodes}
     assert CostModel(g, four, H100, BF16).price(plan).flops_matmul == pytest.approx(flops1 / 4)
+
+
+def test_sharded_parameters_gathered_then_reduce_scattered(zoo: Callable[[str], Path]) -> None:
+    # FSDP / ZeRO-3 pattern: parameters stored split over the data-parallel axis, gathered for use
+    # (all_gather, forward), their partial gradients reduce-scattered back (backward) — no all-reduce.
+    # Volume: all_gather + reduce_scatter of Ψ = one all-reduce's worth (ZeRO-3's 1.5× includes a
+    # second gather in backward, which this model does not charge: gathered weights stay resident).
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4)
+
+    def data_parallel(s: OpStrategy) -> bool:
+        return str(s.input_specs[0]) == "S(0)" and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+    plan = {n.name: next(filter(data_parallel, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
+    stored = {p.name: Spec((Shard(0),)) for p in g.params}
+    cost = CostModel(g, mesh, H100, BF16).price(plan, stored)
+    fwd = [e for e in cost.events if not e.backward]
+    bwd = [e for e in cost.events if e.backward]
+    assert {e.kind for e in fwd} == {Collective.ALL_GATHER} and {e.kind for e in bwd} == {Collective.REDUCE_SCATTER}
+    assert sum(e.size_bytes for e in fwd) == g.num_params * BF16.weight_bytes
+    assert sum(e.size_bytes for e in bwd) == g.num_params * BF16.grad_bytes
+    states = cost.memory["parameters"] + cost.memory["gradients"] + cost.memory["optimizer"]
+    assert states == pytest.approx(16 * g.num_params / 4)
