@@ -4,7 +4,8 @@ Forward: matmul-class FLOPs at the profile's peak for the dtype times the effici
 matmul size; every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
 time) + the per-op launch overhead. Backward: a matmul is two matmuls (input and weight gradients),
 2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
-input gradients, ≈ 2× the forward bytes.
+input gradients, ≈ 2× the forward bytes. Attention's score chain is one fused kernel (FlashAttention):
+its s×s tensors stay on chip, so they cost FLOPs but no memory traffic.
 """
 
 from __future__ import annotations
@@ -55,15 +56,19 @@ def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None],
 
 
 def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile,
-                 precision: Precision) -> ComputeCost:
+                 precision: Precision, *, on_chip: frozenset[str] = frozenset()) -> ComputeCost:
+    """`on_chip`: tensors that never reach memory (inside a fused kernel, e.g. attention scores);
+    an op whose outputs are all on chip is part of that kernel: no memory traffic, no launch."""
     flops = node_flops(node, lambda t: shapes[t])
     nbytes = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for t in shapes
-                 if graph.tensors[t].dtype != "sequence")
+                 if graph.tensors[t].dtype != "sequence" and t not in on_chip)
     dev = profile.device
+    fused = bool(node.outputs) and all(t in on_chip for t in node.outputs if t)
+    launch = 0.0 if fused else dev.kernel_launch_s
     dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
     mem_s = nbytes / dev.mem_bandwidth_bytes_per_s
     peak = dev.peak_for(dtype)
-    fwd = max(dev.matmul_time_s(flops.matmul, dtype) + flops.other / peak, mem_s) + dev.kernel_launch_s
+    fwd = max(dev.matmul_time_s(flops.matmul, dtype) + flops.other / peak, mem_s) + launch
     bwd = max(BACKWARD_FLOPS_FACTOR * dev.matmul_time_s(flops.matmul, dtype) + BACKWARD_FLOPS_FACTOR * flops.other / peak,
-              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * dev.kernel_launch_s
+              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

@@ -6,7 +6,10 @@ Model states per parameter (ZeRO paper, Rajbhandari et al. SC'20, §5), AdamW:
 With data-parallel degree N_d, ZeRO stage 1 shards the optimizer states, 2 also the gradients, 3 also
 the weights: (2 + 2 + K)Ψ, 4Ψ + KΨ/N_d, 2Ψ + (2 + K)Ψ/N_d, (4 + K)Ψ/N_d for mixed precision.
 
-Activations: what each op's backward reads, counted once per tensor (by `saved_tensors`).
+Activations: what each op's backward reads, counted once per tensor (by `saved_tensors`). Attention
+(QKᵀ → scale/mask → Softmax → ·V, as exporters decompose scaled_dot_product_attention) is priced as
+the fused kernel training runs (FlashAttention: scores recomputed in backward), so its s×s score and
+probability tensors are not kept.
 """
 
 from __future__ import annotations
@@ -61,8 +64,54 @@ _SAVES_NOTHING = frozenset({
 })
 
 
+_SCORE_CHAIN = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Cast", "Identity", "Softmax"})
+
+
+def attention_score_tensors(graph: OpGraph) -> frozenset[str]:
+    """Tensors between an attention's two matmuls: MatMul → (scale, mask, nan-guard)* → Softmax → MatMul."""
+    consumers: dict[str, list[str]] = {}
+    for n in graph.compute_nodes:
+        for t in n.inputs:
+            consumers.setdefault(t, []).append(n.name)
+    out: set[str] = set()
+    for n in graph.compute_nodes:
+        if n.op_type != "Softmax":
+            continue
+        # Forward from the probabilities, through a NaN guard or dropout, to the ·V matmul.
+        chain, ahead, reaches_v = {n.outputs[0]}, [n.outputs[0]], False
+        while ahead and len(chain) < 16:
+            t = ahead.pop()
+            for c in consumers.get(t, []):
+                op = graph.node_by_name[c].op_type
+                if op == "MatMul":
+                    reaches_v = True
+                elif op in _SCORE_CHAIN or op == "Dropout":
+                    out_t = graph.node_by_name[c].outputs[0]
+                    if out_t not in chain:
+                        chain.add(out_t)
+                        ahead.append(out_t)
+        if not reaches_v:
+            continue
+        frontier, found = [n.inputs[0]], False
+        while frontier and len(chain) < 16:
+            t = frontier.pop()
+            chain.add(t)
+            src = graph.producer.get(t)
+            if src is None or src in graph.constant_nodes:
+                continue
+            op = graph.node_by_name[src].op_type
+            if op == "MatMul":
+                found = True
+            elif op in _SCORE_CHAIN:
+                frontier.extend(i for i in graph.node_by_name[src].inputs[:1] if i)
+        if found:
+            out |= chain
+    return frozenset(out)
+
+
 def saved_tensors(graph: OpGraph) -> frozenset[str]:
     """Float activations (and inputs) some op's backward reads; parameters are counted as model states."""
+    scores = attention_score_tensors(graph)
     out: set[str] = set()
     for n in graph.compute_nodes:
         if n.op_type in _SAVES_NOTHING:
@@ -72,4 +121,4 @@ def saved_tensors(graph: OpGraph) -> frozenset[str]:
             info = graph.tensors.get(t)
             if info is not None and info.is_float and info.kind in (TensorKind.ACTIVATION, TensorKind.INPUT):
                 out.add(t)
-    return frozenset(out)
+    return frozenset(out - scores)

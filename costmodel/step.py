@@ -27,7 +27,7 @@ import numpy as np
 
 from costmodel.comm import collective_time_s
 from costmodel.compute import BACKWARD_FLOPS_FACTOR, ComputeCost, compute_cost, local_shapes, tensor_bytes
-from costmodel.memory import Precision, saved_tensors
+from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import Collective, HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
@@ -77,6 +77,9 @@ class CostModel:
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         self.enable_all_to_all = enable_all_to_all
         self.saved = saved_tensors(graph)
+        self.on_chip = attention_score_tensors(graph)
+        self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
+        self._edge_time_cache: dict[tuple[object, ...], float] = {}
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
             for t in n.inputs:
@@ -90,7 +93,7 @@ class CostModel:
         specs: dict[str, Spec | None] = dict(zip(node.inputs, strategy.input_specs, strict=True))
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
         shapes = local_shapes(node, g, specs, self.mesh)
-        compute = compute_cost(node, g, shapes, self.profile, self.precision)
+        compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip)
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
         return NodeCost(compute=compute, activation_bytes=act)
 
@@ -107,6 +110,24 @@ class CostModel:
 
     def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
         """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient."""
+        info = self.graph.tensors[tensor]
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split)
+        hit = self._edge_cache.get(key)
+        if hit is None:
+            hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split)
+        return tuple(CommEvent(e.kind, e.axes, e.size_bytes, e.time_s, e.backward, e.reason.rsplit(" ", 1)[0] + " " + tensor)
+                     for e in hit)
+
+    def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> float:
+        """Seconds of `edge_events` (what the solver needs, cached by shape and specs)."""
+        info = self.graph.tensors[tensor]
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split)
+        t = self._edge_time_cache.get(key)
+        if t is None:
+            t = self._edge_time_cache[key] = sum(e.time_s for e in self.edge_events(tensor, src, dst, consumer_split))
+        return t
+
+    def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
         info = self.graph.tensors[tensor]
         is_param = info.kind is TensorKind.PARAM
         itemsize = (self.precision.weight_bytes if is_param else

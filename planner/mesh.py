@@ -7,6 +7,7 @@ groups cross, and so does any group spanning several axes.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from functools import cached_property
@@ -87,12 +88,14 @@ class DeviceMesh:
     def _grid(self) -> np.ndarray:
         return np.array(self.devices).reshape(self.shape)
 
+    @functools.cache  # noqa: B019 — meshes are few, immutable and hashable
     def groups(self, axes: tuple[int, ...]) -> list[tuple[int, ...]]:
         """The device groups of a collective over `axes`: one group per index of the other axes."""
         others = [a for a in range(self.ndim) if a not in axes]
         moved = np.transpose(self._grid, others + list(axes))
         return [tuple(int(d) for d in g) for g in moved.reshape(-1, self.group_size(axes))]
 
+    @functools.cache  # noqa: B019
     def level(self, axes: tuple[int, ...]) -> LinkLevel:
         """INTER_NODE if any group over `axes` spans more than one node."""
         for g in self.groups(axes):
@@ -100,6 +103,7 @@ class DeviceMesh:
                 return LinkLevel.INTER_NODE
         return LinkLevel.INTRA_NODE
 
+    @functools.cache  # noqa: B019
     def inner_group_size(self, axes: tuple[int, ...]) -> int:
         """Devices of one group that share a node (for hierarchical collectives)."""
         g = self.groups(axes)[0]

@@ -1,0 +1,115 @@
+"""A solver-neutral 0-1 linear program, and its solution with CP-SAT or a MIP solver.
+
+The sharding ILP is written once against `LinearModel` (boolean variables, named linear constraints
+lo ≤ Σ coef·var ≤ hi, a linear objective to minimise, hints) and solved by the backend the user picks.
+Measured on Llama-3-8B (32 layers, batch 16 × seq 8192) on an 8×8 mesh, the same 37k-variable model,
+proved optimal by each (this machine, 2 cores): CBC 1.8 s, SCIP 7.8 s, CP-SAT 4.5–12 s (max_lp + core,
+2 workers; varies run to run), HiGHS 126 s. CBC is the default.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from planner.errors import MeshplanError
+
+BACKENDS = ("cbc", "cpsat", "scip", "highs")
+
+
+@dataclass
+class MilpResult:
+    status: str  # OPTIMAL, FEASIBLE (time limit, a plan with a gap), INFEASIBLE, UNKNOWN
+    values: list[bool]
+    objective: float
+    bound: float
+    time_s: float
+
+
+@dataclass
+class LinearModel:
+    names: list[str] = field(default_factory=list)
+    constraints: list[tuple[str, list[tuple[int, int]], int, int]] = field(default_factory=list)
+    objective: list[tuple[int, int]] = field(default_factory=list)
+    hints: dict[int, bool] = field(default_factory=dict)
+
+    def bool_var(self, name: str) -> int:
+        self.names.append(name)
+        return len(self.names) - 1
+
+    def add(self, name: str, terms: list[tuple[int, int]], lo: int, hi: int) -> None:
+        self.constraints.append((name, terms, lo, hi))
+
+    def add_equal(self, name: str, left: list[int], right: list[int]) -> None:
+        """Σ left = Σ right, all coefficients 1."""
+        self.add(name, [(v, 1) for v in left] + [(v, -1) for v in right], 0, 0)
+
+    @property
+    def num_variables(self) -> int:
+        return len(self.names)
+
+    @property
+    def num_constraints(self) -> int:
+        return len(self.constraints)
+
+    def solve(self, backend: str, *, time_limit_s: float, num_workers: int = 2, log: bool = False) -> MilpResult:
+        if backend not in BACKENDS:
+            raise MeshplanError(f"--solver {backend}: choose one of {', '.join(BACKENDS)}")
+        t0 = time.perf_counter()
+        result = self._cpsat(time_limit_s, num_workers, log) if backend == "cpsat" else \
+            self._mip(backend, time_limit_s, log)
+        result.time_s = time.perf_counter() - t0
+        return result
+
+    def _cpsat(self, time_limit_s: float, num_workers: int, log: bool) -> MilpResult:
+        from ortools.sat.python import cp_model
+
+        m = cp_model.CpModel()
+        xs = [m.new_bool_var(n) for n in self.names]
+        for name, terms, lo, hi in self.constraints:
+            m.add_linear_constraint(sum(c * xs[v] for v, c in terms), lo, hi).with_name(name)
+        for v, value in self.hints.items():
+            m.add_hint(xs[v], value)
+        m.minimize(sum(c * xs[v] for v, c in self.objective))
+        solver = cp_model.CpSolver()
+        p = solver.parameters
+        p.max_time_in_seconds = time_limit_s
+        p.num_workers = num_workers
+        for s in ("max_lp", "core"):  # LP-heavy search and core-based bounds: best measured here
+            p.subsolvers.append(s)
+        p.log_search_progress = log
+        status = solver.solve(m)
+        name = solver.status_name(status)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return MilpResult(name, [], 0.0, 0.0, 0.0)
+        return MilpResult(name, [bool(solver.value(x)) for x in xs], solver.objective_value,
+                          solver.best_objective_bound, 0.0)
+
+    def _mip(self, backend: str, time_limit_s: float, log: bool) -> MilpResult:
+        from ortools.linear_solver import pywraplp
+
+        solver = pywraplp.Solver.CreateSolver(backend.upper())
+        if solver is None:
+            raise MeshplanError(f"--solver {backend}: not available in this OR-Tools build; use cbc or cpsat")
+        if log:
+            solver.EnableOutput()
+        xs = [solver.BoolVar(n) for n in self.names]
+        for name, terms, lo, hi in self.constraints:
+            ct = solver.Constraint(lo, hi, name)
+            for v, c in terms:
+                ct.SetCoefficient(xs[v], ct.GetCoefficient(xs[v]) + c)
+        obj = solver.Objective()
+        for v, c in self.objective:
+            obj.SetCoefficient(xs[v], obj.GetCoefficient(xs[v]) + c)
+        obj.SetMinimization()
+        if self.hints:
+            solver.SetHint(xs, [float(self.hints.get(i, False)) for i in range(len(xs))])
+        solver.SetTimeLimit(int(time_limit_s * 1000))
+        status = solver.Solve()
+        names = {pywraplp.Solver.OPTIMAL: "OPTIMAL", pywraplp.Solver.FEASIBLE: "FEASIBLE",
+                 pywraplp.Solver.INFEASIBLE: "INFEASIBLE"}
+        name = names.get(status, "UNKNOWN")
+        if name not in ("OPTIMAL", "FEASIBLE"):
+            return MilpResult(name, [], 0.0, 0.0, 0.0)
+        bound = obj.BestBound() if name == "FEASIBLE" else obj.Value()
+        return MilpResult(name, [x.solution_value() > 0.5 for x in xs], obj.Value(), bound, 0.0)

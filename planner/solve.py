@@ -1,0 +1,449 @@
+"""The sharding ILP, on OR-Tools CP-SAT (the Alpa / XLA auto-sharding formulation).
+
+Shrinking first, so that decisions are few while every node keeps its own strategy:
+- constant subgraphs are already out (`OpGraph.compute_nodes`);
+- repeated layers are tied: node k of every layer of a `LayerGroup` takes the decision of node k of
+  the first layer, and so do the parameters they read (costs counted once per layer);
+- followers (Alpa's "follow"): a node with one activation input, whose strategies are told apart by
+  that input's spec alone (element-wise ops, views, softmax, norms), takes its producer's decision:
+  it runs the strategy that accepts the producer's output spec (or, if none does, its replicated
+  one, paying the reshard). An 80-layer model thus costs about one layer's few matmuls.
+Each graph node n maps to a decision d(n) and a function σ_n from d's choices to n's strategies.
+
+Decisions d: compute decisions (a node and its followers) and parameter decisions (the spec a tied
+parameter is stored in; choices: every spec some consumer strategy requires for it).
+Edges e = (u → v, tensor t) with d(u) ≠ d(v), tied like their ends, with multiplicity m_e.
+
+Variables
+  x[d,i] ∈ {0,1}        decision d takes choice i
+  y[e,a,b] ∈ {0,1}      on edge e, the producer side is in class a (choices that produce t in one
+                        spec) and the consumer side in class b (choices that require t in one spec
+                        and split the same mesh axes) — classes instead of choices keep y small
+Objective (integer nanoseconds of one training step)
+  min Σ c[d,i]·x[d,i] + Σ m_e·C_e[a,b]·y[e,a,b] + Σ ⌈mem[d,i] / MiB⌉·x[d,i]  (1 ns per MiB: ties → less memory)
+  c[d,i]: compute (forward + backward, local shards) of every node mapped to d under choice i, plus
+  the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
+  reshard of t and the backward work on its gradient (`CostModel.edge_events`).
+Constraints (every one named)
+  one_choice[d]:         Σ_i x[d,i] = 1
+  edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
+  edge_consumer[e,b]:    Σ_a y[e,a,b] = Σ_{i∈b} x[d(v),i]
+  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB); mem = parameter states + saved activations,
+                         a sum over the step, not a liveness-based peak
+  pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
+Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
+The replicated plan is given as a hint. Infeasible memory is diagnosed without the solver: the
+memory row is separable, so its minimum is the sum of per-decision minima.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from costmodel.step import CostModel
+from planner.errors import MeshplanError
+from planner.graph import OpGraph, TensorKind
+from planner.milp import LinearModel
+from planner.placement import Replicate, Spec
+from planner.rules import OpStrategy, RuleSet
+
+NS_PER_S = 1e9
+KIB = 1024
+
+
+class InfeasiblePlanError(MeshplanError):
+    """No plan satisfies the constraints (memory limit, pins)."""
+
+
+class PinError(MeshplanError):
+    """A pin names an unknown tensor or a spec no strategy can produce."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SolverOptions:
+    time_limit_s: float = 60.0
+    backend: str = "cbc"  # see planner/milp.py for the measurements behind the default
+    num_workers: int = 2
+    log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.time_limit_s <= 0:
+            raise MeshplanError(f"--time-limit {self.time_limit_s}: must be positive seconds")
+
+
+@dataclass
+class SolverStats:
+    status: str
+    objective: float  # seconds
+    bound: float  # seconds
+    gap: float
+    time_s: float
+    num_variables: int
+    num_constraints: int
+    num_decision_nodes: int
+    num_edges: int
+
+
+@dataclass
+class Solution:
+    choice: dict[str, OpStrategy]  # every compute node
+    param_specs: dict[str, Spec]  # every parameter
+    stats: SolverStats
+    constraints_by_family: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Edge:
+    tensor: str  # a representative tensor: its cost matrix stands for all tied ones
+    producer: str  # decision ("param:<name>" for a parameter)
+    consumer: str  # decision
+    producer_node: str | None  # graph node producing the tensor (None for a parameter)
+    consumer_node: str
+    in_index: int
+    out_index: int
+    multiplicity: int = 0
+
+
+class ShardingILP:
+    """Builds and solves the ILP for one graph, mesh and cost model. One method per constraint family."""
+
+    def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, memory_limit_bytes: float | None = None,
+                 pins: Mapping[str, Spec] | None = None, options: SolverOptions | None = None,
+                 follow: bool = True) -> None:
+        self.graph, self.rules, self.cost = graph, rules, cost
+        self.memory_limit_bytes = memory_limit_bytes
+        self.pins = dict(pins or {})
+        self.options = options or SolverOptions()
+        self.model = LinearModel()
+        self.constraint_counts: dict[str, int] = defaultdict(int)
+        self._tie_layers()
+        self._tie_params()
+        self._assign_decisions(follow)
+        self._collect_edges()
+
+    # -- shrinking -------------------------------------------------------------------------------------
+
+    def _tie_layers(self) -> None:
+        g = self.graph
+        self.rep: dict[str, str] = {n.name: n.name for n in g.compute_nodes}
+        for group in g.layers:
+            for layer in group.nodes[1:]:
+                for k, name in enumerate(layer):
+                    self.rep[name] = group.nodes[0][k]
+
+    def _tie_params(self) -> None:
+        g = self.graph
+        self.param_rep: dict[str, str] = {}
+        for n in g.compute_nodes:
+            rep_node = g.node_by_name[self.rep[n.name]]
+            for i, t in enumerate(n.inputs):
+                if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and t not in self.param_rep:
+                    self.param_rep[t] = rep_node.inputs[i] if rep_node.inputs[i] in g.tensors else t
+        self.params = sorted(set(self.param_rep.values()))
+        self.param_specs: dict[str, list[Spec]] = {}
+        for p in self.params:
+            opts: dict[Spec, None] = {}
+            for n in g.compute_nodes:
+                if self.rep[n.name] != n.name:
+                    continue
+                for i, t in enumerate(n.inputs):
+                    if self.param_rep.get(t) == p:
+                        for st in self._strategies(n.name):
+                            if st.input_specs[i] is not None:
+                                opts[st.input_specs[i]] = None  # type: ignore[index]
+            self.param_specs[p] = [self.pins[p]] if p in self.pins else list(opts)
+
+    def _follow_source(self, name: str) -> tuple[str, int, int] | None:
+        """(producer, its output index, this node's input index) if `name` can follow its producer."""
+        g = self.graph
+        node = g.node_by_name[name]
+        strategies = self._strategies(name)
+        placed = [i for i, sp in enumerate(strategies[0].input_specs) if sp is not None]
+        if len(placed) != 1 or len(strategies) < 2:
+            return None
+        i = placed[0]
+        t = node.inputs[i]
+        src = g.producer.get(t)
+        if g.tensors[t].kind is not TensorKind.ACTIVATION or src is None or src not in self.rep:
+            return None
+        if len({st.input_specs[i] for st in strategies}) != len(strategies):
+            return None  # the input spec does not tell the strategies apart
+        if any(t in self.pins for t in node.outputs):
+            return None
+        return src, g.node_by_name[src].outputs.index(t), i
+
+    def _assign_decisions(self, follow: bool) -> None:
+        """σ: every representative node → (decision, choice → its strategy index)."""
+        g = self.graph
+        self.sigma: dict[str, tuple[str, list[int]]] = {}
+        for n in g.compute_nodes:  # topological: producers are assigned before followers
+            if self.rep[n.name] != n.name:
+                continue
+            source = self._follow_source(n.name) if follow else None
+            if source is None:
+                self.sigma[n.name] = (n.name, list(range(len(self._strategies(n.name)))))
+                continue
+            src, out_index, in_index = source
+            d, src_map = self.sigma[self.rep[src]]
+            src_strats = self._strategies(self.rep[src])
+            mine = self._strategies(n.name)
+            by_input = {st.input_specs[in_index]: j for j, st in enumerate(mine)}
+            fallback = next(j for j, st in enumerate(mine) if st.is_replicated)
+            self.sigma[n.name] = (d, [by_input.get(src_strats[k].output_specs[out_index], fallback) for k in src_map])
+        for p in self.params:
+            self.sigma["param:" + p] = ("param:" + p, list(range(len(self.param_specs[p]))))
+        self.decisions: dict[str, int] = {}
+        for d, m in self.sigma.values():
+            self.decisions[d] = len(m)
+
+    def _collect_edges(self) -> None:
+        g = self.graph
+        edges: dict[tuple[str, str, int, int, str], _Edge] = {}
+        for n in g.compute_nodes:
+            v = self.rep[n.name]
+            strat = self._strategies(v)[0]
+            for i, t in enumerate(n.inputs):
+                if not t or strat.input_specs[i] is None or t not in g.tensors:
+                    continue
+                info = g.tensors[t]
+                if info.kind is TensorKind.INPUT:
+                    continue  # delivered in the spec required, no gradient
+                if info.kind is TensorKind.PARAM:
+                    u, out_index, prod = "param:" + self.param_rep[t], 0, None
+                else:
+                    src = g.producer.get(t)
+                    if src is None or src not in self.rep:
+                        continue
+                    u, out_index, prod = self.rep[src], g.node_by_name[src].outputs.index(t), self.rep[src]
+                key = (u, v, i, out_index, "")
+                e = edges.setdefault(key, _Edge(tensor=t, producer=self.sigma[u][0], consumer=self.sigma[v][0],
+                                                producer_node=prod, consumer_node=v, in_index=i, out_index=out_index))
+                e.multiplicity += 1
+        self.edges = list(edges.values())
+
+    # -- helpers -----------------------------------------------------------------------------------------
+
+    def _strategies(self, v: str) -> tuple[OpStrategy, ...]:
+        return self.rules.by_node[v].strategies
+
+    def _node_strategy(self, node: str, choice: int) -> OpStrategy:
+        """The strategy of representative `node` when its decision takes `choice`."""
+        _, m = self.sigma[node]
+        return self._strategies(node)[m[choice]]
+
+    def _producer_spec(self, e: _Edge, choice: int) -> Spec:
+        if e.producer_node is None:
+            return self.param_specs[e.producer[6:]][choice]
+        return self._node_strategy(e.producer_node, choice).output_specs[e.out_index]
+
+    def _consumer_class(self, e: _Edge, choice: int) -> tuple[Spec, frozenset[int]]:
+        """What an edge's cost depends on at the consumer: the spec it requires and the axes on which
+        it is split *and* requires the tensor replicated (where the gradient comes out partial)."""
+        st = self._node_strategy(e.consumer_node, choice)
+        spec = st.input_specs[e.in_index]
+        assert spec is not None
+        split = frozenset(a for a in self.cost.split_axes(st) if isinstance(spec.placements[a], Replicate))
+        return spec, split
+
+    def _edge_s(self, e: _Edge, src: Spec, dst: Spec, split: frozenset[int]) -> float:
+        return self.cost.edge_time_s(e.tensor, src, dst, split)
+
+    # -- variables -----------------------------------------------------------------------------------
+
+    def _add_variables(self) -> None:
+        self.x = {d: [self.model.bool_var(f"x[{d},{i}]") for i in range(k)] for d, k in self.decisions.items()}
+
+    # -- constraint families ---------------------------------------------------------------------------
+
+    def add_one_choice(self) -> None:
+        for d, xs in self.x.items():
+            self.model.add(f"one_choice[{d}]", [(x, 1) for x in xs], 1, 1)
+            self.constraint_counts["one_choice"] += 1
+
+    def add_edges(self) -> list[tuple[int, int]]:
+        """y variables with both marginals; returns the objective terms (ns). Edges within one
+        decision become per-choice costs (`self.inner_cost`)."""
+        terms: list[tuple[int, int]] = []
+        self.inner_cost = {d: [0.0] * k for d, k in self.decisions.items()}
+        for k, e in enumerate(self.edges):
+            if e.producer == e.consumer:
+                for c in range(self.decisions[e.producer]):
+                    dst, split = self._consumer_class(e, c)
+                    self.inner_cost[e.producer][c] += e.multiplicity * self._edge_s(e, self._producer_spec(e, c), dst, split)
+                continue
+            producer_class: dict[Spec, list[int]] = defaultdict(list)
+            for c in range(self.decisions[e.producer]):
+                producer_class[self._producer_spec(e, c)].append(c)
+            consumer_class: dict[tuple[Spec, frozenset[int]], list[int]] = defaultdict(list)
+            for c in range(self.decisions[e.consumer]):
+                consumer_class[self._consumer_class(e, c)].append(c)
+            # Cost matrix over classes, then merge classes with identical rows (columns): exact, and
+            # it shrinks y several-fold where many specs reshard alike.
+            cost = [[round(self._edge_s(e, src, dst, split) * e.multiplicity * NS_PER_S) for (dst, split) in consumer_class]
+                    for src in producer_class]
+            rows = _merge_identical([tuple(r) for r in cost], list(producer_class.values()))
+            cols = _merge_identical([tuple(cost[i][j] for i in range(len(cost))) for j in range(len(consumer_class))],
+                                    list(consumer_class.values()))
+            y = {}
+            for a, (ra, _) in enumerate(rows):
+                for b, (cb, _) in enumerate(cols):
+                    y[a, b] = var = self.model.bool_var(f"y[{k},{a},{b}]")
+                    ns = cost[ra][cb]
+                    if ns:
+                        terms.append((ns, var))
+            for a, (_, members) in enumerate(rows):
+                self.model.add_equal(f"edge_producer[{k},{a}]", [y[a, b] for b in range(len(cols))],
+                                     [self.x[e.producer][i] for i in members])
+                self.constraint_counts["edge_producer"] += 1
+            for b, (_, members) in enumerate(cols):
+                self.model.add_equal(f"edge_consumer[{k},{b}]", [y[a, b] for a in range(len(rows))],
+                                     [self.x[e.consumer][j] for j in members])
+                self.constraint_counts["edge_consumer"] += 1
+        return terms
+
+    def _costs_and_memory(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """Per choice of every decision: seconds (compute of its nodes, inner edges) and bytes
+        (saved activations; parameter states), each node counted once per layer it stands for."""
+        mult: dict[str, int] = defaultdict(int)
+        for r in self.rep.values():
+            mult[r] += 1
+        pmult: dict[str, int] = defaultdict(int)
+        for r in self.param_rep.values():
+            pmult[r] += 1
+        costs = {d: list(c) for d, c in self.inner_cost.items()}
+        mem = {d: [0.0] * k for d, k in self.decisions.items()}
+        for node, (d, m) in self.sigma.items():
+            if node.startswith("param:"):
+                p = node[6:]
+                mem[d] = [self.cost.param_state_bytes(p, spec) * pmult[p] for spec in self.param_specs[p]]
+                continue
+            gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
+            priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
+            for c, j in enumerate(m):
+                costs[d][c] += priced[j].compute.total_s * mult[node]
+                mem[d][c] += priced[j].activation_bytes * mult[node]
+        return costs, mem
+
+    def add_memory(self, mem: dict[str, list[float]]) -> None:
+        if self.memory_limit_bytes is None:
+            return
+        floor = self.min_memory_bytes(mem)
+        if floor > self.memory_limit_bytes:
+            raise InfeasiblePlanError(
+                f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
+                f"as its rules allow) but --memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
+                "--memory-limit or add devices")
+        terms = [(x, math.ceil(b / KIB)) for v, bs in mem.items() for b, x in zip(bs, self.x[v], strict=True) if b]
+        self.model.add("memory", terms, 0, int(self.memory_limit_bytes // KIB))
+        self.constraint_counts["memory"] += 1
+
+    @staticmethod
+    def min_memory_bytes(mem: dict[str, list[float]]) -> float:
+        return sum(min(bs) for bs in mem.values() if bs)
+
+    def add_pins(self) -> None:
+        g = self.graph
+        for t, spec in self.pins.items():
+            if t not in g.tensors:
+                raise PinError(f"--pin {t}: no tensor of that name in the model; pins name inputs, parameters or "
+                               "activations (see meshplan inspect)")
+            info = g.tensors[t]
+            spec.validate(info.shape, self.rules.mesh.shape, f"--pin {t}")
+            if info.kind is TensorKind.PARAM:
+                continue  # its decision has the pinned spec as its only choice
+            matched = False
+            if info.kind is TensorKind.INPUT:
+                for n in g.compute_nodes:
+                    for i, name in enumerate(n.inputs):
+                        if name == t:
+                            matched |= self._forbid(n.name, _takes(i, spec), f"pin[{t}]")
+            else:
+                src = g.producer[t]
+                idx = g.node_by_name[src].outputs.index(t)
+                matched = self._forbid(src, _makes(idx, spec), f"pin[{t}]")
+            if not matched:
+                raise PinError(f"--pin {t}={spec}: no strategy of its op can produce or take that placement; "
+                               "choose another (see meshplan strategies)")
+
+    def _forbid(self, node: str, keep: Callable[[OpStrategy], bool], name: str) -> bool:
+        v = self.rep.get(node, node)
+        d, m = self.sigma[v]
+        ok = [keep(self._strategies(v)[j]) for j in m]
+        for flag, var in zip(ok, self.x[d], strict=True):
+            if not flag:
+                self.model.add(name, [(var, 1)], 0, 0)
+                self.constraint_counts["pin"] += 1
+        return any(ok)
+
+    def _hint_replicated(self) -> None:
+        for d, xs in self.x.items():
+            if d.startswith("param:"):
+                best = next((i for i, s in enumerate(self.param_specs[d[6:]]) if s.is_replicated), 0)
+            else:
+                best = next((i for i in range(len(xs)) if self._node_strategy(d, i).is_replicated), 0)
+            for i, var in enumerate(xs):
+                self.model.hints[var] = i == best
+
+    # -- solve ------------------------------------------------------------------------------------------
+
+    def solve(self) -> Solution:
+        t0 = time.perf_counter()
+        self._add_variables()
+        self.add_one_choice()
+        edge_terms = self.add_edges()
+        node_costs, mem = self._costs_and_memory()
+        self.add_memory(mem)
+        self.add_pins()
+        self._hint_replicated()
+        node_terms = [(round(c * NS_PER_S), x) for d, cs in node_costs.items() for c, x in zip(cs, self.x[d], strict=True)]
+        # Among plans of equal step time, prefer less memory: 1 ns per MiB per device, far below any
+        # real difference in time (reported costs come from pricing the plan, not from this sum).
+        tie_break = [(max(1, round(b / 2**20)), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
+        self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c]
+        o = self.options
+        result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
+        if result.status == "INFEASIBLE":
+            families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
+            raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
+                                      "raise --memory-limit, drop a pin, or add devices")
+        if result.status not in ("OPTIMAL", "FEASIBLE"):
+            raise InfeasiblePlanError(f"the solver found no plan within --time-limit {o.time_limit_s:.0f} s "
+                                      f"(status {result.status}); raise --time-limit")
+        picked = {d: next(i for i, x in enumerate(xs) if result.values[x]) for d, xs in self.x.items()}
+        choice: dict[str, OpStrategy] = {}
+        for n in self.graph.compute_nodes:
+            v = self.rep[n.name]
+            d, m = self.sigma[v]
+            choice[n.name] = self.rules.by_node[n.name].strategies[m[picked[d]]]
+        param_specs = {t: self.param_specs[r][picked["param:" + r]] for t, r in self.param_rep.items()}
+        obj, bound = result.objective / NS_PER_S, result.bound / NS_PER_S
+        stats = SolverStats(
+            status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
+            time_s=time.perf_counter() - t0, num_variables=self.model.num_variables,
+            num_constraints=self.model.num_constraints,
+            num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
+        )
+        return Solution(choice=choice, param_specs=param_specs, stats=stats, constraints_by_family=dict(self.constraint_counts))
+
+
+def _merge_identical(vectors: list[tuple[int, ...]], members: list[list[int]]) -> list[tuple[int, list[int]]]:
+    """Group classes whose cost vectors are equal: (index of one representative, union of members)."""
+    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    for i, (vec, mem) in enumerate(zip(vectors, members, strict=True)):
+        if vec in groups:
+            groups[vec][1].extend(mem)
+        else:
+            groups[vec] = (i, list(mem))
+    return list(groups.values())
+
+
+def _takes(i: int, spec: Spec) -> Callable[[OpStrategy], bool]:
+    return lambda s: s.input_specs[i] == spec
+
+
+def _makes(i: int, spec: Spec) -> Callable[[OpStrategy], bool]:
+    return lambda s: s.output_specs[i] == spec
