@@ -88,6 +88,10 @@ def _fmt_count(x: float) -> str:
     return f"{x:.0f}"
 
 
+def _fmt_ms(x: float) -> str:
+    return f"{x * 1e3:.3f} ms"
+
+
 def _fmt_bytes(x: float) -> str:
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(x) >= div:
@@ -166,6 +170,183 @@ def _render_summary(s: dict[str, Any]) -> None:
     if not s["layers"]:
         layers.add_row("none found", "", "")
     console.print(layers)
+
+
+def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
+    from pathlib import Path
+
+    from planner.solve import PinError
+
+    out: dict[str, str] = {}
+    if pin_file:
+        try:
+            data = json.loads(Path(pin_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PinError(f"--pin-file {pin_file}: {e}; write a JSON object such as {{\"ids\": \"S(0),R\"}}") from e
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise PinError(f"--pin-file {pin_file}: must map tensor names to placement strings, e.g. {{\"ids\": \"S(0),R\"}}")
+        out.update(data)
+    for p in pins:
+        name, sep, spec = p.partition("=")
+        if not sep or not name or not spec:
+            raise PinError(f"--pin {p!r} is not TENSOR=PLACEMENTS (e.g. --pin ids=S(0),R)")
+        out[name] = spec
+    return out
+
+
+@main.command()
+@click.argument("model", type=click.Path(dir_okay=True, path_type=str))
+@dim_option
+@mesh_options
+@click.option("--mode", type=click.Choice(["auto", "semi", "data-parallel", "stand-alone"]), default="auto",
+              show_default=True, help="auto: the ILP; semi: honour pins, decide the rest; data-parallel; stand-alone.")
+@click.option("--search", type=click.Choice(["ilp", "propagation"]), default="ilp", show_default=True,
+              help="How auto/semi decide: the ILP, or greedy propagation (fast, no ILP).")
+@click.option("--pin", "pins", multiple=True, metavar="TENSOR=PLACEMENTS", help="Fix a tensor's placements (repeatable).")
+@click.option("--pin-file", default=None, help="JSON map of tensor → placements.")
+@click.option("--memory-limit", "memory_limit", type=float, default=None, metavar="GIB",
+              help="Per-device memory limit in GiB (default: 90% of the device's capacity).")
+@click.option("--time-limit", type=float, default=60.0, show_default=True, metavar="S", help="Solver time limit.")
+@click.option("--solver", type=click.Choice(["cbc", "cpsat", "scip", "highs"]), default="cbc", show_default=True)
+@click.option("--no-follow", is_flag=True, help="Give every op its own decision (exact, slower).")
+@click.option("--no-all-to-all", is_flag=True, help="Reshard S(i)→S(j) by all_gather + slice.")
+@click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
+@click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
+@click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
+@_one_line_errors
+def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
+         dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
+         memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
+         strict: bool, out_path: str | None, as_json: bool) -> None:
+    """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
+    from pathlib import Path
+
+    from planner.plan import PlanRequest, make_plan
+
+    shape = _parse_mesh_shape(mesh)
+    names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
+    req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
+                      mode=mode, search=search, pins=_parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
+                      time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
+                      all_to_all=not no_all_to_all)
+    with err_console.status("planning") as status:
+        strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
+    out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
+    strategy.save(out)
+    if as_json:
+        click.echo(strategy.to_json())
+        return
+    _render_plan(dict(strategy.data), candidates, out)
+
+
+def _render_plan(d: dict[str, Any], candidates: list[Any], out: Any) -> None:
+    c, sv, m = d["cost"], d["solver"], d["mesh"]
+    head = Table(title=f"plan for {d['model']['name']} on {d['profile']['name']}", show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("mesh", " × ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"], strict=True)))
+    head.add_row("mode", f"{d['settings']['mode']} ({d['settings']['search']}, {d['settings']['dtype']})")
+    head.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms = compute {c['compute_s'] * 1e3:.2f} ms "
+                 f"+ communication {c['comm_s'] * 1e3:.2f} ms")
+    head.add_row("memory per device", f"{_fmt_bytes(c['memory_bytes_per_device'])} ("
+                 + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in c["memory"].items()) + ")")
+    head.add_row("solver", f"{sv['status']} in {sv['time_s']:.2f} s, objective {sv['objective']:.6g} s, gap "
+                 f"{sv['gap']:.2%}, {sv['num_variables']} variables, {sv['num_constraints']} constraints")
+    fb = sorted({f["op_type"] for f in d["fallback_ops"]})
+    head.add_row("fallbacks", ", ".join(fb) if fb else "none")
+    head.add_row("written", str(out))
+    console.print(head)
+    if len(candidates) > 1:
+        t = Table(title="mesh candidates")
+        for col in ("mesh", "step time", "memory", "status"):
+            t.add_column(col)
+        for cand in candidates:
+            t.add_row(str(cand.mesh), f"{cand.cost.step_time_s * 1e3:.2f} ms" if cand.cost else "—",
+                      _fmt_bytes(cand.cost.memory_bytes) if cand.cost else "—",
+                      cand.stats.status if cand.stats else cand.error[:60])
+        console.print(t)
+
+
+@main.command()
+@click.argument("strategy_path", metavar="STRATEGY")
+@click.option("--top", type=int, default=10, show_default=True, help="Most expensive ops shown.")
+@click.option("--json", "as_json", is_flag=True)
+@click.option("--report", default=None, metavar="PATH.html", help="Write an HTML report with plots.")
+@_one_line_errors
+def explain(strategy_path: str, top: int, as_json: bool, report: str | None) -> None:
+    """Explain a strategy: costly ops, collectives, memory, and the same model under the baselines."""
+    from planner.explain import explain_strategy, write_html_report
+
+    data = explain_strategy(strategy_path, top=top)
+    if report:
+        write_html_report(data, report)
+    if as_json:
+        click.echo(json.dumps(data, indent=1))
+        return
+    _render_explain(data, report)
+
+
+def _render_explain(e: dict[str, Any], report: str | None) -> None:
+    t = Table(title=f"{e['model']} — plan and baselines, priced by one cost model")
+    for col in ("plan", "mesh", "step time", "compute", "comm", "memory/device", "fits"):
+        t.add_column(col)
+    for b in e["baselines"]:
+        if b["step_time_s"] is None:
+            t.add_row(b["name"], b["mesh"], "n/a", "", "", "", b.get("note", ""))
+            continue
+        t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms", f"{b['compute_s'] * 1e3:.2f} ms",
+                  f"{b['comm_s'] * 1e3:.2f} ms", _fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
+    console.print(t)
+    ops = Table(title="most expensive ops (compute + their collectives)")
+    for col in ("node", "op", "module", "strategy", "time"):
+        ops.add_column(col, overflow="fold")
+    for o in e["top_ops"]:
+        ops.add_row(o["node"], o["op_type"], o["module"], o["strategy"], f"{o['time_s'] * 1e6:.1f} µs")
+    console.print(ops)
+    colls = Table(title="collectives per step")
+    for name in ("kind", "axes", "phase", "count", "bytes", "time"):
+        colls.add_column(name)
+    for c in e["collectives"]:
+        colls.add_row(c["kind"], ",".join(c["axes"]), c["phase"], str(c["count"]), _fmt_bytes(c["bytes"]),
+                      f"{c['time_s'] * 1e3:.3f} ms")
+    console.print(colls)
+    console.print("memory: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in e["memory"].items())
+                  + f"; fallbacks: {', '.join(e['fallback_op_types']) or 'none'}")
+    if report:
+        console.print(f"report written to {report}")
+
+
+@main.command()
+@click.argument("a")
+@click.argument("b")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def diff(a: str, b: str, as_json: bool) -> None:
+    """What changed between two strategies: placements, node strategies, collectives, predicted cost."""
+    from planner.strategy import diff as strategy_diff
+    from planner.strategy import load_strategy
+
+    d = strategy_diff(load_strategy(a), load_strategy(b))
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+        return
+    if not d["same_model"]:
+        console.print("[bold]different models[/bold] (fingerprints differ)")
+    if d["mesh"]:
+        console.print(f"mesh: {d['mesh']['from']['shape']} → {d['mesh']['to']['shape']}")
+    table = Table(title="predicted cost")
+    for col in ("", "A", "B", "change"):
+        table.add_column(col)
+    for k, v in d["cost"].items():
+        f, to = v["from"], v["to"]
+        fmt = _fmt_bytes if "memory" in k else _fmt_ms
+        table.add_row(k, fmt(f), fmt(to), f"{(to - f) / f:+.1%}" if f else "")
+    console.print(table)
+    console.print(f"{len(d['nodes'])} node strategies and {len(d['tensors'])} tensor placements differ")
+    for n, v in list(d["nodes"].items())[:20]:
+        console.print(f"  {n}: {v['from']}  →  {v['to']}", markup=False)
+    for k, v in d["collective_bytes"].items():
+        console.print(f"  {k}: {_fmt_bytes(v['from'])} → {_fmt_bytes(v['to'])} per step")
 
 
 @main.command()

@@ -8,7 +8,7 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
   * backward, per mesh axis: if the consumer is *split* on the axis (some input or output of its
     strategy is not replicated there) and requires the tensor replicated there, the gradient comes
     out partial and is reduced — by a reduce_scatter when the forward gathered a shard (all_gather ↔
-    reduce_scatter, FSDP's pattern), else by an all_reduce (a parameter's data-parallel gradient
+    reduce_scatter, FSDP's pattern; a parameter is also gathered again for backward), else by an all_reduce (a parameter's data-parallel gradient
     sync; Megatron's all-reduce of a column-parallel matmul's input gradient). Otherwise the forward
     step's conjugate runs: a slice's gradient is all-gathered, a reduce_scatter's too, an all_to_all's
     goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
@@ -59,6 +59,12 @@ class StepCost:
     memory: dict[str, float] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     flops_matmul: float = 0.0  # per device, forward + backward
+    # What a strategy file lists: per node, its compute time and the collectives on its inputs; where
+    # every tensor lives; every reshard (tensor, consumer, from, to, its events).
+    node_compute_s: dict[str, float] = field(default_factory=dict)
+    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)
+    placed: dict[str, Spec] = field(default_factory=dict)
+    reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
 
     @property
     def step_time_s(self) -> float:
@@ -149,6 +155,10 @@ class CostModel:
         by_axis = {st.axis: st for st in plan.steps}
         for a in range(self.mesh.ndim):
             st = by_axis.get(a)
+            if is_param and st is not None and st.collective is Collective.ALL_GATHER:
+                # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
+                # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
+                add(Collective.ALL_GATHER, a, st.size_bytes, True, f"re-gather {tensor}")
             if a in consumer_split and isinstance(dst.placements[a], Replicate):
                 if st is not None and st.collective is Collective.ALL_GATHER:
                     add(Collective.REDUCE_SCATTER, a, grad_local, True, f"grad reduce-scatter {tensor}")
@@ -173,8 +183,10 @@ class CostModel:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
             cost.compute_s += nc.compute.total_s
+            cost.node_compute_s[node.name] = nc.compute.total_s
             cost.flops_matmul += nc.compute.fwd_matmul_flops * (1 + BACKWARD_FLOPS_FACTOR)
             split = self.split_axes(strategy)
+            mine = cost.node_events.setdefault(node.name, [])
             for t, need in zip(node.inputs, strategy.input_specs, strict=True):
                 if need is None or not t:
                     continue
@@ -184,7 +196,11 @@ class CostModel:
                     if info.kind is TensorKind.INPUT and t in self.saved:
                         mem["activations"] += tensor_bytes(info, need.local_shape(info.shape, self.mesh.shape), p)
                 have = need if info.kind is TensorKind.INPUT else placed[t]
-                cost.events.extend(self.edge_events(t, have, need, split))
+                events = self.edge_events(t, have, need, split)
+                cost.events.extend(events)
+                mine.extend(events)
+                if have != need:
+                    cost.reshards.append((t, node.name, have, need, events))
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
             mem["activations"] += nc.activation_bytes
@@ -195,6 +211,7 @@ class CostModel:
             mem["optimizer"] += states * p.optimizer_bytes / p.model_state_bytes
         cost.comm_s = sum(e.time_s for e in cost.events)
         cost.memory = mem
+        cost.placed = placed
         return cost
 
 

@@ -74,7 +74,8 @@ def plan_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], mesh_shape: tuple
         if b not in changing and isinstance(p, Shard) and any(a < b for a in touched.get(p.dim, ())):
             changing.add(b)
 
-    cur = list(src.placements)
+    # On an axis of one device every placement holds the same data: relabel, nothing moves.
+    cur = [dst.placements[a] if mesh_shape[a] == 1 else p for a, p in enumerate(src.placements)]
     steps: list[ReshardStep] = []
 
     def emit(axis: int, to: Placement, coll: Collective | None, size: float) -> None:

@@ -1,0 +1,158 @@
+"""`meshplan explain`: a strategy next to the baselines, all priced by the same cost model.
+
+Baselines on the strategy's own mesh: fully replicated (every op on every device), data parallel
+(batch split over all axes, parameters replicated) and FSDP (data parallel with every parameter
+split on its first dim over all axes, gathered for use). The plan's optimum is taken over a superset
+of these, so it is never slower than one that fits in memory.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from costmodel.memory import PRECISIONS
+from costmodel.step import CostModel
+from hwprofiles.profile import load_profile
+from planner.errors import MeshplanError
+from planner.graph import OpGraph, load_graph
+from planner.layers import numbered_levels
+from planner.mesh import DeviceMesh
+from planner.placement import Shard, Spec
+from planner.plan import data_parallel_pins, propagate
+from planner.rules import OpContext, replicated_strategy, rules_for_graph
+from planner.strategy import load_strategy
+
+
+def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
+    strategy = load_strategy(path)
+    d = strategy.data
+    model_path = d["model"]["path"]
+    if not Path(model_path).exists():
+        raise MeshplanError(f"{path}: its model {model_path} is gone; re-plan with meshplan plan")
+    graph = load_graph(model_path, d["model"]["dims"])
+    strategy.check_model(graph)
+    profile = load_profile(d["profile"]["name"])
+    m = d["mesh"]
+    mesh = DeviceMesh(shape=tuple(m["shape"]), axis_names=tuple(m["axis_names"]), devices=tuple(m["devices"]),
+                      devices_per_node=m["devices_per_node"])
+    cm = CostModel(graph, mesh, profile, PRECISIONS[d["settings"]["dtype"]])
+    limit = d["settings"]["memory_limit_bytes"]
+    baselines = [_row("plan (" + d["settings"]["mode"] + ")", d["cost"], mesh, limit)]
+    for name, price in _baselines(graph, mesh, cm).items():
+        baselines.append(_row(name, price, mesh, limit) if not isinstance(price, str) else
+                         {"name": name, "mesh": mesh.describe_shape(), "step_time_s": None, "compute_s": None,
+                          "comm_s": None, "memory_bytes_per_device": None, "fits": False, "note": price})
+
+    ops = []
+    for name, node in d["nodes"].items():
+        t = node.get("compute_s", 0.0) + sum(c.get("time_s", 0.0) for c in node["collectives"])
+        ops.append({"node": name, "op_type": node["op_type"], "module": node["module"], "strategy": node["strategy"],
+                    "time_s": t})
+    ops.sort(key=lambda o: -o["time_s"])
+    agg: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
+    for node in d["nodes"].values():
+        for c in node["collectives"]:
+            key = (c["kind"], tuple(c["axes"]), c.get("phase", ""))
+            a = agg.setdefault(key, {"kind": key[0], "axes": list(key[1]), "phase": key[2], "count": 0, "bytes": 0.0,
+                                     "time_s": 0.0})
+            a["count"] += 1
+            a["bytes"] += c["bytes"]
+            a["time_s"] += c.get("time_s", 0.0)
+    by_layer: dict[str, float] = defaultdict(float)
+    for node in d["nodes"].values():
+        levels = numbered_levels(node["module"])
+        layer = f"{levels[0][0]}.{levels[0][1]}" if levels else (node["module"].split(".")[0] or "(top)")
+        by_layer[layer] += node.get("compute_s", 0.0) + sum(c.get("time_s", 0.0) for c in node["collectives"])
+    return {
+        "model": d["model"]["name"], "profile": d["profile"]["name"], "mesh": list(mesh.shape),
+        "axis_names": list(mesh.axis_names), "cost": d["cost"], "memory": d["cost"]["memory"],
+        "baselines": baselines, "top_ops": ops[:top],
+        "collectives": sorted(agg.values(), key=lambda a: -a["time_s"]),
+        "cost_by_layer": dict(by_layer),
+        "fallback_op_types": sorted({f["op_type"] for f in d["fallback_ops"]}),
+        "solver": d["solver"],
+    }
+
+
+def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any]:
+    rules = rules_for_graph(graph, mesh)
+    out: dict[str, Any] = {}
+    replicated = {n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes}
+    out["replicated"] = cm.price(replicated, {p.name: Spec.replicated(mesh.ndim) for p in graph.params})
+    try:
+        pins = data_parallel_pins(graph, mesh)
+    except MeshplanError as e:  # a batch smaller than the mesh
+        out["data-parallel"] = out["fsdp"] = str(e).split(": ", 1)[-1].split(";")[0]
+        return out
+    choice, params, _ = propagate(graph, rules, cm, pins)
+    out["data-parallel"] = cm.price(choice, params)
+    fsdp = {p.name: Spec((Shard(0),) * mesh.ndim) if p.shape and p.shape[0] >= mesh.num_devices
+            else Spec.replicated(mesh.ndim) for p in graph.params}
+    out["fsdp"] = cm.price(choice, fsdp)
+    return out
+
+
+def _row(name: str, cost: Any, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:
+    if isinstance(cost, dict):
+        step, comp, comm, mem = cost["step_time_s"], cost["compute_s"], cost["comm_s"], cost["memory_bytes_per_device"]
+    else:
+        step, comp, comm, mem = cost.step_time_s, cost.compute_s, cost.comm_s, cost.memory_bytes
+    return {"name": name, "mesh": mesh.describe_shape(), "step_time_s": step, "compute_s": comp, "comm_s": comm,
+            "memory_bytes_per_device": mem, "fits": limit is None or mem <= limit}
+
+
+def write_html_report(e: dict[str, Any], path: str) -> None:
+    """An HTML page with the tables and two plots: cost by layer and memory by category."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def png(fig: Any) -> str:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
+        plt.close(fig)
+        return base64.b64encode(buf.getvalue()).decode()
+
+    layers = list(e["cost_by_layer"].items())
+    fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.25), 3.5))
+    ax.bar(range(len(layers)), [v * 1e3 for _, v in layers])
+    ax.set_xticks(range(len(layers)), [k for k, _ in layers], rotation=90, fontsize=6)
+    ax.set_ylabel("ms per step (compute + collectives)")
+    ax.set_title("cost by layer")
+    layer_png = png(fig)
+    fig, ax = plt.subplots(figsize=(5, 3))
+    mem = e["memory"]
+    ax.bar(list(mem), [v / 2**30 for v in mem.values()])
+    ax.set_ylabel("GiB per device")
+    ax.set_title("memory by category")
+    mem_png = png(fig)
+
+    def table(rows: list[dict[str, Any]], cols: list[str]) -> str:
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r[c]))}</td>" for c in cols) + "</tr>" for r in rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>meshplan: {html.escape(e['model'])}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:2px 6px;font-size:12px}}</style>
+</head><body><h1>{html.escape(e['model'])} on {html.escape(e['profile'])}, mesh {e['mesh']} ({', '.join(e['axis_names'])})</h1>
+<h2>plan and baselines</h2>{table(e['baselines'], ['name', 'mesh', 'step_time_s', 'compute_s', 'comm_s', 'memory_bytes_per_device', 'fits'])}
+<h2>cost by layer</h2><img src="data:image/png;base64,{layer_png}">
+<h2>memory by category</h2><img src="data:image/png;base64,{mem_png}">
+<h2>most expensive ops</h2>{table(e['top_ops'], ['node', 'op_type', 'module', 'strategy', 'time_s'])}
+<h2>collectives per step</h2>{table(e['collectives'], ['kind', 'axes', 'phase', 'count', 'bytes', 'time_s'])}
+<p>fallback op types: {html.escape(', '.join(e['fallback_op_types']) or 'none')}</p></body></html>"""
+    Path(path).write_text(page)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    return str(v)

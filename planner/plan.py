@@ -1,0 +1,287 @@
+"""`meshplan plan`: from a model, a profile and N devices to a strategy file.
+
+Modes (MindSpore's parallel_mode / search_mode):
+  auto           the ILP over every op's strategies (default)
+  semi           the user's pins (`--pin TENSOR=PLACEMENTS`, the seed's shard_tensor) are honoured and
+                 the rest is decided: by the ILP with the pins fixed (`--search ilp`, default), or by
+                 propagation (`--search propagation`): in topological order each op takes the
+                 cheapest strategy given where its inputs already are — fast, no ILP
+  data-parallel  every input split on its batch dim over all mesh axes, parameters replicated,
+                 gradients all-reduced; the rest propagated
+  stand-alone    one device, everything replicated
+Without `--mesh`, every factorisation of N whose inner axis stays inside a node is planned and the
+best kept; the candidates are reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from costmodel.memory import PRECISIONS
+from costmodel.step import CommEvent, CostModel, StepCost
+from hwprofiles.profile import HardwareProfile, load_profile
+from planner.errors import MeshplanError
+from planner.graph import OpGraph, TensorKind, load_graph
+from planner.mesh import DeviceMesh
+from planner.placement import Shard, Spec, parse_spec
+from planner.rules import OpStrategy, RuleSet, rules_for_graph
+from planner.solve import PinError, ShardingILP, SolverOptions, SolverStats
+from planner.strategy import SCHEMA_VERSION, Strategy, from_dict
+
+MODES = ("auto", "semi", "data-parallel", "stand-alone")
+SEARCHES = ("ilp", "propagation")
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    model: str
+    dims: Mapping[str, int] = field(default_factory=dict)
+    profile: str = "h100-sxm"
+    devices: int = 1
+    mesh_shape: tuple[int, ...] | None = None
+    axis_names: tuple[str, ...] | None = None
+    mode: str = "auto"
+    search: str = "ilp"
+    pins: Mapping[str, str] = field(default_factory=dict)
+    memory_limit_gib: float | None = None  # default: 90% of the device's capacity
+    time_limit_s: float = 60.0
+    dtype: str | None = None
+    solver: str = "cbc"
+    follow: bool = True
+    strict: bool = False
+    all_to_all: bool = True
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise MeshplanError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
+        if self.search not in SEARCHES:
+            raise MeshplanError(f"--search {self.search}: choose ilp or propagation")
+        if self.devices < 1:
+            raise MeshplanError(f"--devices {self.devices}: needs at least 1 device")
+        if self.mode == "semi" and not self.pins:
+            raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
+        if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
+            raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
+
+
+@dataclass
+class Candidate:
+    mesh: DeviceMesh
+    cost: StepCost | None
+    stats: SolverStats | None
+    error: str = ""
+
+
+def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]]:
+    """(N,) and every (N/t, t) with 1 < t < N whose inner axis t fits inside a node."""
+    out: list[tuple[int, ...]] = [(devices,)]
+    for t in range(2, devices):
+        if devices % t == 0 and t <= devices_per_node:
+            out.append((devices // t, t))
+    return out
+
+
+def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
+    say = progress or (lambda _msg: None)
+    profile = load_profile(req.profile)
+    precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
+    say("importing the model")
+    graph = load_graph(req.model, req.dims)
+    devices = 1 if req.mode == "stand-alone" else req.devices
+    shapes = [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
+        [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
+    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
+             else 0.9 * profile.device.mem_capacity_bytes)
+    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], dict[str, Spec], StepCost, SolverStats] | None = None
+    candidates: list[Candidate] = []
+    errors: list[MeshplanError] = []
+    for shape in shapes:
+        names = req.axis_names if req.mesh_shape else None
+        mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
+        say(f"mesh {mesh}: rules")
+        rules = rules_for_graph(graph, mesh, strict=req.strict)
+        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all)
+        pins = resolve_pins(graph, mesh, req.pins)
+        if req.mode == "data-parallel":
+            pins = {**data_parallel_pins(graph, mesh), **pins}
+        try:
+            if req.mode in ("auto", "semi") and req.search == "ilp":
+                say(f"mesh {mesh}: solving")
+                ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=limit, pins=pins, follow=req.follow,
+                                  options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver))
+                sol = ilp.solve()
+                choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
+            else:
+                say(f"mesh {mesh}: propagating")
+                choice, param_specs, stats = propagate(graph, rules, cm, pins)
+            cost = cm.price(choice, param_specs)
+            if cost.memory_bytes > limit and req.mode != "auto":
+                raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.1f} GiB per device "
+                                    f"but --memory-limit is {limit / 2**30:.1f} GiB; raise --memory-limit, add "
+                                    "devices, or use --mode auto")
+        except PinError:
+            raise
+        except MeshplanError as e:
+            if len(shapes) == 1:
+                raise
+            errors.append(e)
+            candidates.append(Candidate(mesh=mesh, cost=None, stats=None, error=str(e)))
+            continue
+        candidates.append(Candidate(mesh=mesh, cost=cost, stats=stats))
+        if best is None or cost.step_time_s < best[0]:
+            best = (cost.step_time_s, mesh, rules, cm, choice, param_specs, cost, stats)
+    if best is None:
+        raise errors[0]
+    _, mesh, rules, cm, choice, param_specs, cost, stats = best
+    settings = {
+        "mode": req.mode, "search": req.search if req.mode in ("auto", "semi") else "propagation",
+        "dtype": precision.name, "memory_limit_bytes": limit, "solver": req.solver, "follow": req.follow,
+        "pins": dict(req.pins), "batch": _batch(graph),
+    }
+    data = strategy_document(graph, req.model, profile, mesh, rules, choice, param_specs, cost, stats, settings)
+    data["candidates"] = [
+        {"mesh": list(c.mesh.shape), "axis_names": list(c.mesh.axis_names),
+         "step_time_s": c.cost.step_time_s if c.cost else None,
+         "memory_bytes_per_device": c.cost.memory_bytes if c.cost else None,
+         "solver_status": c.stats.status if c.stats else None, "error": c.error}
+        for c in candidates
+    ]
+    return from_dict(data, "plan"), candidates
+
+
+def _batch(graph: OpGraph) -> int | None:
+    for t in graph.inputs:
+        if graph.tensors[t].shape:
+            return graph.tensors[t].shape[0]
+    return None
+
+
+def resolve_pins(graph: OpGraph, mesh: DeviceMesh, raw: Mapping[str, str]) -> dict[str, Spec]:
+    pins = {}
+    for name, text in raw.items():
+        if name not in graph.tensors or graph.tensors[name].kind is TensorKind.CONSTANT:
+            close = sorted(t for t in graph.tensors if name.lower() in t.lower())[:3]
+            hint = f" (did you mean {', '.join(close)}?)" if close else " (see meshplan inspect for tensor names)"
+            raise PinError(f"--pin {name}: no input, parameter or activation of that name in the model{hint}")
+        info = graph.tensors[name]
+        spec = parse_spec(text, len(info.shape))
+        spec.validate(info.shape, mesh.shape, f"--pin {name}")
+        pins[name] = spec
+    return pins
+
+
+def data_parallel_pins(graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
+    """Inputs split on dim 0 over every mesh axis, parameters replicated."""
+    pins: dict[str, Spec] = {}
+    for t in graph.inputs:
+        shape = graph.tensors[t].shape
+        if not shape or shape[0] < mesh.num_devices:
+            raise MeshplanError(f"--mode data-parallel: input {t} has batch {shape[0] if shape else 0} < "
+                                f"{mesh.num_devices} devices; raise the batch (--dim) or use fewer devices")
+        pins[t] = Spec((Shard(0),) * mesh.ndim)
+    for p in graph.params:
+        pins[p.name] = Spec.replicated(mesh.ndim)
+    return pins
+
+
+def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
+              pins: Mapping[str, Spec]) -> tuple[dict[str, OpStrategy], dict[str, Spec], SolverStats]:
+    """Greedy: in topological order, each op takes the strategy that respects the pins and costs
+    least given where its inputs already are (parameters are placed by their first consumer)."""
+    import time
+
+    t0 = time.perf_counter()
+    placed: dict[str, Spec] = {}
+    choice: dict[str, OpStrategy] = {}
+    total = 0.0
+    for node in graph.compute_nodes:
+        options = [s for s in rules.by_node[node.name].strategies if _respects(node.inputs, node.outputs, s, pins)]
+        if not options:
+            raise PinError(f"the pins leave {node.name} ({node.op_type}) no strategy; "
+                           "pin a placement its op supports (see meshplan strategies)")
+        best, best_cost = options[0], math.inf
+        for s in options:
+            split = cm.split_axes(s)
+            c = cm.node_cost(node, s).compute.total_s
+            for t, need in zip(node.inputs, s.input_specs, strict=True):
+                if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
+                    continue
+                c += cm.edge_time_s(t, placed.get(t, pins.get(t, need)), need, split)
+            if c < best_cost:
+                best, best_cost = s, c
+        choice[node.name] = best
+        total += best_cost
+        for t, need in zip(node.inputs, best.input_specs, strict=True):
+            if need is not None and t:
+                placed.setdefault(t, pins.get(t, need))
+        placed.update(zip(node.outputs, best.output_specs, strict=True))
+    param_specs = {p.name: placed[p.name] for p in graph.params if p.name in placed}
+    stats = SolverStats(status="PROPAGATED", objective=total, bound=0.0, gap=0.0, time_s=time.perf_counter() - t0,
+                        num_variables=0, num_constraints=0, num_decision_nodes=len(choice), num_edges=0)
+    return choice, param_specs, stats
+
+
+def _respects(inputs: tuple[str, ...], outputs: tuple[str, ...], s: OpStrategy, pins: Mapping[str, Spec]) -> bool:
+    for t, spec in zip(inputs, s.input_specs, strict=True):
+        if t in pins and spec is not None and spec != pins[t]:
+            return False
+    return all(not (t in pins and spec != pins[t]) for t, spec in zip(outputs, s.output_specs, strict=True))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The strategy document
+
+
+def _collectives(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> list[dict[str, Any]]:
+    return [{"kind": e.kind.value, "axes": [mesh.axis_names[a] for a in e.axes], "bytes": e.size_bytes,
+             "time_s": e.time_s, "phase": "backward" if e.backward else "forward",
+             "tensor": e.reason.rsplit(" ", 1)[-1], "reason": e.reason.rsplit(" ", 1)[0]} for e in events]
+
+
+def strategy_document(graph: OpGraph, model_path: str, profile: HardwareProfile, mesh: DeviceMesh, rules: RuleSet,
+                      choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec], cost: StepCost,
+                      stats: SolverStats, settings: Mapping[str, Any]) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    for t, spec in cost.placed.items():
+        info = graph.tensors[t]
+        if info.kind is TensorKind.CONSTANT or info.dtype == "sequence":
+            continue
+        tensors[t] = {"kind": info.kind.value, "shape": list(info.shape), "placements": [str(p) for p in spec.placements],
+                      "dims_mapping": spec.dims_mapping(len(info.shape))}
+    nodes = {}
+    for n in graph.compute_nodes:
+        s = choice[n.name]
+        nodes[n.name] = {
+            "op_type": n.op_type, "module": n.module_path, "strategy": s.name,
+            "inputs": [str(sp) if sp is not None else None for sp in s.input_specs],
+            "outputs": [str(sp) for sp in s.output_specs],
+            "kernels": list(s.kernels), "compute_s": cost.node_compute_s.get(n.name, 0.0),
+            "collectives": _collectives(cost.node_events.get(n.name, []), mesh),
+        }
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"path": str(Path(model_path).resolve()), "name": graph.name, "fingerprint": graph.fingerprint,
+                  "dims": dict(graph.dims)},
+        "profile": {"name": profile.name, "digest": profile.digest},
+        "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "devices": list(mesh.devices),
+                 "devices_per_node": mesh.devices_per_node},
+        "settings": dict(settings),
+        "tensors": tensors,
+        "nodes": nodes,
+        "reshards": [{"tensor": t, "consumer": c, "from": str(a), "to": str(b),
+                      "collectives": _collectives([e for e in ev if not e.backward], mesh)}
+                     for t, c, a, b, ev in cost.reshards],
+        "fallback_ops": [{"node": n.name, "op_type": n.op_type} for n in rules.fallbacks],
+        "cost": {"step_time_s": cost.step_time_s, "compute_s": cost.compute_s, "comm_s": cost.comm_s,
+                 "memory_bytes_per_device": cost.memory_bytes, "memory": dict(cost.memory),
+                 "flops_per_device": cost.flops_matmul},
+        "solver": {"status": stats.status, "objective": stats.objective, "bound": stats.bound, "gap": stats.gap,
+                   "time_s": stats.time_s, "num_variables": stats.num_variables,
+                   "num_constraints": stats.num_constraints, "num_decisions": stats.num_decision_nodes,
+                   "num_edges": stats.num_edges},
+    }
