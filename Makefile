@@ -21,8 +21,11 @@ zoo: $(STAMP)
 	$(PY) -m bench.zoo
 
 demo: $(STAMP)
+	mkdir -p out
 	$(PY) -m bench.zoo gpt2-tiny
-	$(VENV)/bin/meshplan inspect $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=4 --dim seq=32
+	$(VENV)/bin/meshplan inspect $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=8 --dim seq=32
+	$(VENV)/bin/meshplan plan $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=8 --dim seq=32 --devices 2 --profile cpu -o out/gpt2-tiny.strategy.json
+	$(VENV)/bin/meshplan explain out/gpt2-tiny.strategy.json --top 5
 
 # pytest exits 5 when it collected no test: that is a failure, not a pass.
 test: $(STAMP)

@@ -209,7 +209,15 @@ ZOO: dict[str, ZooEntry] = {
                  description="Llama-3-70B, shape-only"),
     ]
 }
+# Llama-3-8B's width at other depths: the planner's time against layer count (bench only).
+for _layers in (4, 8, 16, 80):
+    ZOO[f"llama3-8b-{_layers}l"] = ZooEntry(
+        name=f"llama3-8b-{_layers}l", build=lambda n=_layers: _llama(n, 4096, 14336, 32, 8, 128256, 8192),
+        input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+        default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
+        description=f"Llama-3-8B width, {_layers} layers, shape-only (benchmark)")
 SMALL = [n for n, e in ZOO.items() if e.with_weights]
+BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-")]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,7 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in args.names if n not in ZOO]
     if unknown:
         ap.error(f"unknown zoo model(s) {', '.join(unknown)}; known: {', '.join(ZOO)}")
-    for n in args.names or list(ZOO):
+    for n in args.names or [n for n in ZOO if n not in BENCH_ONLY]:
         t0 = time.perf_counter()
         p = export(n, args.dir, force=args.force)
         print(f"{n:18s} {p}  ({time.perf_counter() - t0:.1f} s)")
