@@ -12,6 +12,8 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
     sync; Megatron's all-reduce of a column-parallel matmul's input gradient). Otherwise the forward
     step's conjugate runs: a slice's gradient is all-gathered, a reduce_scatter's too, an all_to_all's
     goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
+  Parameter-gradient collectives are bucketed (25 MiB, DDP's default): each pays its share of a
+  bucket's latency;
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
 Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
@@ -34,6 +36,11 @@ from planner.mesh import DeviceMesh
 from planner.placement import Replicate, Shard, Spec
 from planner.reshard import conjugate, plan_reshard
 from planner.rules import OpStrategy
+
+
+# Gradient collectives are fused into buckets, as PyTorch DDP does (bucket_cap_mb = 25) and MindSpore's
+# all_reduce_fusion_config: latency is paid per bucket, not per parameter.
+GRAD_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,9 +86,10 @@ class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
-                 enable_all_to_all: bool = True) -> None:
+                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES) -> None:
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         self.enable_all_to_all = enable_all_to_all
+        self.grad_bucket_bytes = grad_bucket_bytes
         self.saved = saved_tensors(graph)
         self.on_chip = attention_score_tensors(graph)
         self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
@@ -142,6 +150,11 @@ class CostModel:
 
         def add(kind: Collective, axis: int, size: float, backward: bool, reason: str) -> None:
             t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
+            if is_param and backward:
+                # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency.
+                one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
+                latency = 2 * one - two  # the intercept of the affine α-β time
+                t -= latency * (1.0 - min(1.0, size / self.grad_bucket_bytes))
             events.append(CommEvent(kind, (axis,), size, t, backward, reason))
 
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)

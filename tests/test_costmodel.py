@@ -186,3 +186,16 @@ def test_sharded_parameters_gathered_then_reduce_scattered(zoo: Callable[[str], 
     assert fsdp_volume == pytest.approx(1.5 * dp_volume)
     states = cost.memory["parameters"] + cost.memory["gradients"] + cost.memory["optimizer"]
     assert states == pytest.approx(16 * g.num_params / 4)
+
+
+def test_gradient_sync_is_bucketed(zoo: Callable[[str], Path]) -> None:
+    # DDP fuses gradients into 25 MiB buckets: a gradient of S bytes pays S / 25 MiB of one
+    # all-reduce's latency, 2(n−1)·α, plus its own bandwidth term 2(n−1)/n · S/β.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4, devices_per_node=8)
+    cm = CostModel(g, mesh, H100, BF16)
+    w = "fc1.weight"
+    size = g.tensors[w].numel * BF16.grad_bytes
+    (ev,) = cm.edge_events(w, Spec.replicated(1), Spec.replicated(1), frozenset({0}))
+    n = 4
+    assert ev.time_s == pytest.approx(2 * (n - 1) * 1e-6 * size / (25 * 2**20) + 2 * (n - 1) / n * size / 370e9)
