@@ -37,7 +37,6 @@ from planner.placement import Replicate, Shard, Spec
 from planner.reshard import conjugate, plan_reshard
 from planner.rules import OpStrategy
 
-
 # Gradient collectives are fused into buckets, as PyTorch DDP does (bucket_cap_mb = 25) and MindSpore's
 # all_reduce_fusion_config: latency is paid per bucket, not per parameter.
 GRAD_BUCKET_BYTES = 25 * 2**20
