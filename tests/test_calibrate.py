@@ -36,6 +36,17 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     assert p.device.peak_for("fp32") > 1e9  # any core does more than a GFLOP/s
     assert report["efficiency_fit_median_rel_error"] < 0.35
 
+    # The calibrated profile is used by the planner, by path.
+    plan_out = tmp_path / "plan.json"
+    from bench.zoo import export
+
+    mlp = export("mlp")
+    r = CliRunner().invoke(main, ["plan", str(mlp), "--dim", "batch=64", "--devices", "2", "--profile", str(out),
+                                  "-o", str(plan_out)])
+    assert r.exit_code == 0, r.output
+    planned = json.loads(plan_out.read_text())
+    assert planned["profile"] == {"name": "here", "digest": p.digest}
+
 
 def test_shipped_cpu_preset_is_calibrated() -> None:
     p = load_profile("cpu")

@@ -253,6 +253,17 @@ def test_broken_strategy_files(content: str, message: str, tmp_path: Path) -> No
         assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_explain_html_report(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    out, report = tmp_path / "s.json", tmp_path / "r.html"
+    assert CliRunner().invoke(main, ["plan", str(zoo("gpt2-tiny")), "--dim", "batch=8", "--dim", "seq=32",
+                                     "--devices", "2", "-o", str(out)]).exit_code == 0
+    r = CliRunner().invoke(main, ["explain", str(out), "--report", str(report)])
+    assert r.exit_code == 0, r.output
+    page = report.read_text()
+    assert page.count("data:image/png;base64,") == 2  # cost by layer, memory by category
+    assert "model.transformer.h.0" in page and "data-parallel" in page
+
+
 def test_diff(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path, mode in ((a, "data-parallel"), (b, "auto")):
