@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/meshplan inspect $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=8 --dim seq=32
 	$(VENV)/bin/meshplan plan $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=8 --dim seq=32 --devices 2 --profile cpu -o out/gpt2-tiny.strategy.json
 	$(VENV)/bin/meshplan explain out/gpt2-tiny.strategy.json --top 5
+	$(VENV)/bin/meshplan run out/gpt2-tiny.strategy.json --model $(ZOO_DIR)/gpt2-tiny.onnx --nproc 2 --verify
 
 # pytest exits 5 when it collected no test: that is a failure, not a pass.
 test: $(STAMP)
@@ -33,7 +34,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy planner costmodel hwprofiles cli.py
+	$(VENV)/bin/mypy planner costmodel hwprofiles executor cli.py
 
 bench: $(STAMP)
 	$(PY) -m bench.run

@@ -452,6 +452,47 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
     console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
 
 
+@main.command("run")
+@click.argument("strategy_path", metavar="STRATEGY")
+@click.option("--model", "model_path", required=True, help="The .onnx file the strategy was planned for.")
+@click.option("--nproc", type=int, required=True, help="Ranks to spawn (must equal the mesh size).")
+@click.option("--steps", type=int, default=5, show_default=True, help="Measured steps after warm-up.")
+@click.option("--warmup", type=int, default=2, show_default=True)
+@click.option("--verify", is_flag=True, help="Compare loss, gradients and updated parameters with one process.")
+@click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True)
+@click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
+@click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds before every rank is stopped.")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup: int, verify: bool, loss: str,
+            optimizer: str, timeout_s: float, as_json: bool) -> None:
+    """Train with a strategy on N spawned ranks (DTensor, gloo on CPU); verify against one process."""
+    from executor.launch import RunError, run
+    from executor.train import RunOptions
+
+    if nproc < 1:
+        raise RunError(f"--nproc {nproc}: needs at least 1 rank")
+    result = run(strategy_path, model_path, nproc=nproc, timeout_s=timeout_s,
+                 opts=RunOptions(steps=steps, warmup=warmup, verify=verify, loss=loss, optimizer=optimizer))
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+        return
+    t = Table(title=f"run of {strategy_path} on {nproc} ranks", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("loss", f"{result['loss']:.6f}")
+    if "max_abs_diff" in result:
+        t.add_row("vs one process", f"max |diff| {result['max_abs_diff']:.2e} (loss {result['loss_abs_diff']:.1e}, "
+                  f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e})")
+    ms, ps = result["measured_step_s"], result["predicted_step_s"]
+    t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
+    mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
+    t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (peak RSS growth), predicted {_fmt_bytes(pm)}")
+    t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
+    t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
+    console.print(t)
+
+
 @main.group()
 def profile() -> None:
     """Hardware profiles: datasheet presets, and calibration by microbenchmarks."""

@@ -12,7 +12,9 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
     sync; Megatron's all-reduce of a column-parallel matmul's input gradient). Otherwise the forward
     step's conjugate runs: a slice's gradient is all-gathered, a reduce_scatter's too, an all_to_all's
     goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
-  Parameter-gradient collectives are bucketed (25 MiB, DDP's default): each pays its share of a
+  A tensor read by several consumers has its partial gradient reduced once per axis (autograd sums
+  the partials first). The solver prices each edge alone, so for such tensors its objective is an
+  upper bound of the priced step. Parameter-gradient collectives are bucketed (25 MiB, DDP's default): each pays its share of a
   bucket's latency;
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
@@ -90,6 +92,7 @@ class CostModel:
         self.enable_all_to_all = enable_all_to_all
         self.grad_bucket_bytes = grad_bucket_bytes
         self.saved = saved_tensors(graph)
+        self.needs_grad = _gradient_tensors(graph)
         self.on_chip = attention_score_tensors(graph)
         self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
@@ -160,8 +163,8 @@ class CostModel:
         for step in plan.collectives:
             assert step.collective is not None
             add(step.collective, step.axis, step.size_bytes, False, f"reshard {tensor}")
-        if not info.is_float or info.kind in (TensorKind.INPUT, TensorKind.CONSTANT):
-            return tuple(events)  # no gradient flows back
+        if tensor not in self.needs_grad:
+            return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
         grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
         grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
@@ -179,7 +182,10 @@ class CostModel:
             elif st is not None:
                 back = conjugate(st)
                 if back is not None:
-                    add(back, a, st.size_bytes * grad_item / itemsize, True, f"reshard {tensor}")
+                    # A slice's gradient is gathered back to the source's size (its local size × k).
+                    size = st.size_bytes * self.mesh.shape[a] if st.collective is None and isinstance(st.dst, Shard) \
+                        else st.size_bytes
+                    add(back, a, size * grad_item / itemsize, True, f"reshard {tensor}")
         return tuple(events)
 
     # -- a whole plan ----------------------------------------------------------------------------
@@ -191,6 +197,7 @@ class CostModel:
         cost = StepCost()
         placed: dict[str, Spec] = dict(param_specs or {})  # tensor → the spec it is produced (or stored) in
         mem = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+        reduced: set[tuple[str, tuple[int, ...]]] = set()  # (tensor, axes) whose partial gradient is reduced
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
@@ -204,11 +211,13 @@ class CostModel:
                     continue
                 info = g.tensors[t]
                 if t not in placed:
-                    placed[t] = need
+                    placed[t] = need.storable() if info.kind is TensorKind.PARAM else need
                     if info.kind is TensorKind.INPUT and t in self.saved:
                         mem["activations"] += tensor_bytes(info, need.local_shape(info.shape, self.mesh.shape), p)
+                if info.kind is TensorKind.CONSTANT:
+                    continue  # every rank holds constants whole: any placement is a local slice
                 have = need if info.kind is TensorKind.INPUT else placed[t]
-                events = self.edge_events(t, have, need, split)
+                events = tuple(e for e in self.edge_events(t, have, need, split) if not _seen_reduction(e, reduced))
                 cost.events.extend(events)
                 mine.extend(events)
                 if have != need:
@@ -225,6 +234,27 @@ class CostModel:
         cost.memory = mem
         cost.placed = placed
         return cost
+
+
+def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
+    """A tensor read by several consumers sums their partial gradients first and reduces once per
+    axis (autograd accumulates, then one all-reduce): later consumers' reductions are the same one."""
+    if not e.reason.startswith(("grad sync", "grad reduce-scatter")):
+        return False
+    key = (e.reason.rsplit(" ", 1)[-1], e.axes)
+    if key in reduced:
+        return True
+    reduced.add(key)
+    return False
+
+
+def _gradient_tensors(graph: OpGraph) -> frozenset[str]:
+    """Float tensors that depend on a parameter: the only ones backward computes a gradient for."""
+    out = {t.name for t in graph.params}
+    for n in graph.compute_nodes:
+        if any(t in out for t in n.inputs):
+            out.update(t for t in n.outputs if t in graph.tensors and graph.tensors[t].is_float)
+    return frozenset(out)
 
 
 def _shards(spec: Spec, mesh: DeviceMesh) -> int:

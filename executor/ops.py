@@ -54,10 +54,10 @@ def _axis(node: OpNode, rank: int, default: int = 0) -> int:
     return a + rank if a < 0 else a
 
 
-_BINARY = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Pow": torch.pow, "Equal": torch.eq,
+_BINARY: dict[str, Callable[..., Any]] = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Pow": torch.pow, "Equal": torch.eq,
            "And": torch.logical_and, "Or": torch.logical_or, "Less": torch.lt, "LessOrEqual": torch.le,
            "Greater": torch.gt, "GreaterOrEqual": torch.ge}
-_UNARY = {"Neg": torch.neg, "Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Relu": torch.relu,
+_UNARY: dict[str, Callable[..., Any]] = {"Neg": torch.neg, "Sqrt": torch.sqrt, "Reciprocal": torch.reciprocal, "Relu": torch.relu,
           "Tanh": torch.tanh, "Sigmoid": torch.sigmoid, "Erf": torch.erf, "Cos": torch.cos, "Sin": torch.sin,
           "Exp": torch.exp, "Log": torch.log, "Abs": torch.abs, "IsNaN": torch.isnan, "Not": torch.logical_not}
 
@@ -131,12 +131,12 @@ def _gemm(node: OpNode, x: list[Any]) -> list[Any]:
 @op("Conv")
 def _conv(node: OpNode, x: list[Any]) -> list[Any]:
     spatial = x[1].dim() - 2
-    pads = _ints(node.attr("pads", [0] * 2 * spatial))  # type: ignore[arg-type]
+    pads = _ints(node.attr("pads", [0] * 2 * spatial))
     if pads[:spatial] != pads[spatial:]:
         raise UnsupportedOpError(f"{node.name}: asymmetric Conv padding is not supported")
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
-    return [fn(x[0], x[1], x[2] if len(x) > 2 else None, stride=_ints(node.attr("strides", [1] * spatial)),  # type: ignore[arg-type]
-               padding=pads[:spatial], dilation=_ints(node.attr("dilations", [1] * spatial)),  # type: ignore[arg-type]
+    return [fn(x[0], x[1], x[2] if len(x) > 2 else None, stride=_ints(node.attr("strides", [1] * spatial)),
+               padding=pads[:spatial], dilation=_ints(node.attr("dilations", [1] * spatial)),
                groups=int(node.attr("group", 1)))]  # type: ignore[call-overload]
 
 
@@ -193,12 +193,12 @@ def _flatten(node: OpNode, x: list[Any]) -> list[Any]:
 @op("Transpose")
 def _transpose(node: OpNode, x: list[Any]) -> list[Any]:
     perm = node.attr("perm") or tuple(reversed(range(x[0].dim())))
-    return [x[0].permute(*_ints(perm))]  # type: ignore[arg-type]
+    return [x[0].permute(*_ints(perm))]
 
 
 @op("Squeeze")
 def _squeeze(node: OpNode, x: list[Any]) -> list[Any]:
-    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))  # type: ignore[arg-type]
+    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))
     if not axes:
         return [x[0].squeeze()]
     return [x[0].squeeze(tuple(a % x[0].dim() for a in axes))]
@@ -206,7 +206,7 @@ def _squeeze(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Unsqueeze")
 def _unsqueeze(node: OpNode, x: list[Any]) -> list[Any]:
-    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))  # type: ignore[arg-type]
+    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))
     out = x[0]
     rank = x[0].dim() + len(axes)
     for a in sorted(a % rank for a in axes):

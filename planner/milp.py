@@ -32,6 +32,7 @@ class LinearModel:
     constraints: list[tuple[str, list[tuple[int, int]], int, int]] = field(default_factory=list)
     objective: list[tuple[int, int]] = field(default_factory=list)
     hints: dict[int, bool] = field(default_factory=dict)
+    _names: set[str] = field(default_factory=set)
 
     def bool_var(self, name: str) -> int:
         self.names.append(name)
@@ -39,6 +40,8 @@ class LinearModel:
 
     def add(self, name: str, terms: list[tuple[int, int]], lo: int, hi: int) -> None:
         self.constraints.append((name, terms, lo, hi))
+        self._names.add(name)
+        assert len(self._names) == len(self.constraints), f"constraint name {name} used twice"
 
     def add_equal(self, name: str, left: list[int], right: list[int]) -> None:
         """Σ left = Σ right, all coefficients 1."""

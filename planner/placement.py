@@ -71,6 +71,11 @@ class Spec:
     def has_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
 
+    def storable(self) -> Spec:
+        """The spec a stored value (a parameter, loaded data) can have: partial sums are not stored,
+        replicated instead (a consumer needing P converts locally)."""
+        return Spec(tuple(R if isinstance(p, Partial) else p for p in self.placements))
+
     def shard_axes(self, dim: int) -> tuple[int, ...]:
         """Mesh axes splitting tensor dim `dim`, outermost first."""
         return tuple(a for a, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)

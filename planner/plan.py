@@ -171,6 +171,9 @@ def resolve_pins(graph: OpGraph, mesh: DeviceMesh, raw: Mapping[str, str]) -> di
         info = graph.tensors[name]
         spec = parse_spec(text, len(info.shape))
         spec.validate(info.shape, mesh.shape, f"--pin {name}")
+        if info.kind is TensorKind.PARAM and spec.has_partial:
+            raise PinError(f"--pin {name}={spec}: a parameter is stored whole or split, never as partial sums; "
+                           "use S(dim) or R")
         pins[name] = spec
     return pins
 
@@ -211,19 +214,23 @@ def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
             for t, need in zip(node.inputs, s.input_specs, strict=True):
                 if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
                     continue
-                c += cm.edge_time_s(t, placed.get(t, pins.get(t, need)), need, split)
+                c += cm.edge_time_s(t, placed.get(t, pins.get(t, _stored(graph, t, need))), need, split)
             if c < best_cost:
                 best, best_cost = s, c
         choice[node.name] = best
         total += best_cost
         for t, need in zip(node.inputs, best.input_specs, strict=True):
             if need is not None and t:
-                placed.setdefault(t, pins.get(t, need))
+                placed.setdefault(t, pins.get(t, _stored(graph, t, need)))
         placed.update(zip(node.outputs, best.output_specs, strict=True))
     param_specs = {p.name: placed[p.name] for p in graph.params if p.name in placed}
     stats = SolverStats(status="PROPAGATED", objective=total, bound=0.0, gap=0.0, time_s=time.perf_counter() - t0,
                         num_variables=0, num_constraints=0, num_decision_nodes=len(choice), num_edges=0)
     return choice, param_specs, stats
+
+
+def _stored(graph: OpGraph, t: str, need: Spec) -> Spec:
+    return need.storable() if graph.tensors[t].kind is TensorKind.PARAM else need
 
 
 def _respects(inputs: tuple[str, ...], outputs: tuple[str, ...], s: OpStrategy, pins: Mapping[str, Spec]) -> bool:

@@ -114,14 +114,17 @@ def plan_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], mesh_shape: tuple
 
 def conjugate(step: ReshardStep) -> Collective | None:
     """The collective the backward pass runs on the gradient for a forward step: all_gather ↔
-    reduce_scatter, all_to_all ↔ all_to_all, all_reduce ↔ nothing; a forward slice needs nothing, and a
-    forward R → P (a replicated value turned into addends) needs its gradient all-reduced."""
+    reduce_scatter, all_to_all ↔ all_to_all, all_reduce ↔ nothing; a forward slice (R → S) gathers
+    the gradient back (the replicated source needs all of it), and a forward R → P (a replicated value
+    turned into addends) needs its gradient all-reduced."""
     if step.collective is Collective.ALL_GATHER:
         return Collective.REDUCE_SCATTER
     if step.collective is Collective.REDUCE_SCATTER:
         return Collective.ALL_GATHER
     if step.collective is Collective.ALL_TO_ALL:
         return Collective.ALL_TO_ALL
+    if step.collective is None and isinstance(step.dst, Shard):
+        return Collective.ALL_GATHER
     if step.collective is None and isinstance(step.dst, Partial):
         return Collective.ALL_REDUCE
     return None

@@ -23,7 +23,10 @@ Objective (integer nanoseconds of one training step)
   min Σ c[d,i]·x[d,i] + Σ m_e·C_e[a,b]·y[e,a,b] + Σ ⌈mem[d,i] / MiB⌉·x[d,i]  (1 ns per MiB: ties → less memory)
   c[d,i]: compute (forward + backward, local shards) of every node mapped to d under choice i, plus
   the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
-  reshard of t and the backward work on its gradient (`CostModel.edge_events`).
+  reshard of t and the backward work on its gradient (`CostModel.edge_events`). Each edge is priced
+  alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
+  per consumer, where execution (and `CostModel.price`) reduces once — the objective is then an upper
+  bound of the priced step.
 Constraints (every one named)
   one_choice[d]:         Σ_i x[d,i] = 1
   edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
@@ -153,8 +156,9 @@ class ShardingILP:
                 for i, t in enumerate(n.inputs):
                     if self.param_rep.get(t) == p:
                         for st in self._strategies(n.name):
-                            if st.input_specs[i] is not None:
-                                opts[st.input_specs[i]] = None  # type: ignore[index]
+                            spec = st.input_specs[i]
+                            if spec is not None:
+                                opts[spec.storable()] = None
             self.param_specs[p] = [self.pins[p]] if p in self.pins else list(opts)
 
     def _follow_source(self, name: str) -> tuple[str, int, int] | None:
@@ -162,7 +166,8 @@ class ShardingILP:
         g = self.graph
         node = g.node_by_name[name]
         strategies = self._strategies(name)
-        placed = [i for i, sp in enumerate(strategies[0].input_specs) if sp is not None]
+        placed = [i for i, sp in enumerate(strategies[0].input_specs)
+                  if sp is not None and g.tensors[node.inputs[i]].kind is not TensorKind.CONSTANT]
         if len(placed) != 1 or len(strategies) < 2:
             return None
         i = placed[0]
@@ -171,7 +176,7 @@ class ShardingILP:
         if g.tensors[t].kind is not TensorKind.ACTIVATION or src is None or src not in self.rep:
             return None
         if len({st.input_specs[i] for st in strategies}) != len(strategies):
-            return None  # the input spec does not tell the strategies apart
+            return None  # the input spec does not tell the strategies apart (constants' specs do)
         if any(t in self.pins for t in node.outputs):
             return None
         return src, g.node_by_name[src].outputs.index(t), i
@@ -373,9 +378,9 @@ class ShardingILP:
         v = self.rep.get(node, node)
         d, m = self.sigma[v]
         ok = [keep(self._strategies(v)[j]) for j in m]
-        for flag, var in zip(ok, self.x[d], strict=True):
-            if not flag:
-                self.model.add(name, [(var, 1)], 0, 0)
+        for i, (flag, var) in enumerate(zip(ok, self.x[d], strict=True)):
+            if not flag:  # names must be unique: CBC aborts the process on a duplicate
+                self.model.add(f"{name}[{d},{i}]", [(var, 1)], 0, 0)
                 self.constraint_counts["pin"] += 1
         return any(ok)
 

@@ -114,5 +114,5 @@ def test_backward_conjugates() -> None:
     assert one("P", "S(0)") is Collective.ALL_GATHER
     assert one("S(0)", "S(1)") is Collective.ALL_TO_ALL
     assert one("P", "R") is None
-    assert one("R", "S(0)") is None
+    assert one("R", "S(0)") is Collective.ALL_GATHER  # the replicated source needs the whole gradient
     assert one("R", "P") is Collective.ALL_REDUCE

@@ -67,7 +67,7 @@ class OpContext:
     node: OpNode
     in_shapes: tuple[tuple[int, ...], ...]
     out_shapes: tuple[tuple[int, ...], ...]
-    placeable: tuple[bool, ...]  # False: constant (shapes, indices folded at export) or absent
+    placeable: tuple[bool, ...]  # False: absent, or a scalar constant
     const_inputs: tuple[object, ...] = ()  # numpy value of small constant inputs, else None
 
     @staticmethod
@@ -75,7 +75,10 @@ class OpContext:
         def shape_of(t: str) -> tuple[int, ...]:
             return graph.tensors[t].shape if t in graph.tensors else ()
 
-        placeable = tuple(bool(t) and t in graph.tensors and graph.tensors[t].kind is not TensorKind.CONSTANT
+        # Constants with more than one element are placed too (every rank holds them, so a split is a
+        # free local slice): a folded attention mask must be split with the batch it is added to.
+        placeable = tuple(bool(t) and t in graph.tensors and (graph.tensors[t].kind is not TensorKind.CONSTANT
+                                                             or graph.tensors[t].numel > 1)
                           for t in node.inputs)
         return OpContext(node=node, in_shapes=tuple(shape_of(t) for t in node.inputs),
                          out_shapes=tuple(shape_of(t) for t in node.outputs), placeable=placeable,

@@ -1,0 +1,111 @@
+"""`meshplan run`: spawn the ranks on 127.0.0.1 (gloo), collect their reports, compare with the plan.
+
+The ranks are processes started here with a free port, one thread each; if any rank fails or the run
+exceeds its time limit, every rank is stopped and one line says which and why. For several nodes,
+launch `python -m executor` under torchrun instead (README).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from executor.train import RunOptions, worker
+from planner.errors import MeshplanError
+from planner.graph import load_graph
+from planner.strategy import Strategy, load_strategy
+
+
+class RunError(MeshplanError):
+    """A run that cannot start (mismatched strategy, model, rank count) or a rank that failed."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
+    """The plan's collectives by kind, as the executor runs them: DTensor on CPU performs an
+    all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not performed (gathered
+    parameters stay resident), so it is left out."""
+    out: Counter[str] = Counter()
+    for node in strategy.data["nodes"].values():
+        for c in node["collectives"]:
+            if c.get("reason") == "re-gather":
+                continue
+            kind = c["kind"]
+            if kind == "all_to_all" and backend == "gloo":
+                kind = "all_gather"
+            out[kind] += 1
+    return dict(out)
+
+
+def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, timeout_s: float = 600.0) -> dict[str, Any]:
+    strategy = load_strategy(strategy_path)
+    d = strategy.data
+    if not Path(model_path).exists():
+        raise RunError(f"{model_path}: no such model; pass the .onnx file the strategy was planned for")
+    try:
+        graph = load_graph(model_path, d["model"]["dims"])
+    except MeshplanError as e:
+        raise RunError(f"{model_path} is not the model the strategy was planned for ({d['model']['name']}, dims "
+                       f"{d['model']['dims']}): {e}") from e
+    strategy.check_model(graph)
+    mesh_size = len(d["mesh"]["devices"])
+    if nproc != mesh_size:
+        raise RunError(f"--nproc {nproc} but the strategy's mesh {'x'.join(map(str, d['mesh']['shape']))} has "
+                       f"{mesh_size} devices; run with --nproc {mesh_size}")
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=worker, args=(r, nproc, port, strategy.to_json(), str(model_path), opts, out),
+                         daemon=True) for r in range(nproc)]
+    reports: dict[int, dict[str, Any]] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        while len(reports) < nproc:
+            if time.monotonic() > deadline:
+                raise RunError(f"the run did not finish in {timeout_s:.0f} s; lower --steps or check the ranks")
+            try:
+                kind, rank, payload = out.get(timeout=0.5)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RunError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
+                continue
+            if kind == "error":
+                raise RunError(f"rank {rank} failed: {payload}")
+            reports[rank] = payload
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    r0 = reports[0]
+    result = {
+        "strategy": str(strategy_path), "nproc": nproc, "loss": r0["loss"],
+        "predicted_step_s": d["cost"]["step_time_s"],
+        "measured_step_s": max(r["measured_step_s"] for r in reports.values()),
+        "predicted_memory_bytes": d["cost"]["memory_bytes_per_device"],
+        "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
+        "collectives_planned": planned_counts(strategy),
+        "collectives_executed": r0["collectives_executed"],
+    }
+    for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "single_process_loss"):
+        if key in r0:
+            result[key] = r0[key]
+    return result

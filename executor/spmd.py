@@ -1,0 +1,215 @@
+"""Apply a strategy with DTensor: every node runs on its local shards with the planned placements.
+
+For each compute node, in order: each input is redistributed to the spec the plan requires (so the
+collectives DTensor runs are the planned reshards), taken to its local shard with the gradient
+placement the cost model assumes (partial on the mesh axes where the op is split and the input is
+replicated), the op runs on local tensors (shape operands and the rules' local kernels adapted to
+the shard), and its outputs are wrapped back with the planned output placements. Backward is torch
+autograd through those same boundaries; after it, each parameter's gradient is reduced to the
+parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from executor.interpreter import OnnxModule
+from executor.ops import run_op
+from planner.graph import OpNode
+from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
+from planner.rules.gather import MASKED_GATHER
+from planner.strategy import Strategy
+
+
+def placements_of(text: Sequence[str] | str) -> list[Placement]:
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out: list[Placement] = []
+    for t in items:
+        t = t.strip()
+        if t == "R":
+            out.append(Replicate())
+        elif t.startswith("S("):
+            out.append(Shard(int(t[2:-1])))
+        elif t == "P":
+            out.append(Partial("sum"))
+        elif t.startswith("P("):
+            out.append(Partial(t[2:-1]))
+        else:
+            raise ValueError(f"placement {t!r}")
+    return out
+
+
+def _split_axes(specs: Sequence[Sequence[Placement] | None], ndim: int, mesh: DeviceMesh) -> set[int]:
+    return {a for a in range(ndim) if mesh.size(a) > 1 and any(
+        s is not None and not isinstance(s[a], Replicate) for s in specs)}
+
+
+def _grad_placements(want: Sequence[Placement], split: set[int]) -> list[Placement]:
+    """The gradient arriving at a local input: partial where the op is split and the input
+    replicated; replicated where the input is partial (d(sum)/d(addend) is the same everywhere)."""
+    out: list[Placement] = []
+    for a, p in enumerate(want):
+        if isinstance(p, Replicate) and a in split:
+            out.append(Partial("sum"))
+        elif isinstance(p, Partial):
+            out.append(Replicate())
+        else:
+            out.append(p)
+    return out
+
+
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def redistribute(x: DTensor, want: Sequence[Placement]) -> DTensor:
+    """DTensor's redistribute, plus R → P (DTensor refuses to redistribute *to* Partial): the first rank
+    of each group along the axis keeps the value, the others hold zeros."""
+    mesh = x.device_mesh
+    want = list(want)
+    to_partial = [a for a, p in enumerate(want) if isinstance(p, Partial) and not isinstance(x.placements[a], Partial)]
+    first = [Replicate() if a in to_partial else p for a, p in enumerate(want)]
+    if list(x.placements) != first:
+        x = x.redistribute(mesh, first)
+    if not to_partial:
+        return x
+    local = x.to_local(grad_placements=[Partial("sum") if a in to_partial else p for a, p in enumerate(first)])
+    keep = all(mesh.get_local_rank(a) == 0 for a in to_partial)
+    local = local if keep else local * 0
+    return DTensor.from_local(local, mesh, want, shape=x.shape, stride=x.stride(),
+                              grad_placements=[Replicate() if a in to_partial else p for a, p in enumerate(want)])
+
+
+def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> DTensor:
+    """This rank's shard of a tensor every rank holds whole (same seed, same data): no communication."""
+    local = full
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            k, i = mesh.size(a), mesh.get_local_rank(a)
+            c = -(-local.shape[p.dim] // k)
+            local = local.narrow(p.dim, min(i * c, local.shape[p.dim]),
+                                 max(0, min((i + 1) * c, local.shape[p.dim]) - min(i * c, local.shape[p.dim])))
+        elif isinstance(p, Partial):
+            raise ValueError("a whole tensor is not partial")
+    return DTensor.from_local(local.contiguous(), mesh, placements, shape=full.shape, stride=full.stride())
+
+
+def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
+    out = list(shape)
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            k, i = mesh.size(a), mesh.get_local_rank(a)
+            c = -(-out[p.dim] // k)
+            out[p.dim] = max(0, min((i + 1) * c, out[p.dim]) - min(i * c, out[p.dim]))
+    return out
+
+
+class SpmdRunner:
+    """Runs one training forward of `module` under `strategy` on `mesh` (this process's rank)."""
+
+    def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
+        self.module, self.strategy, self.mesh = module, strategy, mesh
+        self.graph = module.graph
+        tensors = strategy.data["tensors"]
+        for name, key in module.param_names.items():
+            full = module.params[key].detach()
+            placements = placements_of(tensors[name]["placements"]) if name in tensors else [Replicate()] * mesh.ndim
+            module.params[key] = nn.Parameter(shard_full(full, placements, mesh))
+
+    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        g, mesh, nodes = self.graph, self.mesh, self.strategy.data["nodes"]
+        env: dict[str, Any] = dict(self.module.values)
+        tensors = self.strategy.data["tensors"]
+        for name, x in zip(g.inputs, inputs, strict=True):
+            placements = placements_of(tensors[name]["placements"]) if name in tensors else [Replicate()] * mesh.ndim
+            env[name] = shard_full(x, placements, mesh)
+        for name, key in self.module.param_names.items():
+            env[name] = self.module.params[key]
+        for node in g.compute_nodes:
+            plan = nodes[node.name]
+            want_in = [placements_of(s) if s is not None else None for s in plan["inputs"]]
+            want_out = [placements_of(s) for s in plan["outputs"]]
+            split = _split_axes([*want_in, *want_out], mesh.ndim, mesh)
+            local_in: list[Any] = []
+            for t, want in zip(node.inputs, want_in, strict=True):
+                v = env.get(t) if t else None
+                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and want is not None:
+                    # A constant, whole on every rank: its placement is a local slice (or zero-fill for P).
+                    v = redistribute(shard_full(v, [Replicate() if isinstance(p, Partial) else p for p in want], mesh),
+                                     want)
+                if isinstance(v, DTensor):
+                    if want is None:  # read for its dtype or shape only
+                        local_in.append(v.to_local().detach())
+                        continue
+                    v = redistribute(v, want)
+                    local_in.append(v.to_local(grad_placements=_grad_placements(want, split)))
+                else:
+                    local_in.append(v)
+            outs = self._run_local(node, local_in, want_out, plan["kernels"])
+            for t, o, placements in zip(node.outputs, outs, want_out, strict=False):
+                if isinstance(o, list):  # a sequence (SplitToSequence): its elements keep the local layout
+                    env[t] = o
+                    continue
+                shape = g.tensors[t].shape
+                grad = [Replicate() if isinstance(p, Partial) else p for p in placements]  # d(sum)/d(addend) = 1
+                env[t] = DTensor.from_local(o, mesh, placements, shape=torch.Size(shape),
+                                            stride=_contiguous_stride(shape), grad_placements=grad)
+        result = [env[t] for t in g.outputs]
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _run_local(self, node: OpNode, x: list[Any], want_out: list[list[Placement]], kernels: list[str]) -> list[Any]:
+        g, mesh = self.graph, self.mesh
+        if node.op_type in ("Reshape", "Expand"):  # the shape operand describes the local output
+            x = [x[0], torch.tensor(_local_shape(g.tensors[node.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64),
+                 *x[2:]]
+        if node.op_type == "SequenceAt":
+            return [x[0][int(x[1])]]
+        if MASKED_GATHER in kernels:
+            return [self._masked_gather(node, x, kernels)]
+        if SPLIT_GROUPS_KERNEL in kernels:
+            groups = x[0].shape[1]
+            local = OpNode(name=node.name, op_type=node.op_type, inputs=node.inputs, outputs=node.outputs,
+                           attrs=tuple((k, groups if k == "group" else v) for k, v in node.attrs))
+            return run_op(local, x)
+        return run_op(node, x)
+
+    def _masked_gather(self, node: OpNode, x: list[Any], kernels: list[str]) -> torch.Tensor:
+        """Vocab-parallel lookup: ids outside this rank's rows read zeros (the output is partial)."""
+        data, idx = x
+        axis = int(node.attr("axis", 0))  # type: ignore[call-overload]
+        full = self.graph.tensors[node.inputs[0]].shape[axis]
+        lo, n = 0, full
+        for a, kernel in enumerate(kernels):
+            if kernel == MASKED_GATHER:
+                k, i = self.mesh.size(a), self.mesh.get_local_rank(a)
+                c = -(-n // k)
+                lo, n = lo + min(i * c, n), max(0, min((i + 1) * c, n) - min(i * c, n))
+        local = idx - lo
+        inside = (local >= 0) & (local < n)
+        out = torch.index_select(data, axis, torch.where(inside, local, 0).reshape(-1))
+        out = out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
+        mask = inside.reshape(*([1] * axis), *idx.shape, *([1] * (data.dim() - axis - 1)))
+        return out * mask.to(out.dtype)
+
+
+def sync_gradients(module: nn.Module) -> None:
+    """Reduce every parameter's gradient to the parameter's own placements (DP all-reduce, FSDP
+    reduce-scatter): the gradient synchronisation the plan priced."""
+    for p in module.parameters():
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and list(g.placements) != list(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+def full_values(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}

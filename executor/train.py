@@ -1,0 +1,203 @@
+"""One rank's work for `meshplan run`: build, train K steps under the strategy, verify, measure.
+
+Data and labels are seeded, identical in every process: integer inputs are token ids below the
+vocabulary their embedding reads, float inputs standard normal. The loss is cross-entropy against
+seeded labels when the output looks like logits (float, rank ≥ 2, a class dim last), else the mean of
+squares; the logits are gathered for it (those collectives are counted as the loss's, not the plan's).
+Verification runs the same graph, init, data, loss and optimizer in one process and compares the
+loss, every parameter's gradient (gathered) and every parameter after the optimizer step.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.debug import CommDebugMode
+
+from executor.interpreter import OnnxModule, load_module
+from executor.spmd import SpmdRunner, sync_gradients
+from planner.graph import OpGraph
+from planner.strategy import Strategy
+
+# Functional collectives DTensor issues → our collective kinds.
+FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    steps: int = 5
+    warmup: int = 2
+    verify: bool = False
+    loss: str = "auto"  # auto | cross-entropy | mse
+    optimizer: str = "adamw"  # adamw | sgd
+    lr: float = 1e-3
+    seed: int = 0
+
+
+def make_batch(graph: OpGraph, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        if info.is_float:
+            out.append(torch.randn(info.shape, generator=g))
+            continue
+        high = 2
+        for n in graph.compute_nodes:  # ids read by an embedding: stay below its vocabulary
+            if n.op_type == "Gather" and len(n.inputs) > 1 and n.inputs[1] == name:
+                axis = int(n.attr("axis", 0))  # type: ignore[call-overload]
+                high = graph.tensors[n.inputs[0]].shape[axis]
+        out.append(torch.randint(0, high, info.shape, generator=g, dtype=torch.int64))
+    return out
+
+
+def loss_fn(graph: OpGraph, kind: str, seed: int) -> Any:
+    out = graph.tensors[graph.outputs[0]]
+    logits = out.is_float and len(out.shape) >= 2 and out.shape[-1] > 1
+    if kind == "cross-entropy" or (kind == "auto" and logits):
+        g = torch.Generator().manual_seed(seed + 2)
+        labels = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
+        return lambda y: torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]), labels.reshape(-1))
+    return lambda y: (y.float() ** 2).mean()
+
+
+def _optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:
+    if opts.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=opts.lr)
+    return torch.optim.AdamW(params, lr=opts.lr, foreach=False)
+
+
+def _ordered_params(module: OnnxModule) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, module.params[key]) for name, key in module.param_names.items()]
+
+
+def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str, Any]:
+    """Runs on every rank of an initialised process group; returns this rank's report."""
+    d = strategy.data
+    torch.manual_seed(opts.seed)
+    mesh = init_device_mesh("cpu", tuple(d["mesh"]["shape"]), mesh_dim_names=tuple(d["mesh"]["axis_names"]))
+    module = load_module(model_path, d["model"]["dims"], seed=opts.seed)
+    graph = module.graph
+    strategy.check_model(graph)
+    batch = make_batch(graph, opts.seed)
+    loss_of = loss_fn(graph, opts.loss, opts.seed)
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    runner = SpmdRunner(module, strategy, mesh)
+    optim = _optimizer(module.parameters(), opts)
+
+    def step() -> tuple[torch.Tensor, CommDebugMode]:
+        optim.zero_grad(set_to_none=True)
+        with CommDebugMode() as comm:
+            y = runner.forward(batch)
+            with comm_scope(comm, "loss"):
+                full = y.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(y, DTensor) else y
+                loss = loss_of(full)
+            loss.backward()
+            sync_gradients(module)
+        return loss, comm
+
+    report: dict[str, Any] = {"rank": dist.get_rank()}
+    first_loss, comm = step()
+    report["collectives_executed"] = executed_counts(comm)
+    if opts.verify:
+        grads = {n: _full(p.grad) for n, p in _ordered_params(module)}
+    optim.step()
+    if opts.verify:
+        after = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in _ordered_params(module)}
+        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
+                                                 float(first_loss), grads, after))
+    times = []
+    for i in range(opts.warmup + opts.steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        optim.step()
+        dist.barrier()
+        if i >= opts.warmup:
+            times.append(time.perf_counter() - t0)
+    report["loss"] = float(first_loss)
+    report["measured_step_s"] = statistics.median(times) if times else None
+    report["measured_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    return report
+
+
+class comm_scope:
+    """Marks collectives issued inside it (the loss's gather) so that they are not charged to the plan."""
+
+    def __init__(self, comm: CommDebugMode, label: str) -> None:
+        self.comm, self.label = comm, label
+
+    def __enter__(self) -> None:
+        self.before = dict(self.comm.get_comm_counts())
+
+    def __exit__(self, *exc: object) -> None:
+        after = self.comm.get_comm_counts()
+        extra = getattr(self.comm, "_meshplan_excluded", Counter())
+        for k, v in after.items():
+            extra[str(k)] += v - self.before.get(k, 0)
+        self.comm._meshplan_excluded = extra  # type: ignore[attr-defined]
+
+
+def executed_counts(comm: CommDebugMode) -> dict[str, int]:
+    """Collectives of the step by kind, the loss's forward gather left out."""
+    out: Counter[str] = Counter()
+    excluded = getattr(comm, "_meshplan_excluded", Counter())
+    for k, v in comm.get_comm_counts().items():
+        name = str(k).split(".")[-1]
+        kind = FUNCOL_KINDS.get(name)
+        if kind is not None:
+            out[kind] += v - excluded.get(str(k), 0)
+    return {k: v for k, v in out.items() if v}
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor:
+    if t is None:
+        raise RuntimeError("a parameter received no gradient")
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
+                               loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
+                               after: dict[str, torch.Tensor]) -> dict[str, Any]:
+    ref = load_module(model_path, dims, seed=opts.seed)
+    optim = _optimizer(ref.parameters(), opts)
+    loss = loss_of(ref(*batch))
+    loss.backward()
+    grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in _ordered_params(ref))
+    optim.step()
+    param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in _ordered_params(ref))
+    loss_diff = abs(float(loss) - dist_loss)
+    return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
+            "param_max_abs_diff": param_diff, "max_abs_diff": max(loss_diff, grad_diff, param_diff)}
+
+
+def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str, opts: RunOptions, out: Any) -> None:
+    """Entry point of a spawned rank: one thread, gloo on loopback, report to the parent."""
+    import json
+    import warnings
+
+    from planner.strategy import from_dict
+
+    warnings.filterwarnings("ignore")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        report = run_rank(from_dict(json.loads(strategy_json)), model_path, opts)
+        out.put(("report", rank, report))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:  # the parent stops every rank and prints one line
+        out.put(("error", rank, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+        raise SystemExit(1) from e
