@@ -120,6 +120,7 @@ class SpmdRunner:
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
         self.graph = module.graph
+        self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
         tensors = strategy.data["tensors"]
         for name, key in module.param_names.items():
             full = module.params[key].detach()
@@ -127,14 +128,21 @@ class SpmdRunner:
             module.params[key] = nn.Parameter(shard_full(full, placements, mesh))
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+        """Activations stay local tensors with known placements; DTensor is entered only where the
+        plan reshards a tensor or where its gradient comes out partial and must be reduced — one
+        cached wrapper per tensor, so that several consumers' partial gradients sum before the one
+        reduction. Parameters are DTensors throughout."""
         g, mesh, nodes = self.graph, self.mesh, self.strategy.data["nodes"]
-        env: dict[str, Any] = dict(self.module.values)
         tensors = self.strategy.data["tensors"]
+        local: dict[str, Any] = dict(self.module.values)  # constants: whole on every rank
+        spec: dict[str, list[Placement]] = {}
+        wrapped: dict[str, DTensor] = {}
         for name, x in zip(g.inputs, inputs, strict=True):
-            placements = placements_of(tensors[name]["placements"]) if name in tensors else [Replicate()] * mesh.ndim
-            env[name] = shard_full(x, placements, mesh)
-        for name, key in self.module.param_names.items():
-            env[name] = self.module.params[key]
+            placements: list[Placement] = (placements_of(tensors[name]["placements"]) if name in tensors
+                                           else [Replicate()] * mesh.ndim)
+            local[name] = shard_full(x, placements, mesh).to_local()
+            spec[name] = placements
+        params = {name: self.module.params[key] for name, key in self.module.param_names.items()}
         for node in g.compute_nodes:
             plan = nodes[node.name]
             want_in = [placements_of(s) if s is not None else None for s in plan["inputs"]]
@@ -142,30 +150,48 @@ class SpmdRunner:
             split = _split_axes([*want_in, *want_out], mesh.ndim, mesh)
             local_in: list[Any] = []
             for t, want in zip(node.inputs, want_in, strict=True):
-                v = env.get(t) if t else None
-                if isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and want is not None:
-                    # A constant, whole on every rank: its placement is a local slice (or zero-fill for P).
-                    v = redistribute(shard_full(v, [Replicate() if isinstance(p, Partial) else p for p in want], mesh),
-                                     want)
-                if isinstance(v, DTensor):
-                    if want is None:  # read for its dtype or shape only
-                        local_in.append(v.to_local().detach())
-                        continue
-                    v = redistribute(v, want)
-                    local_in.append(v.to_local(grad_placements=_grad_placements(want, split)))
+                if not t:
+                    local_in.append(None)
+                elif t in params:
+                    assert want is not None
+                    local_in.append(redistribute(params[t], want).to_local(grad_placements=_grad_placements(want, split)))
+                elif t not in spec:  # a constant, whole on every rank: its placement is a local slice
+                    local_in.append(self._constant(t, local.get(t), want))
+                elif want is None:  # read for its dtype or shape only
+                    local_in.append(local[t].detach() if isinstance(local[t], torch.Tensor) else local[t])
                 else:
-                    local_in.append(v)
+                    grad = _grad_placements(want, split)
+                    partial_grad = any(isinstance(p, Partial) for p in grad) and local[t].requires_grad
+                    if spec[t] == want and not partial_grad:
+                        local_in.append(local[t])  # already there, nothing to reduce: no DTensor at all
+                        continue
+                    if t not in wrapped:
+                        shape = g.tensors[t].shape
+                        wrapped[t] = DTensor.from_local(
+                            local[t], mesh, spec[t], shape=torch.Size(shape), stride=_contiguous_stride(shape),
+                            grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
+                    local_in.append(redistribute(wrapped[t], want).to_local(grad_placements=grad))
             outs = self._run_local(node, local_in, want_out, plan["kernels"])
             for t, o, placements in zip(node.outputs, outs, want_out, strict=False):
-                if isinstance(o, list):  # a sequence (SplitToSequence): its elements keep the local layout
-                    env[t] = o
-                    continue
-                shape = g.tensors[t].shape
-                grad = [Replicate() if isinstance(p, Partial) else p for p in placements]  # d(sum)/d(addend) = 1
-                env[t] = DTensor.from_local(o, mesh, placements, shape=torch.Size(shape),
-                                            stride=_contiguous_stride(shape), grad_placements=grad)
-        result = [env[t] for t in g.outputs]
+                local[t] = o
+                spec[t] = placements
+        result = []
+        for t in g.outputs:
+            shape = g.tensors[t].shape
+            result.append(DTensor.from_local(local[t], mesh, spec[t], shape=torch.Size(shape),
+                                             stride=_contiguous_stride(shape),
+                                             grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]]))
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _constant(self, name: str, value: Any, want: list[Placement] | None) -> Any:
+        """A constant's local slice (zero-filled where the plan needs it partial), computed once."""
+        if want is None or not isinstance(value, torch.Tensor):
+            return value
+        key = (name, tuple(want))
+        if key not in self._constants:
+            whole = [Replicate() if isinstance(p, Partial) else p for p in want]
+            self._constants[key] = redistribute(shard_full(value, whole, self.mesh), want).to_local().detach()
+        return self._constants[key]
 
     def _run_local(self, node: OpNode, x: list[Any], want_out: list[list[Placement]], kernels: list[str]) -> list[Any]:
         g, mesh = self.graph, self.mesh
