@@ -107,7 +107,42 @@ def bench_layers(repeat: int) -> None:
     console.print(table)
 
 
-BENCHMARKS: dict[str, Callable[[int], None]] = {"import": bench_import, "plan": bench_plan, "layers": bench_layers}
+def bench_fidelity(repeat: int) -> None:
+    """Predicted vs measured: every small zoo model planned (auto) for 2 ranks on the calibrated `cpu`
+    profile and run by the executor (gloo); |predicted − measured| / measured for step time and memory."""
+    from executor.launch import run
+    from executor.train import RunOptions
+    from planner.plan import PlanRequest, make_plan
+
+    dims = {"mlp": {"batch": 256}, "mlp-legacy": {"batch": 256}, "convnet": {"batch": 16},
+            "convnet-legacy": {"batch": 16}, "gpt2-tiny": {"batch": 8, "seq": 64}, "bert-tiny": {"batch": 8, "seq": 64},
+            "vit-tiny": {"batch": 16}, "llama-tiny": {"batch": 8, "seq": 64}}
+    table = Table(title="fidelity: cost model (cpu profile) vs executor on 2 gloo ranks")
+    for col in ("model", "mesh", "predicted ms", "measured ms", "time error", "predicted MiB", "measured MiB",
+                "memory error", "collectives (planned = executed)"):
+        table.add_column(col, justify="right" if col != "model" else "left")
+    t_err, m_err = [], []
+    for name in zoo.SMALL:
+        path = str(zoo.export(name))
+        strategy, _ = make_plan(PlanRequest(model=path, dims=dims[name], profile="cpu", devices=2, mesh_shape=(2,)))
+        out = f"/tmp/meshplan-fidelity-{name}.json"
+        strategy.save(out)
+        r = run(out, path, nproc=2, opts=RunOptions(steps=max(5, repeat), warmup=2))
+        te = abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
+        me = abs(r["predicted_memory_bytes"] - r["measured_memory_bytes"]) / max(r["measured_memory_bytes"], 1)
+        t_err.append(te)
+        m_err.append(me)
+        table.add_row(name, "x".join(map(str, strategy.mesh_shape)), f"{r['predicted_step_s'] * 1e3:.2f}",
+                      f"{r['measured_step_s'] * 1e3:.2f}", f"{te:.0%}", f"{r['predicted_memory_bytes'] / 2**20:.1f}",
+                      f"{r['measured_memory_bytes'] / 2**20:.1f}", f"{me:.0%}",
+                      "yes" if r["collectives_planned"] == r["collectives_executed"] else
+                      f"no: {r['collectives_planned']} vs {r['collectives_executed']}")
+    console.print(table)
+    console.print(f"median time error {statistics.median(t_err):.0%}, median memory error {statistics.median(m_err):.0%} "
+                  "(memory measured as peak RSS growth of the rank)")
+
+
+BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan, "layers": bench_layers}
 
 
 def main() -> None:
