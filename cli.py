@@ -487,7 +487,8 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     ms, ps = result["measured_step_s"], result["predicted_step_s"]
     t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
     mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
-    t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (peak RSS growth), predicted {_fmt_bytes(pm)}")
+    t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (model states + saved activations), "
+              f"predicted {_fmt_bytes(pm)}")
     t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
     t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
     console.print(t)
@@ -588,7 +589,8 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
                   f"{e.median_rel_error:.1%}")
     table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
-    table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs", "")
+    table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
+                  f"({report.bare_op_s * 1e6:.2f} µs bare)", "")
     for k, fit in report.fits.items():
         table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
                       f"{fit.median_rel_error:.1%}")

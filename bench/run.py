@@ -139,7 +139,7 @@ def bench_fidelity(repeat: int) -> None:
                       f"no: {r['collectives_planned']} vs {r['collectives_executed']}")
     console.print(table)
     console.print(f"median time error {statistics.median(t_err):.0%}, median memory error {statistics.median(m_err):.0%} "
-                  "(memory measured as peak RSS growth of the rank)")
+                  "(memory measured as model-state tensors + the storages autograd saved for backward)")
 
 
 BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan, "layers": bench_layers}

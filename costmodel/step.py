@@ -19,7 +19,8 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
 Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
-need no gradient; constants cost nothing. Step time = compute + communication (no overlap assumed).
+need no gradient; constants cost nothing. Step time = compute + optimizer step + communication (no
+overlap assumed).
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ from planner.mesh import DeviceMesh
 from planner.placement import Replicate, Shard, Spec
 from planner.reshard import conjugate, plan_reshard
 from planner.rules import OpStrategy
+
+# The optimizer step (AdamW, one tensor at a time): per element it reads the weight, gradient and two
+# moments and writes back the weight and moments, 7 fp32 words (mixed precision updates the fp32
+# master copy: the same traffic); per tensor about a dozen element-wise kernels (torch's
+# single-tensor AdamW: lerp, mul, addcmul, sqrt, div, addcdiv, ...).
+OPTIMIZER_BYTES_PER_PARAM = 7 * 4
+OPTIMIZER_OPS_PER_TENSOR = 12
 
 # Gradient collectives are fused into buckets, as PyTorch DDP does (bucket_cap_mb = 25) and MindSpore's
 # all_reduce_fusion_config: latency is paid per bucket, not per parameter.
@@ -62,8 +70,9 @@ class NodeCost:
 
 @dataclass
 class StepCost:
-    compute_s: float = 0.0
+    compute_s: float = 0.0  # forward + backward of every op; the optimizer step is counted apart
     comm_s: float = 0.0
+    optimizer_s: float = 0.0
     memory: dict[str, float] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     flops_matmul: float = 0.0  # per device, forward + backward
@@ -76,7 +85,7 @@ class StepCost:
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.comm_s
+        return self.compute_s + self.optimizer_s + self.comm_s
 
     @property
     def memory_bytes(self) -> float:
@@ -118,6 +127,12 @@ class CostModel:
         return frozenset(a for a in range(self.mesh.ndim) if self.mesh.shape[a] > 1 and any(
             s is not None and not isinstance(s.placements[a], Replicate)
             for s in (*strategy.input_specs, *strategy.output_specs)))
+
+    def optimizer_s(self, tensor: str, spec: Spec) -> float:
+        """Time of the optimizer step for one parameter's local shard: memory-bound, plus launches."""
+        local = float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh)
+        dev = self.profile.device
+        return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
 
     def param_state_bytes(self, tensor: str, spec: Spec) -> float:
         return float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh) * self.precision.model_state_bytes
@@ -226,6 +241,7 @@ class CostModel:
                 placed[t] = spec
             mem["activations"] += nc.activation_bytes
         for t in self.param_owner:
+            cost.optimizer_s += self.optimizer_s(t, placed[t])
             states = self.param_state_bytes(t, placed[t])
             mem["parameters"] += states * p.weight_bytes / p.model_state_bytes
             mem["gradients"] += states * p.grad_bytes / p.model_state_bytes

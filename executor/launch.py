@@ -32,18 +32,33 @@ def _free_port() -> int:
 
 
 def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
-    """The plan's collectives by kind, as the executor runs them: DTensor on CPU performs an
-    all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not performed (gathered
-    parameters stay resident), so it is left out."""
+    """The plan's collectives by kind, as the executor runs them: a parameter's gradient all-reduces
+    (when it is used where it is stored) are packed into buckets like DDP (`executor.buckets`); DTensor
+    on CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
+    performed (gathered parameters stay resident), so it is left out."""
+    from executor.buckets import buckets
+
+    d = strategy.data
+    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"}
+    resharded = {r["tensor"] for r in d["reshards"]}
+    axis_index = {n: i for i, n in enumerate(d["mesh"]["axis_names"])}
     out: Counter[str] = Counter()
-    for node in strategy.data["nodes"].values():
+    bucketed: dict[str, tuple[set[int], float]] = {}
+    for node in d["nodes"].values():
         for c in node["collectives"]:
             if c.get("reason") == "re-gather":
+                continue
+            t = c.get("tensor", "")
+            if c.get("reason") == "grad sync" and t in params and t not in resharded:
+                axes, nbytes = bucketed.get(t, (set(), c["bytes"]))
+                bucketed[t] = (axes | {axis_index[a] for a in c["axes"]}, nbytes)
                 continue
             kind = c["kind"]
             if kind == "all_to_all" and backend == "gloo":
                 kind = "all_gather"
             out[kind] += 1
+    for axes, _ in buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
+        out["all_reduce"] += len(axes)
     return dict(out)
 
 

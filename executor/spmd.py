@@ -64,6 +64,28 @@ def _grad_placements(want: Sequence[Placement], split: set[int]) -> list[Placeme
     return out
 
 
+class _GradAsPartial(torch.autograd.Function):
+    """Forward: the value itself. Backward: a whole gradient turned into addends — kept on the first
+    rank of the given mesh axes, zero elsewhere — so that it can join partial ones in one reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch.Tensor:
+    if not axes:
+        return x
+    keep = all(mesh.get_local_rank(a) == 0 for a in axes)
+    out: torch.Tensor = _GradAsPartial.apply(x, keep)
+    return out
+
+
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -122,39 +144,60 @@ class SpmdRunner:
         self.graph = module.graph
         self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
         tensors = strategy.data["tensors"]
+        # Parameters are plain local shards (fast to update); their placements are kept here.
+        self.stored: dict[str, list[Placement]] = {}
         for name, key in module.param_names.items():
             full = module.params[key].detach()
-            placements = placements_of(tensors[name]["placements"]) if name in tensors else [Replicate()] * mesh.ndim
-            module.params[key] = nn.Parameter(shard_full(full, placements, mesh))
+            placements: list[Placement] = self._norm(placements_of(tensors[name]["placements"]) if name in tensors
+                                                     else [Replicate()] * mesh.ndim)
+            module.params[key] = nn.Parameter(shard_full(full, placements, mesh).to_local().clone())
+            self.stored[name] = placements
+        self.partial_grads: dict[str, set[int]] = {}  # this step: parameter → axes its local grad is partial on
+        self._plans: dict[str, tuple[list[Any], list[list[Placement]], set[int], list[str]]] = {}
+        for n in self.graph.compute_nodes:
+            plan = strategy.data["nodes"][n.name]
+            want_in = [self._norm(placements_of(x)) if x is not None else None for x in plan["inputs"]]
+            want_out = [self._norm(placements_of(x)) for x in plan["outputs"]]
+            self._plans[n.name] = (want_in, want_out, _split_axes([*want_in, *want_out], mesh.ndim, mesh), plan["kernels"])
+        # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
+        # bucketed, after backward): every other use must then contribute a partial gradient too.
+        self.reduced_axes: dict[str, set[int]] = {name: set() for name in self.stored}
+        for n in self.graph.compute_nodes:
+            want_in, _, split, _ = self._plans[n.name]
+            for t, want in zip(n.inputs, want_in, strict=True):
+                if t in self.stored and want == self.stored[t]:
+                    self.reduced_axes[t] |= {a for a in split if isinstance(want[a], Replicate)}
+
+    def _norm(self, placements: list[Placement]) -> list[Placement]:
+        """On a mesh axis of one device every placement holds the same data: call it replicated."""
+        return [Replicate() if self.mesh.size(a) == 1 else p for a, p in enumerate(placements)]
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
         """Activations stay local tensors with known placements; DTensor is entered only where the
         plan reshards a tensor or where its gradient comes out partial and must be reduced — one
         cached wrapper per tensor, so that several consumers' partial gradients sum before the one
         reduction. Parameters are DTensors throughout."""
-        g, mesh, nodes = self.graph, self.mesh, self.strategy.data["nodes"]
+        g, mesh = self.graph, self.mesh
         tensors = self.strategy.data["tensors"]
         local: dict[str, Any] = dict(self.module.values)  # constants: whole on every rank
         spec: dict[str, list[Placement]] = {}
         wrapped: dict[str, DTensor] = {}
         for name, x in zip(g.inputs, inputs, strict=True):
-            placements: list[Placement] = (placements_of(tensors[name]["placements"]) if name in tensors
-                                           else [Replicate()] * mesh.ndim)
+            placements: list[Placement] = self._norm(placements_of(tensors[name]["placements"]) if name in tensors
+                                                     else [Replicate()] * mesh.ndim)
             local[name] = shard_full(x, placements, mesh).to_local()
             spec[name] = placements
         params = {name: self.module.params[key] for name, key in self.module.param_names.items()}
+        self.partial_grads = {name: set() for name in params}
         for node in g.compute_nodes:
-            plan = nodes[node.name]
-            want_in = [placements_of(s) if s is not None else None for s in plan["inputs"]]
-            want_out = [placements_of(s) for s in plan["outputs"]]
-            split = _split_axes([*want_in, *want_out], mesh.ndim, mesh)
+            want_in, want_out, split, kernels = self._plans[node.name]
             local_in: list[Any] = []
             for t, want in zip(node.inputs, want_in, strict=True):
                 if not t:
                     local_in.append(None)
                 elif t in params:
                     assert want is not None
-                    local_in.append(redistribute(params[t], want).to_local(grad_placements=_grad_placements(want, split)))
+                    local_in.append(self._param(t, params[t], want, split, wrapped))
                 elif t not in spec:  # a constant, whole on every rank: its placement is a local slice
                     local_in.append(self._constant(t, local.get(t), want))
                 elif want is None:  # read for its dtype or shape only
@@ -171,7 +214,7 @@ class SpmdRunner:
                             local[t], mesh, spec[t], shape=torch.Size(shape), stride=_contiguous_stride(shape),
                             grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
                     local_in.append(redistribute(wrapped[t], want).to_local(grad_placements=grad))
-            outs = self._run_local(node, local_in, want_out, plan["kernels"])
+            outs = self._run_local(node, local_in, want_out, kernels)
             for t, o, placements in zip(node.outputs, outs, want_out, strict=False):
                 local[t] = o
                 spec[t] = placements
@@ -182,6 +225,54 @@ class SpmdRunner:
                                              stride=_contiguous_stride(shape),
                                              grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]]))
         return result[0] if len(result) == 1 else tuple(result)
+
+    def _param(self, name: str, p: torch.Tensor, want: list[Placement], split: set[int], wrapped: dict[str, DTensor]
+               ) -> torch.Tensor:
+        """A parameter's local value as a node needs it. Stored as required: the local shard itself,
+        its gradient left partial on the split axes for the bucketed reduction (`reduce_gradients`).
+        Otherwise through DTensor, which runs the planned reshard and its backward."""
+        stored = self.stored[name]
+        reduced = self.reduced_axes[name]
+        if want == stored:
+            here = {a for a in split if isinstance(want[a], Replicate)}
+            self.partial_grads[name] |= reduced
+            return _grad_as_partial(p, self.mesh, reduced - here)
+        if name not in wrapped:
+            shape = self.graph.tensors[name].shape
+            source = _grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
+            wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
+                                               stride=_contiguous_stride(shape), grad_placements=stored)
+        return redistribute(wrapped[name], want).to_local(grad_placements=_grad_placements(want, split))
+
+    def reduce_gradients(self) -> int:
+        """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count."""
+        import torch.distributed as dist
+
+        from executor.buckets import buckets
+
+        grads: dict[str, tuple[tuple[int, ...], float]] = {}
+        for name, partial in self.partial_grads.items():
+            p = self.module.params[self.module.param_names[name]]
+            if partial and p.grad is not None:
+                grads[name] = (tuple(sorted(partial)), float(p.grad.numel() * p.grad.element_size()))
+        plan = buckets(grads)
+        for axes, names in plan:
+            tensors = [self.module.params[self.module.param_names[n]].grad for n in names]
+            flat = torch.cat([t.reshape(-1) for t in tensors if t is not None])
+            for a in axes:
+                dist.all_reduce(flat, group=self.mesh.get_group(a))
+            offset = 0
+            for t in tensors:
+                assert t is not None
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return len(plan)
+
+    def full_parameter(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """The whole parameter (or gradient) from this rank's shard: a gather over the mesh."""
+        shape = self.graph.tensors[name].shape
+        return DTensor.from_local(value, self.mesh, self.stored[name], shape=torch.Size(shape),
+                                  stride=_contiguous_stride(shape)).full_tensor()
 
     def _constant(self, name: str, value: Any, want: list[Placement] | None) -> Any:
         """A constant's local slice (zero-filled where the plan needs it partial), computed once."""
@@ -226,15 +317,6 @@ class SpmdRunner:
         out = out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
         mask = inside.reshape(*([1] * axis), *idx.shape, *([1] * (data.dim() - axis - 1)))
         return out * mask.to(out.dtype)
-
-
-def sync_gradients(module: nn.Module) -> None:
-    """Reduce every parameter's gradient to the parameter's own placements (DP all-reduce, FSDP
-    reduce-scatter): the gradient synchronisation the plan priced."""
-    for p in module.parameters():
-        g = p.grad
-        if isinstance(p, DTensor) and isinstance(g, DTensor) and list(g.placements) != list(p.placements):
-            p.grad = g.redistribute(p.device_mesh, p.placements)
 
 
 def full_values(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:

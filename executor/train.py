@@ -10,6 +10,7 @@ loss, every parameter's gradient (gathered) and every parameter after the optimi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import statistics
@@ -25,13 +26,14 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.debug import CommDebugMode
 
 from executor.interpreter import OnnxModule, load_module
-from executor.spmd import SpmdRunner, sync_gradients
+from executor.spmd import SpmdRunner
 from planner.graph import OpGraph
 from planner.strategy import Strategy
 
 # Functional collectives DTensor issues → our collective kinds.
 FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all"}
+                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+                "allreduce_": "all_reduce"}  # the last: the bucketed gradient all-reduces (c10d)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,25 +98,37 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     runner = SpmdRunner(module, strategy, mesh)
     optim = _optimizer(module.parameters(), opts)
 
-    def step() -> tuple[torch.Tensor, CommDebugMode]:
+    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter):  # parameters are counted as model states
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    def step(count: bool = False) -> tuple[torch.Tensor, CommDebugMode | None]:
+        """One training step; under `count` its collectives are recorded (CommDebugMode intercepts
+        every op, so timed steps run without it)."""
         optim.zero_grad(set_to_none=True)
-        with CommDebugMode() as comm:
+        comm = CommDebugMode() if count else None
+        with comm if comm is not None else contextlib.nullcontext(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = runner.forward(batch)
-            with comm_scope(comm, "loss"):
+            with comm_scope(comm, "loss") if comm is not None else contextlib.nullcontext():
                 full = y.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(y, DTensor) else y
                 loss = loss_of(full)
             loss.backward()
-            sync_gradients(module)
+            runner.reduce_gradients()
         return loss, comm
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
-    first_loss, comm = step()
+    first_loss, comm = step(count=True)
+    assert comm is not None
     report["collectives_executed"] = executed_counts(comm)
     if opts.verify:
-        grads = {n: _full(p.grad) for n, p in _ordered_params(module)}
+        grads = {n: runner.full_parameter(n, _full(p.grad)) for n, p in _ordered_params(module)}
     optim.step()
     if opts.verify:
-        after = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in _ordered_params(module)}
+        after = {n: runner.full_parameter(n, p.detach()) for n, p in _ordered_params(module)}
         report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
                                                  float(first_loss), grads, after))
     times = []
@@ -128,7 +142,14 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             times.append(time.perf_counter() - t0)
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
-    report["measured_memory_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
+    # Memory the cost model predicts, measured: model states (weights, gradients, optimizer state
+    # tensors) and the activations autograd saved for backward in a step.
+    states = sum(p.numel() * p.element_size() for p in module.parameters())
+    states += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+    states += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
+                  if isinstance(v, torch.Tensor) and v.dim() > 0)
+    report["measured_memory_bytes"] = states + sum(saved.values())
+    report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
 
 

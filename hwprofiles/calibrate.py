@@ -119,7 +119,8 @@ class CalibrationReport:
     matmul: list[Measurement] = field(default_factory=list)
     efficiency: EfficiencyFit | None = None
     copy_bandwidth_bytes_per_s: float = 0.0
-    op_overhead_s: float = 0.0
+    op_overhead_s: float = 0.0  # what the profile's kernel_launch_s becomes
+    bare_op_s: float = 0.0  # a one-element torch op, for reference
     collectives: dict[str, list[Measurement]] = field(default_factory=dict)
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -183,8 +184,41 @@ def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress:
     copy_times = _time_op(lambda: dst.copy_(src), device, warmup=2, repeats=cfg.repeats)
     report.copy_bandwidth_bytes_per_s = 2 * nbytes / statistics.median(copy_times)
     one = torch.ones(1, device=device)
-    report.op_overhead_s = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    report.bare_op_s = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    report.op_overhead_s = executor_op_overhead_s() if cfg.backend == "gloo" else report.bare_op_s
     progress("memory", 1, 1)
+
+
+def executor_op_overhead_s(ops: int = 64) -> float:
+    """Per-op time of meshplan's executor on tiny tensors: a chain of `ops` element-wise nodes run
+    through the ONNX interpreter with autograd, forward + backward, over the 3 launches the cost model
+    charges per op (1 forward, 2 backward). On a CPU rank this, not a bare kernel, is the overhead."""
+    import numpy as np
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    from executor.interpreter import OnnxModule
+    from planner.graph import graph_from_proto
+
+    nodes, prev = [], "x"
+    for i in range(ops):
+        op = "Mul" if i % 2 else "Add"
+        nodes.append(helper.make_node(op, [prev, "w"], [f"t{i}"], name=f"n{i}"))
+        prev = f"t{i}"
+    model = helper.make_model(helper.make_graph(
+        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+        [helper.make_tensor_value_info(prev, TensorProto.FLOAT, [8])],
+        initializer=[numpy_helper.from_array(np.full(8, 1.0001, np.float32), "w")]),
+        opset_imports=[helper.make_opsetid("", 20)])
+    module = OnnxModule(graph_from_proto(model, {}), model)
+    x = torch.ones(8)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        module(x).sum().backward()
+
+    times = _time_op(step, torch.device("cpu"), warmup=5, repeats=50)
+    return statistics.median(times) / (3 * ops)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,7 +437,9 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         }
     dev = data["device"]
     dev["mem_bandwidth_bytes_per_s"] = q(report.copy_bandwidth_bytes_per_s, "B/s", "buffer copy, read + write")
-    dev["kernel_launch_s"] = q(report.op_overhead_s, "s", "median time of a one-element op")
+    dev["kernel_launch_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
+                               "autograd) on tiny tensors, forward + backward / 3" if cfg.backend == "gloo"
+                               else "median time of a one-element op")
     dev["matmul_efficiency"] = {
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),
@@ -479,6 +515,7 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "efficiency_fit_median_rel_error": report.efficiency.median_rel_error if report.efficiency else None,
         "copy_bandwidth_bytes_per_s": report.copy_bandwidth_bytes_per_s,
         "op_overhead_s": report.op_overhead_s,
+        "bare_op_s": report.bare_op_s,
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
                 "median_rel_error": report.fits[k].median_rel_error,

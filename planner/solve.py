@@ -21,7 +21,8 @@ Variables
                         and split the same mesh axes) — classes instead of choices keep y small
 Objective (integer nanoseconds of one training step)
   min Σ c[d,i]·x[d,i] + Σ m_e·C_e[a,b]·y[e,a,b] + Σ ⌈mem[d,i] / MiB⌉·x[d,i]  (1 ns per MiB: ties → less memory)
-  c[d,i]: compute (forward + backward, local shards) of every node mapped to d under choice i, plus
+  c[d,i]: compute (forward + backward, local shards) of every node mapped to d under choice i (for a
+  parameter: the optimizer step on its local shard), plus
   the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
   reshard of t and the backward work on its gradient (`CostModel.edge_events`). Each edge is priced
   alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
@@ -325,6 +326,8 @@ class ShardingILP:
             if node.startswith("param:"):
                 p = node[6:]
                 mem[d] = [self.cost.param_state_bytes(p, spec) * pmult[p] for spec in self.param_specs[p]]
+                costs[d] = [c + self.cost.optimizer_s(p, spec) * pmult[p] for c, spec in zip(costs[d], self.param_specs[p],
+                                                                                             strict=True)]
                 continue
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
