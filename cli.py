@@ -589,6 +589,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
                   f"{e.median_rel_error:.1%}")
     table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
+    table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
                   f"({report.bare_op_s * 1e6:.2f} µs bare)", "")
     for k, fit in report.fits.items():

@@ -4,7 +4,9 @@ Forward: matmul-class FLOPs at the profile's peak for the dtype times the effici
 matmul size; every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
 time) + the per-op launch overhead. Backward: a matmul is two matmuls (input and weight gradients),
 2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
-input gradients, ≈ 2× the forward bytes. Attention's score chain is one fused kernel (FlashAttention):
+input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
+Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
+far below a copy's). Attention's score chain is one fused kernel (FlashAttention):
 its s×s tensors stay on chip, so they cost FLOPs but no memory traffic.
 """
 
@@ -23,6 +25,9 @@ from planner.mesh import DeviceMesh
 from planner.placement import Spec
 
 BACKWARD_FLOPS_FACTOR = 2.0  # dX = dY·Wᵀ and dW = Xᵀ·dY
+# Ops torch runs as views of their input (no data moved): they cost their launch only.
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice",
+                      "SequenceAt", "SplitToSequence", "Split", "Dropout"})
 BACKWARD_BYTES_FACTOR = 2.0
 
 
@@ -65,8 +70,11 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     dev = profile.device
     fused = bool(node.outputs) and all(t in on_chip for t in node.outputs if t)
     launch = 0.0 if fused else dev.kernel_launch_s
+    if node.op_type in VIEW_OPS:
+        nbytes = 0.0
     dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
-    mem_s = nbytes / dev.mem_bandwidth_bytes_per_s
+    # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
+    mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_bytes_per_s)
     peak = dev.peak_for(dtype)
     fwd = max(dev.matmul_time_s(flops.matmul, dtype) + flops.other / peak, mem_s) + launch
     bwd = max(BACKWARD_FLOPS_FACTOR * dev.matmul_time_s(flops.matmul, dtype) + BACKWARD_FLOPS_FACTOR * flops.other / peak,

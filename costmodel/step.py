@@ -268,8 +268,9 @@ def _gradient_tensors(graph: OpGraph) -> frozenset[str]:
     """Float tensors that depend on a parameter: the only ones backward computes a gradient for."""
     out = {t.name for t in graph.params}
     for n in graph.compute_nodes:
-        if any(t in out for t in n.inputs):
-            out.update(t for t in n.outputs if t in graph.tensors and graph.tensors[t].is_float)
+        if any(t in out for t in n.inputs):  # a sequence (SplitToSequence) carries its elements' gradients
+            out.update(t for t in n.outputs if t in graph.tensors and
+                       (graph.tensors[t].is_float or graph.tensors[t].dtype == "sequence"))
     return frozenset(out)
 
 

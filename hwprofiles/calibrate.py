@@ -1,7 +1,8 @@
 """`meshplan profile calibrate`: microbenchmarks on this machine, fitted into a profile JSON.
 
 What is measured (warm-up first, then repetitions; the median is kept, the spread reported):
-- matmul sweep (one rank = one process with one thread on CPU, one GPU with nccl): n×n×n for a range
+- compute, measured on all ranks at once (as training runs it; the slowest rank's medians are kept):
+  matmul sweep (one rank = one process with one thread on CPU, one GPU with nccl): n×n×n for a range
   of n → achieved FLOP/s per size → the efficiency curve P·F/(F + F½);
 - memory copy of a large buffer → bandwidth (read + write bytes over time);
 - a one-element op → per-op overhead (the CPU's "kernel launch");
@@ -120,6 +121,7 @@ class CalibrationReport:
     efficiency: EfficiencyFit | None = None
     copy_bandwidth_bytes_per_s: float = 0.0
     op_overhead_s: float = 0.0  # what the profile's kernel_launch_s becomes
+    elementwise_bandwidth_bytes_per_s: float = 0.0
     bare_op_s: float = 0.0  # a one-element torch op, for reference
     collectives: dict[str, list[Measurement]] = field(default_factory=dict)
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
@@ -163,30 +165,67 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
     return times
 
 
-def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
+def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> list[float]:
+    """Median seconds, in a fixed order: one matmul per size, a buffer copy, a one-element op, an op
+    through the executor, and one byte of the element-wise mix. Larger is slower, so the slowest
+    rank's figures are a MAX-reduction away."""
     import torch
 
     torch.set_num_threads(1)  # one rank = one process on one core
-    device = _device(cfg.backend, 0)
     dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
+    out = []
     for i, n in enumerate(cfg.matmul_sizes):
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        times = _time_op(functools.partial(torch.matmul, a, b), device, warmup=2, repeats=cfg.repeats,
-                         min_time_s=0.2)
-        report.matmul.append(Measurement(kind="matmul", size=2.0 * n**3, times_s=times))
+        out.append(statistics.median(_time_op(functools.partial(torch.matmul, a, b), device, warmup=2,
+                                              repeats=cfg.repeats, min_time_s=0.2)))
         progress("matmul", i + 1, len(cfg.matmul_sizes))
-    report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
-
     nbytes = (32 if cfg.quick else 128) * MiB
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    copy_times = _time_op(lambda: dst.copy_(src), device, warmup=2, repeats=cfg.repeats)
-    report.copy_bandwidth_bytes_per_s = 2 * nbytes / statistics.median(copy_times)
+    out.append(statistics.median(_time_op(lambda: dst.copy_(src), device, warmup=2, repeats=cfg.repeats)) / (2 * nbytes))
     one = torch.ones(1, device=device)
-    report.bare_op_s = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
-    report.op_overhead_s = executor_op_overhead_s() if cfg.backend == "gloo" else report.bare_op_s
+    bare = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    out += [bare, executor_op_overhead_s() if cfg.backend == "gloo" else bare,
+            1.0 / elementwise_bandwidth(device, cfg.repeats)]
     progress("memory", 1, 1)
+    return out
+
+
+def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: list[float]) -> None:
+    k = len(cfg.matmul_sizes)
+    report.matmul = [Measurement(kind="matmul", size=2.0 * n**3, times_s=[t]) for n, t in zip(cfg.matmul_sizes, medians[:k],
+                                                                                            strict=True)]
+    report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
+    copy_s_per_byte, report.bare_op_s, report.op_overhead_s, ew_s_per_byte = medians[k:k + 4]
+    report.copy_bandwidth_bytes_per_s = 1.0 / copy_s_per_byte
+    report.elementwise_bandwidth_bytes_per_s = 1.0 / ew_s_per_byte
+
+
+def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
+    """One process alone (with --nproc 2 or more, the ranks measure compute together instead)."""
+    fill_compute(cfg, report, compute_medians(cfg, _device(cfg.backend, 0), progress))
+
+
+def elementwise_bandwidth(device: Any, repeats: int, elems: int = 1 << 16) -> float:
+    """Bytes in + out per second over a mix of the element-wise kernels transformers run (add, mul,
+    where, tanh, erf, exp, pow, softmax), on tensors of `elems` floats: what the roofline's
+    memory-bound side achieves for them (on a CPU core far below a copy's bandwidth)."""
+    import torch
+
+    x = torch.randn(elems, device=device)
+    y = torch.randn(elems, device=device)
+    mask = x > 0
+    kernels: list[tuple[Callable[[], object], int]] = [  # (kernel, tensors read + written)
+        (lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.where(mask, x, y), 4), (lambda: torch.tanh(x), 2),
+        (lambda: torch.erf(x), 2), (lambda: torch.exp(x), 2), (lambda: torch.pow(x, 3.0), 2),
+        (lambda: torch.softmax(x.view(-1, 256), -1), 2),
+    ]
+    total_bytes = total_s = 0.0
+    for fn, tensors in kernels:
+        total_s += statistics.median(_time_op(fn, device, warmup=3, repeats=repeats, min_time_s=0.05))
+        total_bytes += tensors * elems * 4
+    return total_bytes / total_s
 
 
 def executor_op_overhead_s(ops: int = 64) -> float:
@@ -263,8 +302,9 @@ def _collective_fn(kind: Collective, size_bytes: int, rank: int, n: int, device:
     return lambda: (dist.recv(t, peer), dist.send(t, peer))
 
 
-def _collective_worker(rank: int, n: int, port: int, backend: str, sizes: list[int], repeats: int,
-                       max_repeats: int, budget_s: float, out: Any) -> None:
+def _collective_worker(rank: int, n: int, port: int, cfg: CalibrationConfig, out: Any) -> None:
+    backend, sizes, repeats, max_repeats, budget_s = (cfg.backend, cfg.message_sizes, cfg.repeats, cfg.max_repeats,
+                                                      cfg.budget_s)
     import warnings
 
     import torch
@@ -276,6 +316,13 @@ def _collective_worker(rank: int, n: int, port: int, backend: str, sizes: list[i
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n,
                                 timeout=dt.timedelta(seconds=120))
         device = _device(backend, rank)
+        # Compute, measured on every rank at once as training runs it (cores or GPUs sharing power,
+        # caches and memory): the slowest rank's medians.
+        medians = torch.tensor(compute_medians(cfg, device, (lambda *a: out.put(("progress", *a))) if rank == 0
+                                               else (lambda *a: None)), dtype=torch.float64)
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            out.put(("compute", medians.tolist()))
         results: dict[str, list[tuple[int, list[float]]]] = {}
         total, done = len(Collective) * len(sizes), 0
         for kind in Collective:
@@ -322,8 +369,7 @@ def measure_collectives(cfg: CalibrationConfig, report: CalibrationReport, progr
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     procs = [ctx.Process(target=_collective_worker, daemon=True,
-                         args=(r, cfg.nproc, port, cfg.backend, cfg.message_sizes, cfg.repeats,
-                               cfg.max_repeats, cfg.budget_s, out))
+                         args=(r, cfg.nproc, port, cfg, out))
              for r in range(cfg.nproc)]
     try:
         for p in procs:
@@ -342,6 +388,8 @@ def measure_collectives(cfg: CalibrationConfig, report: CalibrationReport, progr
                 continue
             if msg[0] == "progress":
                 progress(msg[1], msg[2], msg[3])
+            elif msg[0] == "compute":
+                fill_compute(cfg, report, msg[1])
             elif msg[0] == "error":
                 raise CalibrationError(f"rank {msg[1]} failed: {msg[2]}")
             else:
@@ -437,6 +485,9 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         }
     dev = data["device"]
     dev["mem_bandwidth_bytes_per_s"] = q(report.copy_bandwidth_bytes_per_s, "B/s", "buffer copy, read + write")
+    dev["elementwise_bandwidth_bytes_per_s"] = q(report.elementwise_bandwidth_bytes_per_s, "B/s",
+                                                 "element-wise kernel mix (add, mul, where, tanh, erf, exp, pow, "
+                                                 "softmax) on 64k floats, bytes in + out per second")
     dev["kernel_launch_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
                                "autograd) on tiny tensors, forward + backward / 3" if cfg.backend == "gloo"
                                else "median time of a one-element op")
@@ -458,9 +509,10 @@ def calibrate(cfg: CalibrationConfig, progress: ProgressFn | None = None) -> tup
     progress = progress or (lambda _label, _done, _total: None)
     t0 = time.perf_counter()
     report = CalibrationReport()
-    measure_compute(cfg, report, progress)
     if cfg.nproc >= 2:
-        measure_collectives(cfg, report, progress)
+        measure_collectives(cfg, report, progress)  # compute too, on all ranks at once
+    else:
+        measure_compute(cfg, report, progress)
     report.elapsed_s = time.perf_counter() - t0
     return build_profile(cfg, report), report
 
@@ -516,6 +568,7 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "copy_bandwidth_bytes_per_s": report.copy_bandwidth_bytes_per_s,
         "op_overhead_s": report.op_overhead_s,
         "bare_op_s": report.bare_op_s,
+        "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
                 "median_rel_error": report.fits[k].median_rel_error,

@@ -158,6 +158,8 @@ class DeviceSpec:
     mem_capacity_bytes: float
     kernel_launch_s: float
     matmul_efficiency: EfficiencyCurve
+    # What element-wise kernels achieve (bytes in + out per second); None: the memory bandwidth.
+    elementwise_bandwidth_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -169,6 +171,12 @@ class DeviceSpec:
         _positive(self, "mem_bandwidth_bytes_per_s")
         _positive(self, "mem_capacity_bytes")
         _positive(self, "kernel_launch_s", allow_zero=True)
+        if self.elementwise_bandwidth_bytes_per_s is not None:
+            _positive(self, "elementwise_bandwidth_bytes_per_s")
+
+    @property
+    def elementwise_bytes_per_s(self) -> float:
+        return self.elementwise_bandwidth_bytes_per_s or self.mem_bandwidth_bytes_per_s
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
@@ -242,7 +250,7 @@ def _schema() -> dict[str, Any]:
 
 _UNITS = {
     "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
+    "kernel_launch_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s",
 }
@@ -283,6 +291,9 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             mem_bandwidth_bytes_per_s=r.q(dev, "mem_bandwidth_bytes_per_s", "device.mem_bandwidth_bytes_per_s"),
             mem_capacity_bytes=r.q(dev, "mem_capacity_bytes", "device.mem_capacity_bytes"),
             kernel_launch_s=r.q(dev, "kernel_launch_s", "device.kernel_launch_s"),
+            elementwise_bandwidth_bytes_per_s=(r.q(dev, "elementwise_bandwidth_bytes_per_s",
+                                                   "device.elementwise_bandwidth_bytes_per_s")
+                                               if "elementwise_bandwidth_bytes_per_s" in dev else None),
             matmul_efficiency=EfficiencyCurve(
                 max_fraction=r.q(eff, "max_fraction", "device.matmul_efficiency.max_fraction"),
                 half_flops=r.q(eff, "half_flops", "device.matmul_efficiency.half_flops"),
@@ -368,6 +379,9 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             "mem_bandwidth_bytes_per_s": q(d.mem_bandwidth_bytes_per_s, "B/s", "device.mem_bandwidth_bytes_per_s"),
             "mem_capacity_bytes": q(d.mem_capacity_bytes, "B", "device.mem_capacity_bytes"),
             "kernel_launch_s": q(d.kernel_launch_s, "s", "device.kernel_launch_s"),
+            **({"elementwise_bandwidth_bytes_per_s": q(d.elementwise_bandwidth_bytes_per_s, "B/s",
+                                                       "device.elementwise_bandwidth_bytes_per_s")}
+               if d.elementwise_bandwidth_bytes_per_s else {}),
             "matmul_efficiency": {
                 "max_fraction": q(d.matmul_efficiency.max_fraction, "1", "device.matmul_efficiency.max_fraction"),
                 "half_flops": q(d.matmul_efficiency.half_flops, "FLOP", "device.matmul_efficiency.half_flops"),

@@ -113,12 +113,13 @@ def plan_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], mesh_shape: tuple
 
 
 def conjugate(step: ReshardStep) -> Collective | None:
-    """The collective the backward pass runs on the gradient for a forward step: all_gather ↔
-    reduce_scatter, all_to_all ↔ all_to_all, all_reduce ↔ nothing; a forward slice (R → S) gathers
-    the gradient back (the replicated source needs all of it), and a forward R → P (a replicated value
-    turned into addends) needs its gradient all-reduced."""
-    if step.collective is Collective.ALL_GATHER:
-        return Collective.REDUCE_SCATTER
+    """The collective the backward pass runs on a *whole* gradient (identical on the ranks of the axis)
+    for a forward step: reduce_scatter ↔ all_gather, all_to_all ↔ all_to_all; after a forward gather
+    or all_reduce the whole gradient is sliced or kept locally (nothing moves); a forward slice (R → S)
+    gathers the gradient back (the replicated source needs all of it); a forward R → P (a replicated
+    value turned into addends) all-reduces it. A *partial* gradient — the consumer split on the axis,
+    the tensor replicated for it — is reduced instead (`CostModel.edge_events`: all_gather ↔
+    reduce_scatter, FSDP's pattern, or all_reduce)."""
     if step.collective is Collective.REDUCE_SCATTER:
         return Collective.ALL_GATHER
     if step.collective is Collective.ALL_TO_ALL:
