@@ -69,6 +69,7 @@ class OpContext:
     out_shapes: tuple[tuple[int, ...], ...]
     placeable: tuple[bool, ...]  # False: absent, or a scalar constant
     const_inputs: tuple[object, ...] = ()  # numpy value of small constant inputs, else None
+    constant: tuple[bool, ...] = ()  # input i is a constant (its placement is a free local slice)
 
     @staticmethod
     def of(node: OpNode, graph: OpGraph) -> OpContext:
@@ -82,7 +83,9 @@ class OpContext:
                           for t in node.inputs)
         return OpContext(node=node, in_shapes=tuple(shape_of(t) for t in node.inputs),
                          out_shapes=tuple(shape_of(t) for t in node.outputs), placeable=placeable,
-                         const_inputs=tuple(graph.constant_value(t) if t else None for t in node.inputs))
+                         const_inputs=tuple(graph.constant_value(t) if t else None for t in node.inputs),
+                         constant=tuple(bool(t) and t in graph.tensors and graph.tensors[t].kind is TensorKind.CONSTANT
+                                        for t in node.inputs))
 
     def rank(self, i: int = 0) -> int:
         return len(self.in_shapes[i])
@@ -185,7 +188,13 @@ def expand(ctx: OpContext, axis_strategies: Sequence[AxisStrategy], mesh: Device
         if not all(_fits(s, d, mesh, even) for s, d in zip(out_specs, ctx.out_shapes, strict=True)):
             continue
         out[OpStrategy(tuple(in_specs), out_specs, tuple(c.kernel for c in combo))] = None
-    return tuple(out)
+    # Strategies that differ only in how a constant is split are one strategy (the slice is free).
+    unique: dict[tuple[object, ...], OpStrategy] = {}
+    for st in out:
+        key = (tuple(sp for sp, c in zip(st.input_specs, ctx.constant or (False,) * len(st.input_specs), strict=True)
+                     if not c), st.output_specs, st.kernels)
+        unique.setdefault(key, st)
+    return tuple(unique.values())
 
 
 def strategies_for(node: OpNode, graph: OpGraph, mesh: DeviceMesh) -> NodeStrategies:

@@ -58,10 +58,13 @@ def unary_rule(ctx: OpContext) -> list[AxisStrategy]:
 @register_rule(*BINARY)
 def binary_rule(ctx: OpContext) -> list[AxisStrategy]:
     out = _dims_strategies(ctx, len(ctx.in_shapes))
-    op, placed = ctx.node.op_type, ctx.placeable
+    op = ctx.node.op_type
+    # Partial sums are offered on computed operands only: turning a constant into addends is legal
+    # but never useful, and would blur which strategy an operand's spec selects.
+    placed = tuple(p and not (ctx.constant and ctx.constant[i]) for i, p in enumerate(ctx.placeable))
 
     def other(i: int) -> Placement | None:
-        return R if placed[i] else None  # a constant operand is the same on every rank
+        return R if ctx.placeable[i] else None  # a constant operand is the same on every rank
 
     if op in ("Add", "Sub") and all(placed[:2]):  # a constant addend would be added k times
         out.append(AxisStrategy(inputs=(P, P), outputs=(P,)))
