@@ -7,15 +7,12 @@ launch `python -m executor` under torchrun instead (README).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import socket
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from executor.train import RunOptions, worker
+from hwprofiles.ranks import run_ranks
 from planner.errors import MeshplanError
 from planner.graph import load_graph
 from planner.strategy import Strategy, load_strategy
@@ -23,12 +20,6 @@ from planner.strategy import Strategy, load_strategy
 
 class RunError(MeshplanError):
     """A run that cannot start (mismatched strategy, model, rank count) or a rank that failed."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
@@ -77,39 +68,14 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     if nproc != mesh_size:
         raise RunError(f"--nproc {nproc} but the strategy's mesh {'x'.join(map(str, d['mesh']['shape']))} has "
                        f"{mesh_size} devices; run with --nproc {mesh_size}")
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=worker, args=(r, nproc, port, strategy.to_json(), str(model_path), opts, out),
-                         daemon=True) for r in range(nproc)]
     reports: dict[int, dict[str, Any]] = {}
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        while len(reports) < nproc:
-            if time.monotonic() > deadline:
-                raise RunError(f"the run did not finish in {timeout_s:.0f} s; lower --steps or check the ranks")
-            try:
-                kind, rank, payload = out.get(timeout=0.5)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RunError(f"rank {dead[0][0]} exited with code {dead[0][1]} before reporting") from None
-                continue
-            if kind == "error":
-                raise RunError(f"rank {rank} failed: {payload}")
-            reports[rank] = payload
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
+
+    def handle(msg: tuple[Any, ...]) -> bool:
+        reports[msg[1]] = msg[2]  # ("report", rank, report)
+        return len(reports) == nproc
+
+    run_ranks(worker, nproc, lambda r, port, out: (r, nproc, port, strategy.to_json(), str(model_path), opts, out),
+              handle, timeout_s=timeout_s, error=RunError, what="the run")
     r0 = reports[0]
     result = {
         "strategy": str(strategy_path), "nproc": nproc, "loss": r0["loss"],

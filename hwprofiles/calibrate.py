@@ -18,11 +18,8 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +36,7 @@ from hwprofiles.profile import (
     profile_from_json,
     profile_to_json,
 )
+from hwprofiles.ranks import run_ranks
 from planner.errors import MeshplanError
 
 
@@ -264,12 +262,6 @@ def executor_op_overhead_s(ops: int = 64) -> float:
 # Collectives over spawned ranks
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _collective_fn(kind: Collective, size_bytes: int, rank: int, n: int, device: Any) -> Callable[[], object]:
     import torch
     import torch.distributed as dist
@@ -363,47 +355,29 @@ def _collective_worker(rank: int, n: int, port: int, cfg: CalibrationConfig, out
 
 
 def measure_collectives(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
-    procs = [ctx.Process(target=_collective_worker, daemon=True,
-                         args=(r, cfg.nproc, port, cfg, out))
-             for r in range(cfg.nproc)]
+    results: dict[str, Any] = {}
+
+    def handle(msg: tuple[Any, ...]) -> bool:
+        if msg[0] == "progress":
+            progress(msg[1], msg[2], msg[3])
+        elif msg[0] == "compute":
+            fill_compute(cfg, report, msg[1])
+        else:  # ("result", collectives)
+            results.update(msg[1])
+            return True
+        return False
+
     try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + cfg.timeout_s
-        result = None
-        while result is None:
-            if time.monotonic() > deadline:
-                raise CalibrationError(f"collective benchmarks did not finish in {cfg.timeout_s:.0f} s; try --quick")
-            try:
-                msg = out.get(timeout=1.0)
-            except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise CalibrationError(f"rank {procs.index(dead[0])} exited with code {dead[0].exitcode}") from None
-                continue
-            if msg[0] == "progress":
-                progress(msg[1], msg[2], msg[3])
-            elif msg[0] == "compute":
-                fill_compute(cfg, report, msg[1])
-            elif msg[0] == "error":
-                raise CalibrationError(f"rank {msg[1]} failed: {msg[2]}")
-            else:
-                result = msg[1]
-        for p in procs:
-            p.join(timeout=30)
+        run_ranks(_collective_worker, cfg.nproc, lambda r, port, out: (r, cfg.nproc, port, cfg, out), handle,
+                  timeout_s=cfg.timeout_s, error=CalibrationError, what="the benchmarks (try --quick)")
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)
         else:
             os.environ["OMP_NUM_THREADS"] = env_threads
+    result = results
     for kind_name, rows in result.items():
         kind = Collective(kind_name)
         ms = [Measurement(kind=kind_name, size=float(s), times_s=t) for s, t in rows]
