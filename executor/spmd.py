@@ -11,7 +11,7 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -317,7 +317,3 @@ class SpmdRunner:
         out = out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
         mask = inside.reshape(*([1] * axis), *idx.shape, *([1] * (data.dim() - axis - 1)))
         return out * mask.to(out.dtype)
-
-
-def full_values(tensors: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in tensors.items()}

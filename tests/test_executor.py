@@ -4,6 +4,7 @@ collectives it runs are the planned ones. World sizes 2 and 4."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -42,8 +43,8 @@ CASES = [
 def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, dims: dict[str, int], mesh: tuple[int, ...], mode: str,
           pins: dict[str, str]) -> tuple[Path, Path]:
     model = zoo(name)
-    strategy, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=len(mesh) and
-                                        __import__("math").prod(mesh), mesh_shape=mesh, mode=mode, pins=pins))
+    strategy, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh),
+                                        mesh_shape=mesh, mode=mode, pins=pins))
     out = tmp / "s.json"
     strategy.save(out)
     return out, model
