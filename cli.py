@@ -578,7 +578,8 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
 
         prof, report = calibrate(cfg, progress)
     save_profile(prof, out)
-    plot_report(report, prof, out.with_suffix(".png")) if report.collectives else None
+    if report.collectives:
+        plot_report(report, prof, out.with_suffix(".png"))
     dump_report(report, out.with_suffix(".report.json"))
 
     table = Table(title=f"calibration ({report.elapsed_s:.0f} s, {nproc} ranks, {backend})")

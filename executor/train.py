@@ -105,25 +105,26 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    def step(count: bool = False) -> tuple[torch.Tensor, CommDebugMode | None]:
-        """One training step; under `count` its collectives are recorded (CommDebugMode intercepts
-        every op, so timed steps run without it)."""
+    def step(count: bool = False) -> tuple[torch.Tensor, dict[str, int]]:
+        """One training step; under `count`, the plan's collectives it ran by kind (the loss's forward
+        gather of the logits left out). CommDebugMode intercepts every op, so timed steps skip it."""
         optim.zero_grad(set_to_none=True)
         comm = CommDebugMode() if count else None
         with comm if comm is not None else contextlib.nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = runner.forward(batch)
-            with comm_scope(comm, "loss") if comm is not None else contextlib.nullcontext():
-                full = y.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(y, DTensor) else y
-                loss = loss_of(full)
+            before_loss = counts_by_kind(comm) if comm is not None else Counter()
+            full = y.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(y, DTensor) else y
+            loss_collectives = counts_by_kind(comm) - before_loss if comm is not None else Counter()
+            loss = loss_of(full)
             loss.backward()
             runner.reduce_gradients()
-        return loss, comm
+        executed = counts_by_kind(comm) - loss_collectives if comm is not None else Counter()
+        return loss, dict(executed)
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
-    first_loss, comm = step(count=True)
-    assert comm is not None
-    report["collectives_executed"] = executed_counts(comm)
+    first_loss, executed = step(count=True)
+    report["collectives_executed"] = executed
     if opts.verify:
         grads = {n: runner.full_parameter(n, _full(p.grad)) for n, p in _ordered_params(module)}
     optim.step()
@@ -153,33 +154,14 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     return report
 
 
-class comm_scope:
-    """Marks collectives issued inside it (the loss's gather) so that they are not charged to the plan."""
-
-    def __init__(self, comm: CommDebugMode, label: str) -> None:
-        self.comm, self.label = comm, label
-
-    def __enter__(self) -> None:
-        self.before = dict(self.comm.get_comm_counts())
-
-    def __exit__(self, *exc: object) -> None:
-        after = self.comm.get_comm_counts()
-        extra = getattr(self.comm, "_meshplan_excluded", Counter())
-        for k, v in after.items():
-            extra[str(k)] += v - self.before.get(k, 0)
-        self.comm._meshplan_excluded = extra  # type: ignore[attr-defined]
-
-
-def executed_counts(comm: CommDebugMode) -> dict[str, int]:
-    """Collectives of the step by kind, the loss's forward gather left out."""
+def counts_by_kind(comm: CommDebugMode) -> Counter[str]:
+    """Collectives recorded so far, by our kind names."""
     out: Counter[str] = Counter()
-    excluded = getattr(comm, "_meshplan_excluded", Counter())
     for k, v in comm.get_comm_counts().items():
-        name = str(k).split(".")[-1]
-        kind = FUNCOL_KINDS.get(name)
+        kind = FUNCOL_KINDS.get(str(k).split(".")[-1])
         if kind is not None:
-            out[kind] += v - excluded.get(str(k), 0)
-    return {k: v for k, v in out.items() if v}
+            out[kind] += v
+    return out
 
 
 def _full(t: torch.Tensor | None) -> torch.Tensor:

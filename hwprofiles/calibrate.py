@@ -59,6 +59,9 @@ class CalibrationConfig:
     def __post_init__(self) -> None:
         if self.nproc < 1:
             raise CalibrationError(f"--nproc {self.nproc}: needs at least 1 rank (2 or more to measure collectives)")
+        if self.nproc < 2 and self.base is None:
+            raise CalibrationError(f"--nproc {self.nproc} measures no link; calibrate with --nproc 2 or more, or pass "
+                                   "--base NAME to keep a preset's links")
         if self.backend not in ("gloo", "nccl"):
             raise CalibrationError(f"--backend {self.backend}: use gloo (CPU) or nccl (GPUs)")
 
@@ -108,9 +111,6 @@ class Measurement:
         q = statistics.quantiles(self.times_s, n=4)
         return (q[2] - q[0]) / self.median_s
 
-    @property
-    def mean_s(self) -> float:
-        return statistics.fmean(self.times_s)
 
 
 @dataclass(kw_only=True, slots=True)

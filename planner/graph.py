@@ -322,19 +322,6 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
 # Symbolic dims
 
 
-def symbolic_dims(model: onnx.ModelProto) -> list[str]:
-    """The dim_param names used by the model's (non-initializer) inputs, in order of appearance."""
-    init_names = {t.name for t in model.graph.initializer}
-    names: list[str] = []
-    for v in model.graph.input:
-        if v.name in init_names:
-            continue
-        for d in v.type.tensor_type.shape.dim:
-            if d.dim_param and d.dim_param not in names:
-                names.append(d.dim_param)
-    return names
-
-
 def _bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -> dict[str, int]:
     needed: list[str] = []
     for v in user_inputs:

@@ -39,10 +39,6 @@ class LayerGroup:
     def nodes_per_layer(self) -> int:
         return len(self.nodes[0])
 
-    def describe(self) -> str:
-        lo, hi = min(self.indices), max(self.indices)
-        return f"{self.prefix}.{{{lo}..{hi}}} ×{self.num_layers} ({self.nodes_per_layer} ops each)"
-
 
 def numbered_levels(module_path: str) -> list[tuple[str, int]]:
     """("a.layers.3.mlp.0.fc") → [("a.layers", 3), ("a.layers.3.mlp", 0)], outermost first."""

@@ -48,10 +48,6 @@ class ReshardPlan:
     def collectives(self) -> tuple[ReshardStep, ...]:
         return tuple(s for s in self.steps if s.collective is not None)
 
-    @property
-    def is_free(self) -> bool:
-        return not self.collectives
-
 
 def _local_bytes(spec: list[Placement], shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int) -> float:
     return float(np.prod(Spec(tuple(spec)).local_shape(shape, mesh_shape), dtype=np.float64)) * itemsize

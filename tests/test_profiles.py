@@ -132,6 +132,7 @@ def test_validation_names_the_field(mutate: Any, message: str) -> None:
         (["show", "{bad}"], "malformed JSON at line 1"),
         (["show", "{negative}"], "field device.mem_capacity_bytes.value"),
         (["calibrate", "--nproc", "0"], "--nproc 0: needs at least 1 rank"),
+        (["calibrate", "--nproc", "1"], "--nproc 1 measures no link"),
     ],
 )
 def test_cli_bad_input_one_line_exit_2(args: list[str], message: str, tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ unsharded node. A wrong or missing rule fails here.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from planner.graph import OpGraph, graph_from_proto
 from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec
+from planner.placement import R, Shard, Spec
 from planner.rules import OpStrategy, has_rule, registered_ops, strategies_for
 from planner.rules.conv import SPLIT_GROUPS
 from planner.rules.gather import MASKED_GATHER
@@ -161,7 +161,7 @@ def run_strategy(case: Case, graph: OpGraph, node: onnx.NodeProto, values: list[
         elif MASKED_GATHER in strategy.kernels:
             axis = int(case.attrs.get("axis", 0))
             vocab = values[0].shape[axis]
-            only_axis = Spec(tuple(Shard(0) if isinstance(p, Shard) and p.dim == axis else _R
+            only_axis = Spec(tuple(Shard(0) if isinstance(p, Shard) and p.dim == axis else R
                                    for p in strategy.input_specs[0].placements))
             rows = shard(np.arange(vocab), only_axis, mesh_shape)[co]
             results[co] = [_masked_gather(local[0], local[1], rows, axis)]
@@ -169,9 +169,6 @@ def run_strategy(case: Case, graph: OpGraph, node: onnx.NodeProto, values: list[
             results[co] = run_node(node, local)
     return [unshard({co: r[j] for co, r in results.items()}, strategy.output_specs[j], mesh_shape)
             for j in range(case.n_out)]
-
-
-from planner.placement import R as _R  # noqa: E402
 
 
 @pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda m: "x".join(map(str, m)))
@@ -226,8 +223,6 @@ def test_every_rule_function_has_a_case() -> None:
     tested = {_RULES[c.op] for c in CASES} | {_RULES["SplitToSequence"], _RULES["SequenceAt"]}
     assert tested == set(_RULES.values())
 
-
-Checker = Callable[[], None]
 
 
 def test_sequence_split_and_at_numerically() -> None:

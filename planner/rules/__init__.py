@@ -21,7 +21,7 @@ import numpy as np
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
-from planner.placement import Placement, R, Replicate, Shard, Spec
+from planner.placement import Placement, R, Shard, Spec
 
 
 class MissingRuleError(MeshplanError):
@@ -239,14 +239,6 @@ def follow(ctx: OpContext, dims_in_to_out: Sequence[tuple[int, int]], *, inputs:
         ins = tuple(Shard(di) if k in inputs else (R if ctx.placeable[k] else None) for k in range(len(ctx.in_shapes)))
         strategies.append(AxisStrategy(inputs=ins, outputs=(Shard(do),) * len(ctx.out_shapes), even=even))
     return strategies
-
-
-def inputs_r(ctx: OpContext) -> tuple[Placement | None, ...]:
-    return tuple(R if p else None for p in ctx.placeable)
-
-
-def is_replicate(p: Placement | None) -> bool:
-    return isinstance(p, Replicate)
 
 
 # Import every family so that its rules register (order does not matter).
