@@ -211,13 +211,15 @@ def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
 @click.option("--no-follow", is_flag=True, help="Give every op its own decision (exact, slower).")
 @click.option("--no-all-to-all", is_flag=True, help="Reshard S(i)→S(j) by all_gather + slice.")
 @click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
+@click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True,
+              help="The training loss on the first output (auto: cross-entropy on logits, else mse).")
 @click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
 @_one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
-         strict: bool, out_path: str | None, as_json: bool) -> None:
+         strict: bool, loss: str, out_path: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from pathlib import Path
 
@@ -228,7 +230,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
                       mode=mode, search=search, pins=_parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
-                      all_to_all=not no_all_to_all)
+                      all_to_all=not no_all_to_all, loss=loss)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")

@@ -16,6 +16,8 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
   the partials first). The solver prices each edge alone, so for such tensors its objective is an
   upper bound of the priced step. Parameter-gradient collectives are bucketed (25 MiB, DDP's default): each pays its share of a
   bucket's latency;
+- the loss on the output (`loss.py`), charged to the node producing it: its kernels, the collectives
+  that bring the output where the loss needs it, the log-probabilities it saves;
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
 Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
@@ -26,12 +28,14 @@ overlap assumed).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from costmodel.comm import collective_time_s
-from costmodel.compute import BACKWARD_FLOPS_FACTOR, ComputeCost, compute_cost, local_shapes, tensor_bytes
+from costmodel.compute import (BACKWARD_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, ComputeCost, compute_cost, local_shapes,
+                               tensor_bytes)
+from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import Collective, HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
@@ -63,9 +67,27 @@ class CommEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class LossCost:
+    """The loss on the model's output, charged to the node producing it (`costmodel/loss.py`)."""
+    kind: str
+    compute_s: float
+    events: tuple[CommEvent, ...]  # the output brought to where the loss needs it
+    saved_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + sum(e.time_s for e in self.events)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeCost:
     compute: ComputeCost
-    activation_bytes: float  # its saved outputs, local
+    activation_bytes: float  # its saved outputs, local (and the loss's, on the output's producer)
+    loss: LossCost | None = None
+
+    @property
+    def time_s(self) -> float:
+        return self.compute.total_s + (self.loss.time_s if self.loss is not None else 0.0)
 
 
 @dataclass
@@ -96,8 +118,10 @@ class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
-                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES) -> None:
+                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto") -> None:
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
+        self.loss = loss_kind(graph, loss)
+        self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
         self.grad_bucket_bytes = grad_bucket_bytes
         self.saved = saved_tensors(graph)
@@ -120,7 +144,25 @@ class CostModel:
         shapes = local_shapes(node, g, specs, self.mesh)
         compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip)
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
-        return NodeCost(compute=compute, activation_bytes=act)
+        loss = None
+        if self.loss_tensor in node.outputs:
+            loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
+            act += loss.saved_bytes
+        return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+
+    def loss_cost(self, spec: Spec) -> LossCost:
+        """The loss on the output produced at `spec`: its reshard (no gradient reduction: the loss
+        is split exactly where its input is) and its element-wise kernels on the local shard."""
+        t = self.loss_tensor
+        info = self.graph.tensors[t]
+        need = loss_input_spec(self.loss, spec, len(info.shape))
+        events = tuple(replace(e, reason=f"loss {t}") for e in self.edge_events(t, spec, need, frozenset()))
+        numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
+        itemsize = 4 if self.loss == "cross-entropy" else self.precision.activation_bytes  # logits upcast to fp32
+        dev = self.profile.device
+        fwd = PASSES[self.loss] * numel * itemsize / dev.elementwise_bytes_per_s + KERNELS[self.loss] * dev.kernel_launch_s
+        return LossCost(kind=self.loss, compute_s=fwd * (1 + BACKWARD_BYTES_FACTOR), events=events,
+                        saved_bytes=numel * itemsize)
 
     def split_axes(self, strategy: OpStrategy) -> frozenset[int]:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
@@ -216,11 +258,15 @@ class CostModel:
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
-            cost.compute_s += nc.compute.total_s
-            cost.node_compute_s[node.name] = nc.compute.total_s
+            node_s = nc.compute.total_s + (nc.loss.compute_s if nc.loss is not None else 0.0)
+            cost.compute_s += node_s
+            cost.node_compute_s[node.name] = node_s
             cost.flops_matmul += nc.compute.fwd_matmul_flops * (1 + BACKWARD_FLOPS_FACTOR)
             split = self.split_axes(strategy)
             mine = cost.node_events.setdefault(node.name, [])
+            if nc.loss is not None:
+                cost.events.extend(nc.loss.events)
+                mine.extend(nc.loss.events)
             for t, need in zip(node.inputs, strategy.input_specs, strict=True):
                 if need is None or not t:
                     continue

@@ -123,6 +123,8 @@ def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: Device
                                  max(0, min((i + 1) * c, local.shape[p.dim]) - min(i * c, local.shape[p.dim])))
         elif isinstance(p, Partial):
             raise ValueError("a whole tensor is not partial")
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        local = local.clone()  # this rank holds its shard only, as a data loader would give it
     return DTensor.from_local(local.contiguous(), mesh, placements, shape=full.shape, stride=full.stride())
 
 
@@ -148,7 +150,7 @@ class SpmdRunner:
         self.stored: dict[str, list[Placement]] = {}
         for name, key in module.param_names.items():
             full = module.params[key].detach()
-            placements: list[Placement] = self._norm(placements_of(tensors[name]["placements"]) if name in tensors
+            placements: list[Placement] = self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
                                                      else [Replicate()] * mesh.ndim)
             module.params[key] = nn.Parameter(shard_full(full, placements, mesh).to_local().clone())
             self.stored[name] = placements
@@ -156,8 +158,8 @@ class SpmdRunner:
         self._plans: dict[str, tuple[list[Any], list[list[Placement]], set[int], list[str]]] = {}
         for n in self.graph.compute_nodes:
             plan = strategy.data["nodes"][n.name]
-            want_in = [self._norm(placements_of(x)) if x is not None else None for x in plan["inputs"]]
-            want_out = [self._norm(placements_of(x)) for x in plan["outputs"]]
+            want_in = [self.normalize(placements_of(x)) if x is not None else None for x in plan["inputs"]]
+            want_out = [self.normalize(placements_of(x)) for x in plan["outputs"]]
             self._plans[n.name] = (want_in, want_out, _split_axes([*want_in, *want_out], mesh.ndim, mesh), plan["kernels"])
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
         # bucketed, after backward): every other use must then contribute a partial gradient too.
@@ -168,7 +170,7 @@ class SpmdRunner:
                 if t in self.stored and want == self.stored[t]:
                     self.reduced_axes[t] |= {a for a in split if isinstance(want[a], Replicate)}
 
-    def _norm(self, placements: list[Placement]) -> list[Placement]:
+    def normalize(self, placements: list[Placement]) -> list[Placement]:
         """On a mesh axis of one device every placement holds the same data: call it replicated."""
         return [Replicate() if self.mesh.size(a) == 1 else p for a, p in enumerate(placements)]
 
@@ -183,7 +185,7 @@ class SpmdRunner:
         spec: dict[str, list[Placement]] = {}
         wrapped: dict[str, DTensor] = {}
         for name, x in zip(g.inputs, inputs, strict=True):
-            placements: list[Placement] = self._norm(placements_of(tensors[name]["placements"]) if name in tensors
+            placements: list[Placement] = self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
                                                      else [Replicate()] * mesh.ndim)
             local[name] = shard_full(x, placements, mesh).to_local()
             spec[name] = placements

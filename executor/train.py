@@ -1,9 +1,10 @@
 """One rank's work for `meshplan run`: build, train K steps under the strategy, verify, measure.
 
 Data and labels are seeded, identical in every process: integer inputs are token ids below the
-vocabulary their embedding reads, float inputs standard normal. The loss is cross-entropy against
-seeded labels when the output looks like logits (float, rank ≥ 2, a class dim last), else the mean of
-squares; the logits are gathered for it (those collectives are counted as the loss's, not the plan's).
+vocabulary their embedding reads, float inputs standard normal. The loss is the one the plan priced
+(`costmodel/loss.py`): cross-entropy against seeded labels on logits, else the mean of squares. It
+runs on each rank's rows of the output (their sum over the global count: the loss's addends), after
+the planned reshard that reduces partial sums and, for cross-entropy, gathers a split class dim.
 Verification runs the same graph, init, data, loss and optimizer in one process and compares the
 loss, every parameter's gradient (gathered) and every parameter after the optimizer step.
 """
@@ -11,6 +12,7 @@ loss, every parameter's gradient (gathered) and every parameter after the optimi
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 import statistics
@@ -22,12 +24,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from executor.interpreter import OnnxModule, load_module
-from executor.spmd import SpmdRunner
+from costmodel.loss import loss_input_spec, loss_kind
+from executor.spmd import SpmdRunner, placements_of, redistribute, shard_full
 from planner.graph import OpGraph
+from planner.placement import parse_spec
 from planner.strategy import Strategy
 
 # Functional collectives DTensor issues → our collective kinds.
@@ -41,7 +45,7 @@ class RunOptions:
     steps: int = 5
     warmup: int = 2
     verify: bool = False
-    loss: str = "auto"  # auto | cross-entropy | mse
+    loss: str = "auto"  # auto (the plan's) | cross-entropy | mse
     optimizer: str = "adamw"  # adamw | sgd
     lr: float = 1e-3
     seed: int = 0
@@ -64,14 +68,29 @@ def make_batch(graph: OpGraph, seed: int) -> list[torch.Tensor]:
     return out
 
 
-def loss_fn(graph: OpGraph, kind: str, seed: int) -> Any:
-    out = graph.tensors[graph.outputs[0]]
-    logits = out.is_float and len(out.shape) >= 2 and out.shape[-1] > 1
-    if kind == "cross-entropy" or (kind == "auto" and logits):
-        g = torch.Generator().manual_seed(seed + 2)
-        labels = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
-        return lambda y: torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]), labels.reshape(-1))
-    return lambda y: (y.float() ** 2).mean()
+class Loss:
+    """The training loss on the output, computable on any row shard: `local(y, labels)` is the shard's
+    addend (its rows' sum over the global count); on the whole output it is the loss itself."""
+
+    def __init__(self, graph: OpGraph, kind: str, seed: int) -> None:
+        out = graph.tensors[graph.outputs[0]]
+        self.kind = kind
+        self.shape = out.shape
+        self.labels: torch.Tensor | None = None
+        if kind == "cross-entropy":
+            g = torch.Generator().manual_seed(seed + 2)
+            self.labels = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
+        self.count = math.prod(out.shape[:-1]) if kind == "cross-entropy" else math.prod(out.shape)
+
+    def local(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "cross-entropy":
+            assert labels is not None
+            return torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), labels.reshape(-1),
+                                                     reduction="sum") / self.count
+        return (y.float() ** 2).sum() / self.count
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return self.local(y, self.labels)
 
 
 def _optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:
@@ -93,12 +112,24 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     graph = module.graph
     strategy.check_model(graph)
     batch = make_batch(graph, opts.seed)
-    loss_of = loss_fn(graph, opts.loss, opts.seed)
+    loss_of = Loss(graph, loss_kind(graph, d["settings"].get("loss", "auto") if opts.loss == "auto" else opts.loss),
+                   opts.seed)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
     optim = _optimizer(module.parameters(), opts)
 
-    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward
+    # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)
+    # the class dim gathered; the labels are split like the output's rows.
+    out_name = graph.outputs[0]
+    out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
+    need = runner.normalize(placements_of(str(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)),
+                                                          len(graph.tensors[out_name].shape)))))
+    labels = None if loss_of.labels is None else \
+        shard_full(loss_of.labels, [p if not isinstance(p, Shard) or p.dim < loss_of.labels.dim() else Replicate()
+                                    for p in need], mesh).to_local()
+    split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
+
+    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (this step)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):  # parameters are counted as model states
@@ -106,25 +137,27 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         return t
 
     def step(count: bool = False) -> tuple[torch.Tensor, dict[str, int]]:
-        """One training step; under `count`, the plan's collectives it ran by kind (the loss's forward
-        gather of the logits left out). CommDebugMode intercepts every op, so timed steps skip it."""
+        """One training step; under `count`, the collectives it ran by kind. CommDebugMode intercepts
+        every op, so timed steps skip it. Returns this rank's addend of the loss."""
         optim.zero_grad(set_to_none=True)
+        saved.clear()
         comm = CommDebugMode() if count else None
         with comm if comm is not None else contextlib.nullcontext(), \
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             y = runner.forward(batch)
-            before_loss = counts_by_kind(comm) if comm is not None else Counter()
-            full = y.redistribute(mesh, [Replicate()] * mesh.ndim).to_local() if isinstance(y, DTensor) else y
-            loss_collectives = counts_by_kind(comm) - before_loss if comm is not None else Counter()
-            loss = loss_of(full)
+            y = y[0] if isinstance(y, tuple) else y  # the loss reads the first output
+            loss = loss_of.local(redistribute(y, need).to_local(grad_placements=need), labels)
             loss.backward()
             runner.reduce_gradients()
-        executed = counts_by_kind(comm) - loss_collectives if comm is not None else Counter()
-        return loss, dict(executed)
+        return loss, dict(counts_by_kind(comm)) if comm is not None else {}
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
     first_loss, executed = step(count=True)
     report["collectives_executed"] = executed
+    first_loss = first_loss.detach().clone()
+    for a in split:  # the whole loss, for the report (not part of a training step)
+        dist.all_reduce(first_loss, group=mesh.get_group(a))
+    peak_saved = sum(saved.values())
     if opts.verify:
         grads = {n: runner.full_parameter(n, _full(p.grad)) for n, p in _ordered_params(module)}
     optim.step()
@@ -139,17 +172,18 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         step()
         optim.step()
         dist.barrier()
+        peak_saved = max(peak_saved, sum(saved.values()))
         if i >= opts.warmup:
             times.append(time.perf_counter() - t0)
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
     # Memory the cost model predicts, measured: model states (weights, gradients, optimizer state
-    # tensors) and the activations autograd saved for backward in a step.
+    # tensors) and the activations autograd saved for backward in one step (the largest step's).
     states = sum(p.numel() * p.element_size() for p in module.parameters())
     states += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
     states += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
-    report["measured_memory_bytes"] = states + sum(saved.values())
+    report["measured_memory_bytes"] = states + peak_saved
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
 

@@ -40,7 +40,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     m = d["mesh"]
     mesh = DeviceMesh(shape=tuple(m["shape"]), axis_names=tuple(m["axis_names"]), devices=tuple(m["devices"]),
                       devices_per_node=m["devices_per_node"])
-    cm = CostModel(graph, mesh, profile, PRECISIONS[d["settings"]["dtype"]])
+    cm = CostModel(graph, mesh, profile, PRECISIONS[d["settings"]["dtype"]], loss=d["settings"].get("loss", "auto"))
     limit = d["settings"]["memory_limit_bytes"]
     baselines = [_row("plan (" + d["settings"]["mode"] + ")", d["cost"], mesh, limit)]
     for name, price in _baselines(graph, mesh, cm).items():

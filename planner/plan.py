@@ -55,6 +55,7 @@ class PlanRequest:
     follow: bool = True
     strict: bool = False
     all_to_all: bool = True
+    loss: str = "auto"  # auto | cross-entropy | mse (costmodel/loss.py)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -105,7 +106,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
-        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all)
+        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -141,7 +142,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     settings = {
         "mode": req.mode, "search": req.search if req.mode in ("auto", "semi") else "propagation",
         "dtype": precision.name, "memory_limit_bytes": limit, "solver": req.solver, "follow": req.follow,
-        "pins": dict(req.pins), "batch": _batch(graph),
+        "pins": dict(req.pins), "batch": _batch(graph), "loss": cm.loss,
     }
     data = strategy_document(graph, req.model, profile, mesh, rules, choice, param_specs, cost, stats, settings)
     data["candidates"] = [
@@ -210,7 +211,7 @@ def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
         best, best_cost = options[0], math.inf
         for s in options:
             split = cm.split_axes(s)
-            c = cm.node_cost(node, s).compute.total_s
+            c = cm.node_cost(node, s).time_s
             for t, need in zip(node.inputs, s.input_specs, strict=True):
                 if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
                     continue

@@ -332,7 +332,7 @@ class ShardingILP:
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
-                costs[d][c] += priced[j].compute.total_s * mult[node]
+                costs[d][c] += priced[j].time_s * mult[node]
                 mem[d][c] += priced[j].activation_bytes * mult[node]
         return costs, mem
 

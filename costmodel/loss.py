@@ -1,0 +1,47 @@
+"""The loss: the last consumer of the model's output, priced like any other op.
+
+A training step ends in a loss on the model's first output. Which one (`loss_kind`):
+  cross-entropy  when the output looks like logits (float, rank ≥ 2, more than one class in the last
+                 dim) — against integer labels, averaged over the rows;
+  mse            otherwise: the mean of the squared output.
+The loss runs where the output lies, as torchtitan's loss parallel does for the rows: every rank
+computes its rows' sum divided by the global count, the addends of the loss, so neither the rows nor
+their gradient travel. What it cannot take is partial sums (they are reduced first: an all_reduce),
+nor, for cross-entropy, a split class dim (the softmax needs the whole row: an all_gather, whose
+gradient is a local slice).
+
+Cost: cross-entropy is log-softmax + NLL, element-wise kernels over the local logits (read, write,
+read the picked entries: ≈ 3 passes forward, 2× that backward) and saves the log-probabilities (one
+logits-sized fp32 tensor); mse reads the output once and saves it.
+"""
+
+from __future__ import annotations
+
+from planner.errors import MeshplanError
+from planner.graph import OpGraph
+from planner.placement import Partial, Replicate, Shard, Spec
+
+LOSSES = ("cross-entropy", "mse")
+# Memory passes over the local output: forward (log-softmax read + write, NLL read) and kernels.
+PASSES = {"cross-entropy": 3.0, "mse": 1.0}
+KERNELS = {"cross-entropy": 2, "mse": 2}
+
+
+def loss_kind(graph: OpGraph, requested: str = "auto") -> str:
+    """The loss a training step applies to the first output."""
+    if requested in LOSSES:
+        return requested
+    if requested != "auto":
+        raise MeshplanError(f"--loss {requested}: choose auto, {' or '.join(LOSSES)}")
+    out = graph.tensors[graph.outputs[0]]
+    return "cross-entropy" if out.is_float and len(out.shape) >= 2 and out.shape[-1] > 1 else "mse"
+
+
+def loss_input_spec(kind: str, spec: Spec, ndim: int) -> Spec:
+    """Where the loss needs the output: as produced, but no partial sums and (cross-entropy) no split
+    class dim; those axes become replicated."""
+    def ok(p: object) -> bool:
+        if isinstance(p, Partial):
+            return False
+        return not (kind == "cross-entropy" and isinstance(p, Shard) and p.dim == ndim - 1)
+    return Spec(tuple(p if ok(p) else Replicate() for p in spec.placements))
