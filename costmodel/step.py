@@ -33,8 +33,14 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from costmodel.comm import collective_time_s
-from costmodel.compute import (BACKWARD_BYTES_FACTOR, BACKWARD_FLOPS_FACTOR, ComputeCost, compute_cost, local_shapes,
-                               tensor_bytes)
+from costmodel.compute import (
+    BACKWARD_BYTES_FACTOR,
+    BACKWARD_FLOPS_FACTOR,
+    ComputeCost,
+    compute_cost,
+    local_shapes,
+    tensor_bytes,
+)
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import Collective, HardwareProfile

@@ -27,8 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
-from executor.interpreter import OnnxModule, load_module
 from costmodel.loss import loss_input_spec, loss_kind
+from executor.interpreter import OnnxModule, load_module
 from executor.spmd import SpmdRunner, placements_of, redistribute, shard_full
 from planner.graph import OpGraph
 from planner.placement import parse_spec
