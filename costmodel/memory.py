@@ -110,10 +110,14 @@ def attention_score_tensors(graph: OpGraph) -> frozenset[str]:
 
 
 def saved_tensors(graph: OpGraph) -> frozenset[str]:
-    """Float activations (and inputs) some op's backward reads; parameters are counted as model states."""
+    """Float activations (and inputs) some op's backward reads; parameters are counted as model states.
+    A fused attention keeps its output for backward (FlashAttention: O, and the row log-sum-exp, which
+    is 1/head_dim of it and left out)."""
     scores = attention_score_tensors(graph)
     out: set[str] = set()
     for n in graph.compute_nodes:
+        if n.op_type == "MatMul" and any(t in scores for t in n.inputs):
+            out.update(n.outputs[:1])
         if n.op_type in _SAVES_NOTHING:
             continue
         names = n.outputs[:1] if n.op_type in _SAVES_OUTPUT else n.inputs

@@ -3,7 +3,7 @@
 Float initializers the importer classed as parameters become `nn.Parameter`s (their ONNX values, or,
 for shape-only files, a deterministic seeded init, identical in every process); other initializers
 are buffers. Constant subgraphs are evaluated once at construction from the static shapes, so a
-step runs only the compute nodes.
+step runs only the compute nodes; attention chains run as one fused kernel (`fusion.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from executor.fusion import attention_regions
 from executor.ops import run_op
 from planner.graph import OpGraph, TensorKind, load_graph, load_model_proto
 
@@ -55,6 +56,9 @@ class OnnxModule(nn.Module):
             elif not absent:
                 consts[name] = torch.from_numpy(np.array(numpy_helper.to_array(init)))
         self.values = self._fold_constants(consts)
+        # Attention chains run as one fused kernel (executor/fusion.py).
+        self.regions = attention_regions(graph)
+        self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
 
     def _fold_constants(self, consts: dict[str, torch.Tensor]) -> dict[str, Any]:
         g = self.graph
@@ -90,7 +94,14 @@ class OnnxModule(nn.Module):
         for name, key in self.param_names.items():
             env[name] = self.params[key]
         for node in g.compute_nodes:
-            outs = run_op(node, [env.get(t) if t else None for t in node.inputs])
+            if node.name in self.fused_away:
+                continue
+            region = self.regions.get(node.name)
+            if region is not None:
+                outs = [region.run(env[region.q], env[region.kt], env.get(region.mask) if region.mask else None,
+                                   env[region.v])]
+            else:
+                outs = run_op(node, [env.get(t) if t else None for t in node.inputs])
             env.update(zip(node.outputs, outs, strict=False))
         result = [env[t] for t in g.outputs]
         return result[0] if len(result) == 1 else tuple(result)

@@ -19,6 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
+from executor.fusion import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import run_op
 from planner.graph import OpNode
@@ -163,12 +164,31 @@ class SpmdRunner:
             self._plans[n.name] = (want_in, want_out, _split_axes([*want_in, *want_out], mesh.ndim, mesh), plan["kernels"])
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
         # bucketed, after backward): every other use must then contribute a partial gradient too.
+        # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
+        self.regions = {last: r for last, r in attention_regions(self.graph).items() if self._is_local(r)}
+        self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
         self.reduced_axes: dict[str, set[int]] = {name: set() for name in self.stored}
         for n in self.graph.compute_nodes:
             want_in, _, split, _ = self._plans[n.name]
             for t, want in zip(n.inputs, want_in, strict=True):
                 if t in self.stored and want == self.stored[t]:
                     self.reduced_axes[t] |= {a for a in split if isinstance(want[a], Replicate)}
+
+    def _is_local(self, region: AttentionRegion) -> bool:
+        """The plan runs the chain without moving its inner tensors: every inner edge is consumed in
+        the spec it is produced in, none partial."""
+        produced: dict[str, list[Placement]] = {}
+        for name in region.nodes:
+            node = self.graph.node_by_name[name]
+            want_in, want_out, _, _ = self._plans[name]
+            for t, want in zip(node.inputs, want_in, strict=True):
+                if t in produced and want != produced[t]:
+                    return False
+            for t, placements in zip(node.outputs, want_out, strict=False):
+                if name != region.nodes[-1] and any(isinstance(p, Partial) for p in placements):
+                    return False
+                produced[t] = placements
+        return True
 
     def normalize(self, placements: list[Placement]) -> list[Placement]:
         """On a mesh axis of one device every placement holds the same data: call it replicated."""
@@ -191,32 +211,42 @@ class SpmdRunner:
             spec[name] = placements
         params = {name: self.module.params[key] for name, key in self.module.param_names.items()}
         self.partial_grads = {name: set() for name in params}
+
+        def prepare(node_name: str, i: int) -> Any:
+            """Input i of a node, local, as the node's strategy requires it."""
+            t = g.node_by_name[node_name].inputs[i]
+            want_in, _, split, _ = self._plans[node_name]
+            want = want_in[i]
+            if not t:
+                return None
+            if t in params:
+                assert want is not None
+                return self._param(t, params[t], want, split, wrapped)
+            if t not in spec:  # a constant, whole on every rank: its placement is a local slice
+                return self._constant(t, local.get(t), want)
+            if want is None:  # read for its dtype or shape only
+                return local[t].detach() if isinstance(local[t], torch.Tensor) else local[t]
+            grad = _grad_placements(want, split)
+            partial_grad = any(isinstance(p, Partial) for p in grad) and local[t].requires_grad
+            if spec[t] == want and not partial_grad:
+                return local[t]  # already there, nothing to reduce: no DTensor at all
+            if t not in wrapped:
+                shape = g.tensors[t].shape
+                wrapped[t] = DTensor.from_local(
+                    local[t], mesh, spec[t], shape=torch.Size(shape), stride=_contiguous_stride(shape),
+                    grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
+            return redistribute(wrapped[t], want).to_local(grad_placements=grad)
+
         for node in g.compute_nodes:
-            want_in, want_out, split, kernels = self._plans[node.name]
-            local_in: list[Any] = []
-            for t, want in zip(node.inputs, want_in, strict=True):
-                if not t:
-                    local_in.append(None)
-                elif t in params:
-                    assert want is not None
-                    local_in.append(self._param(t, params[t], want, split, wrapped))
-                elif t not in spec:  # a constant, whole on every rank: its placement is a local slice
-                    local_in.append(self._constant(t, local.get(t), want))
-                elif want is None:  # read for its dtype or shape only
-                    local_in.append(local[t].detach() if isinstance(local[t], torch.Tensor) else local[t])
-                else:
-                    grad = _grad_placements(want, split)
-                    partial_grad = any(isinstance(p, Partial) for p in grad) and local[t].requires_grad
-                    if spec[t] == want and not partial_grad:
-                        local_in.append(local[t])  # already there, nothing to reduce: no DTensor at all
-                        continue
-                    if t not in wrapped:
-                        shape = g.tensors[t].shape
-                        wrapped[t] = DTensor.from_local(
-                            local[t], mesh, spec[t], shape=torch.Size(shape), stride=_contiguous_stride(shape),
-                            grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
-                    local_in.append(redistribute(wrapped[t], want).to_local(grad_placements=grad))
-            outs = self._run_local(node, local_in, want_out, kernels)
+            if node.name in self.fused_away:
+                continue
+            _, want_out, _, kernels = self._plans[node.name]
+            region = self.regions.get(node.name)
+            if region is not None:  # the attention chain ending here, as one fused kernel
+                outs = [region.run(*(prepare(n, i) for n, i in region.inputs))]
+            else:
+                outs = self._run_local(node, [prepare(node.name, i) for i in range(len(node.inputs))], want_out,
+                                       kernels)
             for t, o, placements in zip(node.outputs, outs, want_out, strict=False):
                 local[t] = o
                 spec[t] = placements

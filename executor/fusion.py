@@ -1,0 +1,119 @@
+"""Attention as one kernel, as training frameworks run it.
+
+Exporters decompose `scaled_dot_product_attention` into
+    MatMul(q, kᵀ) → [Add(mask)] → Softmax(last axis) → [IsNaN → Where(nan, 0, p)] → MatMul(·, v)
+(the scale is folded into q and k beforehand). The executor runs each such chain as torch's fused
+SDPA (a FlashAttention kernel on CPU as on GPU): the s×s scores and probabilities are never stored,
+backward recomputes them. That is what the cost model prices (`costmodel/memory.py`,
+`attention_score_tensors`); a chain of any other shape runs op by op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from planner.graph import OpGraph, TensorKind
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionRegion:
+    nodes: tuple[str, ...]  # graph order; the last produces the attention output
+    q: str
+    kt: str  # kᵀ, as the first MatMul reads it
+    mask: str | None  # additive, broadcast over heads
+    v: str
+    out: str
+    inputs: tuple[tuple[str, int], ...]  # (node, input index) where q, kᵀ, mask and v enter the chain
+
+    def run(self, q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, attn_mask=mask, scale=1.0)
+
+
+def attention_regions(graph: OpGraph) -> dict[str, AttentionRegion]:
+    """Every exporter-decomposed attention in the graph, by the name of its last node."""
+    consumers: dict[str, list[Any]] = {}
+    for n in graph.compute_nodes:
+        for i, t in enumerate(n.inputs):
+            if t:
+                consumers.setdefault(t, []).append((n, i))
+    outputs = set(graph.outputs)
+
+    def only(t: str) -> Any:
+        c = consumers.get(t, [])
+        return c[0] if len(c) == 1 and t not in outputs else None
+
+    def producer(t: str) -> Any:
+        name = graph.producer.get(t)
+        return None if name is None or name in graph.constant_nodes else graph.node_by_name[name]
+
+    out: dict[str, AttentionRegion] = {}
+    for sm in graph.compute_nodes:
+        if sm.op_type != "Softmax" or not _last_axis(sm, len(graph.tensors[sm.inputs[0]].shape)):
+            continue
+        nodes, inputs = [sm], []
+        src, mask = producer(sm.inputs[0]), None
+        if src is not None and src.op_type == "Add" and only(src.outputs[0]):
+            add = src
+            for i in (0, 1):
+                mm = producer(add.inputs[i])
+                if mm is not None and mm.op_type == "MatMul" and only(mm.outputs[0]):
+                    mask, src = add.inputs[1 - i], mm
+                    nodes.insert(0, add)
+                    inputs.append((add.name, 1 - i))
+                    break
+            else:
+                continue
+        elif src is None or src.op_type != "MatMul" or not only(src.outputs[0]):
+            continue
+        mm1 = src
+        q_info, kt_info = graph.tensors[mm1.inputs[0]], graph.tensors[mm1.inputs[1]]
+        if len(q_info.shape) < 3 or len(kt_info.shape) != len(q_info.shape) or not q_info.is_float:
+            continue
+        if mask is not None and not graph.tensors[mask].is_float:
+            continue
+        nodes.insert(0, mm1)
+        inputs[:0] = [(mm1.name, 0), (mm1.name, 1)]
+        # Forward: straight to the ·V MatMul, or through the NaN guard Where(IsNaN(p), 0, p).
+        p = sm.outputs[0]
+        users = consumers.get(p, [])
+        if p in outputs:
+            continue
+        mm2 = None
+        if len(users) == 1 and users[0][0].op_type == "MatMul" and users[0][1] == 0:
+            mm2 = users[0][0]
+        elif len(users) == 2 and {u.op_type for u, _ in users} == {"IsNaN", "Where"}:
+            isnan = next(u for u, _ in users if u.op_type == "IsNaN")
+            where = next(u for u, _ in users if u.op_type == "Where")
+            nxt = only(where.outputs[0])
+            if (only(isnan.outputs[0]) and where.inputs[0] == isnan.outputs[0] and where.inputs[2] == p
+                    and _is_zero(graph, where.inputs[1]) and nxt and nxt[0].op_type == "MatMul" and nxt[1] == 0):
+                mm2 = nxt[0]
+                nodes += [isnan, where]
+        if mm2 is None:
+            continue
+        nodes.append(mm2)
+        inputs.append((mm2.name, 1))
+        order = {n.name: i for i, n in enumerate(graph.compute_nodes)}
+        names = tuple(sorted((n.name for n in nodes), key=order.__getitem__))
+        if names[-1] != mm2.name:
+            continue
+        out[mm2.name] = AttentionRegion(nodes=names, q=mm1.inputs[0], kt=mm1.inputs[1], mask=mask, v=mm2.inputs[1],
+                                        out=mm2.outputs[0], inputs=tuple(inputs))
+    return out
+
+
+def _last_axis(node: Any, rank: int) -> bool:
+    a = int(node.attr("axis", -1))
+    return a in (-1, rank - 1)
+
+
+def _is_zero(graph: OpGraph, t: str) -> bool:
+    info = graph.tensors.get(t)
+    if info is None or info.kind is not TensorKind.CONSTANT:
+        return False
+    v = graph.const_values.get(t)
+    return v is not None and v.size == 1 and float(v.reshape(-1)[0]) == 0.0
