@@ -11,6 +11,7 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,12 @@ def placements_of(text: Sequence[str] | str) -> list[Placement]:
         else:
             raise ValueError(f"placement {t!r}")
     return out
+
+
+@functools.cache
+def _coords(mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
+    """(size, this rank's index) per mesh axis: asked for on every op, fixed for a run."""
+    return tuple((mesh.size(a), mesh.get_local_rank(a)) for a in range(mesh.ndim))
 
 
 def _split_axes(specs: Sequence[Sequence[Placement] | None], ndim: int, mesh: DeviceMesh) -> set[int]:
@@ -82,7 +89,7 @@ class _GradAsPartial(torch.autograd.Function):
 def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch.Tensor:
     if not axes:
         return x
-    keep = all(mesh.get_local_rank(a) == 0 for a in axes)
+    keep = all(_coords(mesh)[a][1] == 0 for a in axes)
     out: torch.Tensor = _GradAsPartial.apply(x, keep)
     return out
 
@@ -107,7 +114,7 @@ def redistribute(x: DTensor, want: Sequence[Placement]) -> DTensor:
     if not to_partial:
         return x
     local = x.to_local(grad_placements=[Partial("sum") if a in to_partial else p for a, p in enumerate(first)])
-    keep = all(mesh.get_local_rank(a) == 0 for a in to_partial)
+    keep = all(_coords(mesh)[a][1] == 0 for a in to_partial)
     local = local if keep else local * 0
     return DTensor.from_local(local, mesh, want, shape=x.shape, stride=x.stride(),
                               grad_placements=[Replicate() if a in to_partial else p for a, p in enumerate(want)])
@@ -118,7 +125,7 @@ def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: Device
     local = full
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            k, i = mesh.size(a), mesh.get_local_rank(a)
+            k, i = _coords(mesh)[a]
             c = -(-local.shape[p.dim] // k)
             local = local.narrow(p.dim, min(i * c, local.shape[p.dim]),
                                  max(0, min((i + 1) * c, local.shape[p.dim]) - min(i * c, local.shape[p.dim])))
@@ -133,7 +140,7 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: De
     out = list(shape)
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            k, i = mesh.size(a), mesh.get_local_rank(a)
+            k, i = _coords(mesh)[a]
             c = -(-out[p.dim] // k)
             out[p.dim] = max(0, min((i + 1) * c, out[p.dim]) - min(i * c, out[p.dim]))
     return out
@@ -157,11 +164,20 @@ class SpmdRunner:
             self.stored[name] = placements
         self.partial_grads: dict[str, set[int]] = {}  # this step: parameter → axes its local grad is partial on
         self._plans: dict[str, tuple[list[Any], list[list[Placement]], set[int], list[str]]] = {}
+        self._grads: dict[str, list[tuple[list[Placement], bool] | None]] = {}  # per input: placements, any partial
+        self._shape_operand: dict[str, torch.Tensor] = {}  # Reshape/Expand: the local output shape
         for n in self.graph.compute_nodes:
             plan = strategy.data["nodes"][n.name]
             want_in = [self.normalize(placements_of(x)) if x is not None else None for x in plan["inputs"]]
             want_out = [self.normalize(placements_of(x)) for x in plan["outputs"]]
-            self._plans[n.name] = (want_in, want_out, _split_axes([*want_in, *want_out], mesh.ndim, mesh), plan["kernels"])
+            split = _split_axes([*want_in, *want_out], mesh.ndim, mesh)
+            self._plans[n.name] = (want_in, want_out, split, plan["kernels"])
+            grads = [_grad_placements(w, split) if w is not None else None for w in want_in]
+            self._grads[n.name] = [(gp, any(isinstance(p, Partial) for p in gp)) if gp is not None else None
+                                   for gp in grads]
+            if n.op_type in ("Reshape", "Expand"):
+                self._shape_operand[n.name] = torch.tensor(
+                    _local_shape(self.graph.tensors[n.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64)
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
         # bucketed, after backward): every other use must then contribute a partial gradient too.
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
@@ -226,9 +242,10 @@ class SpmdRunner:
                 return self._constant(t, local.get(t), want)
             if want is None:  # read for its dtype or shape only
                 return local[t].detach() if isinstance(local[t], torch.Tensor) else local[t]
-            grad = _grad_placements(want, split)
-            partial_grad = any(isinstance(p, Partial) for p in grad) and local[t].requires_grad
-            if spec[t] == want and not partial_grad:
+            grad_info = self._grads[node_name][i]
+            assert grad_info is not None
+            grad, any_partial = grad_info
+            if spec[t] == want and not (any_partial and local[t].requires_grad):
                 return local[t]  # already there, nothing to reduce: no DTensor at all
             if t not in wrapped:
                 shape = g.tensors[t].shape
@@ -317,10 +334,8 @@ class SpmdRunner:
         return self._constants[key]
 
     def _run_local(self, node: OpNode, x: list[Any], want_out: list[list[Placement]], kernels: list[str]) -> list[Any]:
-        g, mesh = self.graph, self.mesh
         if node.op_type in ("Reshape", "Expand"):  # the shape operand describes the local output
-            x = [x[0], torch.tensor(_local_shape(g.tensors[node.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64),
-                 *x[2:]]
+            x = [x[0], self._shape_operand[node.name], *x[2:]]
         if node.op_type == "SequenceAt":
             return [x[0][int(x[1])]]
         if MASKED_GATHER in kernels:
@@ -340,7 +355,7 @@ class SpmdRunner:
         lo, n = 0, full
         for a, kernel in enumerate(kernels):
             if kernel == MASKED_GATHER:
-                k, i = self.mesh.size(a), self.mesh.get_local_rank(a)
+                k, i = _coords(self.mesh)[a]
                 c = -(-n // k)
                 lo, n = lo + min(i * c, n), max(0, min((i + 1) * c, n) - min(i * c, n))
         local = idx - lo

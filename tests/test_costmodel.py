@@ -199,3 +199,39 @@ def test_gradient_sync_is_bucketed(zoo: Callable[[str], Path]) -> None:
     (ev,) = cm.edge_events(w, Spec.replicated(1), Spec.replicated(1), frozenset({0}))
     n = 4
     assert ev.time_s == pytest.approx(2 * (n - 1) * 1e-6 * size / (25 * 2**20) + 2 * (n - 1) / n * size / 370e9)
+
+
+def _one_matmul(t: int, h: int) -> OpGraph:
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [t, h])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=[numpy_helper.from_array(np.zeros((h, h), np.float32), "w")]),
+        opset_imports=[helper.make_opsetid("", 20)])
+    return graph_from_proto(model, {})
+
+
+def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
+    # The output [t, h] looks like logits: cross-entropy. Row-parallel (contracting dim split) leaves it
+    # partial: the loss first all-reduces it (t·h bf16 elements, forward, nothing backward). Split by
+    # rows it runs in place: no collective, and it keeps its rows' fp32 log-probabilities.
+    t, h = 512, 256
+    g = _one_matmul(t, h)
+    mesh = DeviceMesh.build(2)
+    cm = CostModel(g, mesh, H100, BF16)
+    assert cm.loss == "cross-entropy"
+    partial = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(1)] [S(0)] → [P]")).loss
+    assert partial is not None
+    assert [(e.kind, e.size_bytes, e.backward, e.reason) for e in partial.events] == \
+        [(Collective.ALL_REDUCE, t * h * 2, False, "loss y")]
+    assert partial.saved_bytes == t * h * 4
+    rows = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(0)] [R] → [S(0)]")).loss
+    assert rows is not None and rows.events == () and rows.saved_bytes == t // 2 * h * 4
+    dev = H100.device
+    assert rows.compute_s == pytest.approx(3 * (3 * t // 2 * h * 4 / dev.elementwise_bytes_per_s + 2 * dev.kernel_launch_s))
+    # A class dim split over the mesh is gathered for the softmax; mse takes any split.
+    cols = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[R] [S(1)] → [S(1)]")).loss
+    assert cols is not None and [e.kind for e in cols.events] == [Collective.ALL_GATHER]
+    mse = CostModel(g, mesh, H100, BF16, loss="mse").node_cost(g.node_by_name["mm"],
+                                                                pick(g, mesh, "mm", "[R] [S(1)] → [S(1)]")).loss
+    assert mse is not None and mse.events == ()

@@ -36,3 +36,20 @@ def test_shape_only_models_init_identically(zoo: Callable[[str], Path]) -> None:
     name = "model.transformer.h.3.attn.c_attn.weight"
     assert torch.equal(a.parameter(name), b.parameter(name))
     assert sum(p.numel() for p in a.parameters()) == zoo_mod.metadata("gpt2-medium")["num_params"]
+
+
+@pytest.mark.parametrize("name,layers", [("gpt2-tiny", 2), ("bert-tiny", 2), ("llama-tiny", 2), ("vit-tiny", 2)])
+def test_attention_runs_fused_and_keeps_no_scores(name: str, layers: int, zoo: Callable[[str], Path]) -> None:
+    # Every layer's exporter-decomposed attention runs as one SDPA kernel (its equality with the torch
+    # module is the test above); backward then keeps no s×s score or probability tensor.
+    module = load_module(zoo(name), zoo_mod.ZOO[name].default_dims)
+    assert len(module.regions) == layers
+    g = module.graph
+    x = [torch.randint(0, 2, g.tensors[t].shape) if not g.tensors[t].is_float else torch.randn(g.tensors[t].shape)
+         for t in g.inputs]
+    seq = {g.tensors[r.out].shape[-2] for r in module.regions.values()}
+    saved: list[tuple[int, ...]] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        y = module(*x)
+    assert y.requires_grad
+    assert not [s for s in saved if len(s) == 4 and s[-1] == s[-2] and s[-1] in seq and s[1] > 1]
