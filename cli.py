@@ -461,7 +461,8 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
 @click.option("--steps", type=int, default=5, show_default=True, help="Measured steps after warm-up.")
 @click.option("--warmup", type=int, default=2, show_default=True)
 @click.option("--verify", is_flag=True, help="Compare loss, gradients and updated parameters with one process.")
-@click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True)
+@click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True,
+              help="auto: the loss the strategy was planned with.")
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds before every rank is stopped.")
 @click.option("--json", "as_json", is_flag=True)
