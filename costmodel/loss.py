@@ -22,9 +22,9 @@ from planner.graph import OpGraph
 from planner.placement import Partial, Replicate, Shard, Spec
 
 LOSSES = ("cross-entropy", "mse")
-# Memory passes over the local output: forward (log-softmax read + write, NLL read) and kernels.
+# Memory passes over the local output, forward: log-softmax read + write and NLL read; mse's one read.
 PASSES = {"cross-entropy": 3.0, "mse": 1.0}
-KERNELS = {"cross-entropy": 2, "mse": 2}
+KERNELS = 2  # forward launches of either (log-softmax + NLL; square + sum)
 
 
 def loss_kind(graph: OpGraph, requested: str = "auto") -> str:

@@ -166,7 +166,7 @@ class CostModel:
         numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
         itemsize = 4 if self.loss == "cross-entropy" else self.precision.activation_bytes  # logits upcast to fp32
         dev = self.profile.device
-        fwd = PASSES[self.loss] * numel * itemsize / dev.elementwise_bytes_per_s + KERNELS[self.loss] * dev.kernel_launch_s
+        fwd = PASSES[self.loss] * numel * itemsize / dev.elementwise_bytes_per_s + KERNELS * dev.kernel_launch_s
         return LossCost(kind=self.loss, compute_s=fwd * (1 + BACKWARD_BYTES_FACTOR), events=events,
                         saved_bytes=numel * itemsize)
 

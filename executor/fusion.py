@@ -50,6 +50,7 @@ def attention_regions(graph: OpGraph) -> dict[str, AttentionRegion]:
         name = graph.producer.get(t)
         return None if name is None or name in graph.constant_nodes else graph.node_by_name[name]
 
+    order = {n.name: i for i, n in enumerate(graph.compute_nodes)}
     out: dict[str, AttentionRegion] = {}
     for sm in graph.compute_nodes:
         if sm.op_type != "Softmax" or not _last_axis(sm, len(graph.tensors[sm.inputs[0]].shape)):
@@ -97,7 +98,6 @@ def attention_regions(graph: OpGraph) -> dict[str, AttentionRegion]:
             continue
         nodes.append(mm2)
         inputs.append((mm2.name, 1))
-        order = {n.name: i for i, n in enumerate(graph.compute_nodes)}
         names = tuple(sorted((n.name for n in nodes), key=order.__getitem__))
         if names[-1] != mm2.name:
             continue

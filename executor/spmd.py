@@ -178,11 +178,11 @@ class SpmdRunner:
             if n.op_type in ("Reshape", "Expand"):
                 self._shape_operand[n.name] = torch.tensor(
                     _local_shape(self.graph.tensors[n.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64)
-        # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
-        # bucketed, after backward): every other use must then contribute a partial gradient too.
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
         self.regions = {last: r for last, r in attention_regions(self.graph).items() if self._is_local(r)}
         self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
+        # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
+        # bucketed, after backward): every other use must then contribute a partial gradient too.
         self.reduced_axes: dict[str, set[int]] = {name: set() for name in self.stored}
         for n in self.graph.compute_nodes:
             want_in, _, split, _ = self._plans[n.name]

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel.loss import loss_input_spec, loss_kind
@@ -75,7 +75,6 @@ class Loss:
     def __init__(self, graph: OpGraph, kind: str, seed: int) -> None:
         out = graph.tensors[graph.outputs[0]]
         self.kind = kind
-        self.shape = out.shape
         self.labels: torch.Tensor | None = None
         if kind == "cross-entropy":
             g = torch.Generator().manual_seed(seed + 2)
@@ -124,9 +123,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
     need = runner.normalize(placements_of(str(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)),
                                                           len(graph.tensors[out_name].shape)))))
-    labels = None if loss_of.labels is None else \
-        shard_full(loss_of.labels, [p if not isinstance(p, Shard) or p.dim < loss_of.labels.dim() else Replicate()
-                                    for p in need], mesh).to_local()
+    labels = None if loss_of.labels is None else shard_full(loss_of.labels, need, mesh).to_local()  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
     saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (this step)

@@ -134,10 +134,12 @@ class ShardingILP:
     def _tie_layers(self) -> None:
         g = self.graph
         self.rep: dict[str, str] = {n.name: n.name for n in g.compute_nodes}
+        loss_node = g.producer.get(self.cost.loss_tensor)  # it also pays the loss: not like its peers
         for group in g.layers:
             for layer in group.nodes[1:]:
                 for k, name in enumerate(layer):
-                    self.rep[name] = group.nodes[0][k]
+                    if name != loss_node:
+                        self.rep[name] = group.nodes[0][k]
 
     def _tie_params(self) -> None:
         g = self.graph

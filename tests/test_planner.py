@@ -148,6 +148,22 @@ def test_plan_objective_is_the_priced_step(follow: bool) -> None:
     assert sol.stats.objective == pytest.approx(priced.step_time_s, rel=1e-4, abs=2e-6)
 
 
+def test_objective_prices_the_loss_when_the_output_comes_from_a_tied_layer() -> None:
+    # Blocks with layer-style names are tied to the first block; the last block's residual Add also
+    # produces the output and so pays the loss. It must keep its own decision, or the loss is priced
+    # on block 0's Add (whose output is no loss input) and the objective misses it.
+    model = _mlp_blocks(tokens=8192, h=256, blocks=3)
+    for n in model.graph.node:
+        if n.name != "embed":
+            n.name = f"/blocks.{n.name[-1]}/{n.name[:-1]}"
+    g, mesh, cm, sol = _solve(model, devices=4)
+    assert len(g.layers) == 1 and len(g.layers[0].nodes) == 3
+    priced = cm.price(sol.choice, sol.param_specs)
+    loss = cm.node_cost(g.node_by_name["/blocks.2/res"], sol.choice["/blocks.2/res"]).loss
+    assert loss is not None and loss.time_s > 1e-5
+    assert sol.stats.objective == pytest.approx(priced.step_time_s, rel=1e-4, abs=2e-6)
+
+
 @pytest.mark.parametrize(("name", "dims", "devices"), [
     ("gpt2-tiny", {"batch": 8, "seq": 32}, 4),
     ("llama-tiny", {"batch": 8, "seq": 32}, 4),
