@@ -14,8 +14,9 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
     goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
   A tensor read by several consumers has its partial gradient reduced once per axis (autograd sums
   the partials first). The solver prices each edge alone, so for such tensors its objective is an
-  upper bound of the priced step. Parameter-gradient collectives are bucketed (25 MiB, DDP's default): each pays its share of a
-  bucket's latency;
+  upper bound of the priced step. Parameter-gradient all-reduces are bucketed (25 MiB, DDP's default,
+  `buckets.py`): the plan is priced per bucket, each gradient carrying its share of its bucket's time;
+  an edge alone pays its share of the latency of a bucket holding every gradient;
 - the loss on the output (`loss.py`), charged to the node producing it: its kernels, the collectives
   that bring the output where the loss needs it, the log-probabilities it saves;
 - memory per device: model states of every parameter at its spec, plus the activations saved for
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
@@ -57,9 +59,6 @@ from planner.rules import OpStrategy
 OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
 
-# Gradient collectives are fused into buckets, as PyTorch DDP does (bucket_cap_mb = 25) and MindSpore's
-# all_reduce_fusion_config: latency is paid per bucket, not per parameter.
-GRAD_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +129,10 @@ class CostModel:
         self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
         self.grad_bucket_bytes = grad_bucket_bytes
+        # What one bucket holds when every gradient is reduced whole: a gradient's share of a bucket's
+        # latency, as an edge is priced alone (`price` packs the plan's actual buckets).
+        self.grad_bucket_fill = min(grad_bucket_bytes, max(1.0, sum(
+            float(t.numel) * precision.grad_bytes for t in graph.params)))
         self.saved = saved_tensors(graph)
         self.needs_grad = _gradient_tensors(graph)
         self.on_chip = attention_score_tensors(graph)
@@ -215,11 +218,12 @@ class CostModel:
 
         def add(kind: Collective, axis: int, size: float, backward: bool, reason: str) -> None:
             t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
-            if is_param and backward:
-                # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency.
+            if is_param and backward and not reason.startswith("reshard"):
+                # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency. (The
+                # backward of a parameter's own reshard, e.g. R → P, runs alone: full latency.)
                 one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
                 latency = 2 * one - two  # the intercept of the affine α-β time
-                t -= latency * (1.0 - min(1.0, size / self.grad_bucket_bytes))
+                t -= latency * (1.0 - min(1.0, size / self.grad_bucket_fill))
             events.append(CommEvent(kind, (axis,), size, t, backward, reason))
 
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
@@ -253,9 +257,11 @@ class CostModel:
 
     # -- a whole plan ----------------------------------------------------------------------------
 
-    def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None) -> StepCost:
+    def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
+              buckets: bool = True) -> StepCost:
         """Cost of a plan: a strategy per compute node; parameters at `param_specs`, by default at the
-        spec their first consumer requires."""
+        spec their first consumer requires. `buckets=False`: gradient all-reduces priced edge by edge,
+        as the ILP sees them (each its share of one full bucket's latency), instead of packed."""
         g, p = self.graph, self.precision
         cost = StepCost()
         placed: dict[str, Spec] = dict(param_specs or {})  # tensor → the spec it is produced (or stored) in
@@ -298,10 +304,37 @@ class CostModel:
             mem["parameters"] += states * p.weight_bytes / p.model_state_bytes
             mem["gradients"] += states * p.grad_bytes / p.model_state_bytes
             mem["optimizer"] += states * p.optimizer_bytes / p.model_state_bytes
+        if buckets:
+            self._price_buckets(cost)
         cost.comm_s = sum(e.time_s for e in cost.events)
         cost.memory = mem
         cost.placed = placed
         return cost
+
+    def _price_buckets(self, cost: StepCost) -> None:
+        """The data-parallel gradient all-reduces as they run: a parameter used where it is stored has
+        its gradient packed with the others reduced over the same axes (`buckets.py`), one all-reduce
+        per bucket and axis; each gradient's event carries its bytes' share of that all-reduce's time."""
+        resharded = {t for t, *_ in cost.reshards}
+        syncs: dict[str, list[CommEvent]] = {}
+        for e in cost.events:
+            t = e.reason.rsplit(" ", 1)[-1]
+            if (e.reason.startswith("grad sync") and e.kind is Collective.ALL_REDUCE and t in self.param_owner
+                    and t not in resharded):
+                syncs.setdefault(t, []).append(e)
+        grads = {t: (tuple(sorted({a for e in evs for a in e.axes})), evs[0].size_bytes) for t, evs in syncs.items()}
+        priced: dict[int, CommEvent] = {}
+        for axes, names in pack_buckets(grads, self.grad_bucket_bytes):
+            total = sum(grads[t][1] for t in names)
+            for a in axes:
+                bucket_s = collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE, total, (a,))
+                for t in names:
+                    for e in syncs[t]:
+                        if e.axes == (a,):
+                            priced[id(e)] = replace(e, time_s=bucket_s * e.size_bytes / total)
+        if priced:
+            cost.events = [priced.get(id(e), e) for e in cost.events]
+            cost.node_events = {n: [priced.get(id(e), e) for e in evs] for n, evs in cost.node_events.items()}
 
 
 def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:

@@ -24,10 +24,10 @@ class RunError(MeshplanError):
 
 def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
     """The plan's collectives by kind, as the executor runs them: a parameter's gradient all-reduces
-    (when it is used where it is stored) are packed into buckets like DDP (`executor.buckets`); DTensor
+    (when it is used where it is stored) are packed into buckets like DDP (`costmodel.buckets`); DTensor
     on CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
     performed (gathered parameters stay resident), so it is left out."""
-    from executor.buckets import buckets
+    from costmodel.buckets import pack_buckets
 
     d = strategy.data
     params = {t for t, v in d["tensors"].items() if v["kind"] == "param"}
@@ -48,7 +48,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
             if kind == "all_to_all" and backend == "gloo":
                 kind = "all_gather"
             out[kind] += 1
-    for axes, _ in buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
+    for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
         out["all_reduce"] += len(axes)
     return dict(out)
 

@@ -297,14 +297,14 @@ class SpmdRunner:
         """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count."""
         import torch.distributed as dist
 
-        from executor.buckets import buckets
+        from costmodel.buckets import pack_buckets
 
         grads: dict[str, tuple[tuple[int, ...], float]] = {}
         for name, partial in self.partial_grads.items():
             p = self.module.params[self.module.param_names[name]]
             if partial and p.grad is not None:
                 grads[name] = (tuple(sorted(partial)), float(p.grad.numel() * p.grad.element_size()))
-        plan = buckets(grads)
+        plan = pack_buckets(grads)
         for axes, names in plan:
             tensors = [self.module.params[self.module.param_names[n]].grad for n in names]
             flat = torch.cat([t.reshape(-1) for t in tensors if t is not None])

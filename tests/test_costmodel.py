@@ -11,13 +11,14 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from costmodel.buckets import pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
 from hwprofiles.profile import Collective, LinkLevel, load_profile
 from planner.graph import OpGraph, graph_from_proto, load_graph
 from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec
+from planner.placement import Shard, Spec, parse_spec
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
 
 H100 = load_profile("h100-sxm")
@@ -189,16 +190,45 @@ def test_sharded_parameters_gathered_then_reduce_scattered(zoo: Callable[[str], 
 
 
 def test_gradient_sync_is_bucketed(zoo: Callable[[str], Path]) -> None:
-    # DDP fuses gradients into 25 MiB buckets: a gradient of S bytes pays S / 25 MiB of one
-    # all-reduce's latency, 2(n−1)·α, plus its own bandwidth term 2(n−1)/n · S/β.
+    # DDP fuses gradients into 25 MiB buckets, one all-reduce per bucket. The mlp's gradients (bf16)
+    # fit in one: data parallelism pays one all-reduce of all of them, 2(n−1)·α + 2(n−1)/n·Ψ/β,
+    # each gradient its bytes' share. An edge priced alone (the ILP's view) pays its share S/Ψ of
+    # that latency plus its own bandwidth term — the same total.
     g = load_graph(zoo("mlp"), {"batch": 32})
-    mesh = DeviceMesh.build(4, devices_per_node=8)
+    n = 4
+    mesh = DeviceMesh.build(n, devices_per_node=8)
     cm = CostModel(g, mesh, H100, BF16)
+    total = g.num_params * BF16.grad_bytes
+    assert total < 25 * 2**20
     w = "fc1.weight"
     size = g.tensors[w].numel * BF16.grad_bytes
     (ev,) = cm.edge_events(w, Spec.replicated(1), Spec.replicated(1), frozenset({0}))
-    n = 4
-    assert ev.time_s == pytest.approx(2 * (n - 1) * 1e-6 * size / (25 * 2**20) + 2 * (n - 1) / n * size / 370e9)
+    assert ev.time_s == pytest.approx(2 * (n - 1) * 1e-6 * size / total + 2 * (n - 1) / n * size / 370e9)
+
+    plan = {n.name: next(s for s in strategies_for(n, g, mesh).strategies if str(s.input_specs[0]) == "S(0)")
+            for n in g.compute_nodes}
+    cost = cm.price(plan)
+    syncs = [e for e in cost.events if e.reason.startswith("grad sync")]
+    assert {e.reason.split()[-1] for e in syncs} == {p.name for p in g.params}
+    assert sum(e.time_s for e in syncs) == pytest.approx(2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * total / 370e9)
+    assert cost.comm_s == pytest.approx(sum(e.time_s for e in cost.events))
+    # With 4 KiB buckets every bucket pays its own latency.
+    small = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096).price(plan)
+    packed = pack_buckets({p.name: ((0,), p.numel * BF16.grad_bytes) for p in g.params}, 4096)
+    assert len(packed) > 1
+    assert small.comm_s == pytest.approx(len(packed) * 2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * total / 370e9)
+
+
+def test_a_parameters_own_reshard_is_not_bucketed(zoo: Callable[[str], Path]) -> None:
+    # A row-parallel bias used as partial (R → P) needs its gradient all-reduced in backward; that
+    # all-reduce runs on its own (it is no data-parallel gradient sync): it pays the full latency.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4, devices_per_node=8)
+    cm = CostModel(g, mesh, H100, BF16)
+    b = "fc2.bias"
+    (ev,) = cm.edge_events(b, Spec.replicated(1), parse_spec("P"), frozenset({0}))
+    assert ev.backward and ev.kind is Collective.ALL_REDUCE
+    assert ev.time_s == pytest.approx(collective_time_s(H100, mesh, Collective.ALL_REDUCE, ev.size_bytes, (0,)))
 
 
 def _one_matmul(t: int, h: int) -> OpGraph:
