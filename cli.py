@@ -486,9 +486,14 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     t.add_row("loss", f"{result['loss']:.6f}")
     if "max_abs_diff" in result:
         t.add_row("vs one process", f"max |diff| {result['max_abs_diff']:.2e} (loss {result['loss_abs_diff']:.1e}, "
-                  f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e})")
+                  f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e}, "
+                  f"after {1 + warmup + steps} steps {result['final_param_max_abs_diff']:.1e})")
     ms, ps = result["measured_step_s"], result["predicted_step_s"]
     t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
+    mp, pp = result["measured_phases_s"], result["predicted_phases_s"]
+    t.add_row("  measured", ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in mp.items()) + " ms")
+    t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, "
+              f"optimizer {pp['optimizer_s'] * 1e3:.2f} ms")
     mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
     t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (model states + saved activations), "
               f"predicted {_fmt_bytes(pm)}")

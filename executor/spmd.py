@@ -122,6 +122,12 @@ def redistribute(x: DTensor, want: Sequence[Placement]) -> DTensor:
 
 def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> DTensor:
     """This rank's shard of a tensor every rank holds whole (same seed, same data): no communication."""
+    return DTensor.from_local(local_shard(full, placements, mesh), mesh, placements, shape=full.shape,
+                              stride=full.stride())
+
+
+def local_shard(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
+    """`shard_full`'s local tensor, without the DTensor around it."""
     local = full
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
@@ -133,7 +139,7 @@ def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: Device
             raise ValueError("a whole tensor is not partial")
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
         local = local.clone()  # this rank holds its shard only, as a data loader would give it
-    return DTensor.from_local(local.contiguous(), mesh, placements, shape=full.shape, stride=full.stride())
+    return local.contiguous()
 
 
 def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
@@ -181,6 +187,19 @@ class SpmdRunner:
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
         self.regions = {last: r for last, r in attention_regions(self.graph).items() if self._is_local(r)}
         self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
+        self.input_placements = {name: self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
+                                                      else [Replicate()] * mesh.ndim) for name in self.graph.inputs}
+        # Where every activation lies (as produced: fixed by the plan) and the ops to run, with what
+        # each needs, decided once: a step is then only the ops and the planned collectives.
+        self.placed: dict[str, list[Placement]] = dict(self.input_placements)
+        for n in self.graph.compute_nodes:
+            self.placed.update(zip(n.outputs, self._plans[n.name][1], strict=False))
+        direct = self._direct_inputs()
+        self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
+                         for n in self.graph.compute_nodes if n.name not in self.fused_away]
+        self._params = {name: module.params[key] for name, key in module.param_names.items()}
+        self._buckets: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # packed at the first reduction
+        self._bucketed: set[str] = set()
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
         # bucketed, after backward): every other use must then contribute a partial gradient too.
         self.reduced_axes: dict[str, set[int]] = {name: set() for name in self.stored}
@@ -206,6 +225,23 @@ class SpmdRunner:
                 produced[t] = placements
         return True
 
+    def _direct_inputs(self) -> dict[str, list[bool]]:
+        """Per node, the inputs it reads as they are: activations produced in the placements the node
+        requires whose gradient needs no reduction. Placements are fixed by the plan, so this is
+        decided once; every other input goes through `prepare` (parameters, constants, reshards)."""
+        produced = self.placed
+        out = {}
+        for n in self.graph.compute_nodes:
+            want_in = self._plans[n.name][0]
+            out[n.name] = [bool(t) and t in produced and w is not None and grad is not None and not grad[1]
+                           and produced[t] == w for t, w, grad in zip(n.inputs, want_in, self._grads[n.name], strict=True)]
+        return out
+
+    def shard_inputs(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's shards of a batch every rank holds whole: what its data loader would give it."""
+        return [local_shard(x, self.input_placements[name], self.mesh) for name, x in zip(self.graph.inputs, inputs,
+                                                                                        strict=True)]
+
     def normalize(self, placements: list[Placement]) -> list[Placement]:
         """On a mesh axis of one device every placement holds the same data: call it replicated."""
         return [Replicate() if self.mesh.size(a) == 1 else p for a, p in enumerate(placements)]
@@ -214,18 +250,14 @@ class SpmdRunner:
         """Activations stay local tensors with known placements; DTensor is entered only where the
         plan reshards a tensor or where its gradient comes out partial and must be reduced — one
         cached wrapper per tensor, so that several consumers' partial gradients sum before the one
-        reduction. Parameters are DTensors throughout."""
+        reduction. `inputs`: this rank's shards (`shard_inputs`); returns the outputs' local tensors,
+        placed as the plan says (`output_as` moves them)."""
         g, mesh = self.graph, self.mesh
-        tensors = self.strategy.data["tensors"]
         local: dict[str, Any] = dict(self.module.values)  # constants: whole on every rank
-        spec: dict[str, list[Placement]] = {}
+        spec = self.placed
         wrapped: dict[str, DTensor] = {}
-        for name, x in zip(g.inputs, inputs, strict=True):
-            placements: list[Placement] = self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
-                                                     else [Replicate()] * mesh.ndim)
-            local[name] = shard_full(x, placements, mesh).to_local()
-            spec[name] = placements
-        params = {name: self.module.params[key] for name, key in self.module.param_names.items()}
+        local.update(zip(g.inputs, inputs, strict=True))
+        params = self._params
         self.partial_grads = {name: set() for name in params}
 
         def prepare(node_name: str, i: int) -> Any:
@@ -254,26 +286,28 @@ class SpmdRunner:
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
             return redistribute(wrapped[t], want).to_local(grad_placements=grad)
 
-        for node in g.compute_nodes:
-            if node.name in self.fused_away:
-                continue
-            _, want_out, _, kernels = self._plans[node.name]
-            region = self.regions.get(node.name)
+        for node, region, direct, want_out, kernels in self._program:
             if region is not None:  # the attention chain ending here, as one fused kernel
                 outs = [region.run(*(prepare(n, i) for n, i in region.inputs))]
             else:
-                outs = self._run_local(node, [prepare(node.name, i) for i in range(len(node.inputs))], want_out,
-                                       kernels)
-            for t, o, placements in zip(node.outputs, outs, want_out, strict=False):
-                local[t] = o
-                spec[t] = placements
-        result = []
-        for t in g.outputs:
-            shape = g.tensors[t].shape
-            result.append(DTensor.from_local(local[t], mesh, spec[t], shape=torch.Size(shape),
-                                             stride=_contiguous_stride(shape),
-                                             grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]]))
-        return result[0] if len(result) == 1 else tuple(result)
+                outs = self._run_local(node, [local[t] if d else prepare(node.name, i)
+                                              for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],
+                                       want_out, kernels)
+            local.update(zip(node.outputs, outs, strict=False))
+        return [local[t] for t in g.outputs]
+
+    def output_as(self, index: int, local: torch.Tensor, want: list[Placement]) -> torch.Tensor:
+        """Output `index` (this rank's local tensor from `forward`) brought to the placements `want`:
+        the tensor itself when it lies there, else through DTensor's redistribute (its planned
+        collectives, and their backward)."""
+        t = self.graph.outputs[index]
+        have = self.placed[t]
+        if have == want:
+            return local
+        shape = self.graph.tensors[t].shape
+        y = DTensor.from_local(local, self.mesh, have, shape=torch.Size(shape), stride=_contiguous_stride(shape),
+                               grad_placements=[Replicate() if isinstance(p, Partial) else p for p in have])
+        return redistribute(y, want).to_local(grad_placements=want)
 
     def _param(self, name: str, p: torch.Tensor, want: list[Placement], split: set[int], wrapped: dict[str, DTensor]
                ) -> torch.Tensor:
@@ -294,28 +328,45 @@ class SpmdRunner:
         return redistribute(wrapped[name], want).to_local(grad_placements=_grad_placements(want, split))
 
     def reduce_gradients(self) -> int:
-        """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count."""
+        """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count.
+        The first call packs them; from then on each gradient is a view of its bucket (DDP's
+        gradient_as_bucket_view): backward accumulates into the bucket, which is reduced in place."""
         import torch.distributed as dist
 
-        from costmodel.buckets import pack_buckets
-
-        grads: dict[str, tuple[tuple[int, ...], float]] = {}
-        for name, partial in self.partial_grads.items():
-            p = self.module.params[self.module.param_names[name]]
-            if partial and p.grad is not None:
-                grads[name] = (tuple(sorted(partial)), float(p.grad.numel() * p.grad.element_size()))
-        plan = pack_buckets(grads)
-        for axes, names in plan:
-            tensors = [self.module.params[self.module.param_names[n]].grad for n in names]
-            flat = torch.cat([t.reshape(-1) for t in tensors if t is not None])
+        if self._buckets is None:
+            self._buckets = self._pack_buckets()
+        for axes, flat in self._buckets:
             for a in axes:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
+        return len(self._buckets)
+
+    def _pack_buckets(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """This step's partial gradients (the same parameters every step: the plan fixes them) moved
+        into flat buckets (`costmodel.buckets`), each gradient becoming a view of its bucket."""
+        from costmodel.buckets import pack_buckets
+
+        grads = {name: (tuple(sorted(axes)), float(p.numel() * p.element_size()))
+                 for name, axes in self.partial_grads.items() if axes and (p := self._params[name]).grad is not None}
+        out = []
+        for axes, names in pack_buckets(grads):
+            params = [self._params[n] for n in names]
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # every one set: see `grads`
             offset = 0
-            for t in tensors:
-                assert t is not None
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
-        return len(plan)
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+            out.append((axes, flat))
+            self._bucketed.update(names)
+        return out
+
+    def zero_grad(self) -> None:
+        """Before a step: bucketed gradients zeroed in place (one fill per bucket, their views kept),
+        the others unset."""
+        for _, flat in self._buckets or ():
+            flat.zero_()
+        for name, p in self._params.items():
+            if name not in self._bucketed:
+                p.grad = None
 
     def full_parameter(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The whole parameter (or gradient) from this rank's shard: a gather over the mesh."""

@@ -12,6 +12,7 @@ loss, every parameter's gradient (gathered) and every parameter after the optimi
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import resource
@@ -29,7 +30,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
-from executor.spmd import SpmdRunner, placements_of, redistribute, shard_full
+from executor.spmd import SpmdRunner, placements_of, shard_full
 from planner.graph import OpGraph
 from planner.placement import parse_spec
 from planner.strategy import Strategy
@@ -38,6 +39,11 @@ from planner.strategy import Strategy
 FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                 "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
                 "allreduce_": "all_reduce"}  # the last: the bucketed gradient all-reduces (c10d)
+
+
+# The measured step's phases, in order: forward with the loss, backward (with the reshards and
+# gradient reductions DTensor runs in it), the bucketed gradient all-reduces, the optimizer step.
+PHASES = ("forward", "backward", "gradient_sync", "optimizer")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,6 +132,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     labels = None if loss_of.labels is None else shard_full(loss_of.labels, need, mesh).to_local()  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
+    local_batch = runner.shard_inputs(batch)  # once, as a data loader hands each rank its shard
     saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (this step)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -133,47 +140,59 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    def step(count: bool = False) -> tuple[torch.Tensor, dict[str, int]]:
-        """One training step; under `count`, the collectives it ran by kind. CommDebugMode intercepts
-        every op, so timed steps skip it. Returns this rank's addend of the loss."""
-        optim.zero_grad(set_to_none=True)
+    def step(count: bool = False, measure: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float]]:
+        """One training step up to the optimizer; under `count`, the collectives it ran by kind; under
+        `measure`, the tensors it saved for backward. Both intercept ops in Python, so timed steps do
+        neither. Returns this rank's addend of the loss, the counts, and the phases' end times."""
+        runner.zero_grad()
         saved.clear()
         comm = CommDebugMode() if count else None
         with comm if comm is not None else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = runner.forward(batch)
-            y = y[0] if isinstance(y, tuple) else y  # the loss reads the first output
-            loss = loss_of.local(redistribute(y, need).to_local(grad_placements=need), labels)
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext():
+            y = runner.forward(local_batch)[0]  # the loss reads the first output
+            loss = loss_of.local(runner.output_as(0, y, need), labels)
+            t_fwd = time.perf_counter()
             loss.backward()
+            t_bwd = time.perf_counter()
             runner.reduce_gradients()
-        return loss, dict(counts_by_kind(comm)) if comm is not None else {}
+        return loss, dict(counts_by_kind(comm)) if comm is not None else {}, [t_fwd, t_bwd, time.perf_counter()]
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
-    first_loss, executed = step(count=True)
+    first_loss, executed, _ = step(count=True, measure=True)
     report["collectives_executed"] = executed
     first_loss = first_loss.detach().clone()
     for a in split:  # the whole loss, for the report (not part of a training step)
         dist.all_reduce(first_loss, group=mesh.get_group(a))
     peak_saved = sum(saved.values())
     if opts.verify:
-        grads = {n: runner.full_parameter(n, _full(p.grad)) for n, p in _ordered_params(module)}
+        # Copies: a replicated value's full tensor is the local one, which later steps update in place.
+        grads = {n: runner.full_parameter(n, _full(p.grad)).clone() for n, p in _ordered_params(module)}
     optim.step()
     if opts.verify:
-        after = {n: runner.full_parameter(n, p.detach()) for n, p in _ordered_params(module)}
-        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
-                                                 float(first_loss), grads, after))
-    times = []
+        after = {n: runner.full_parameter(n, p.detach()).clone() for n, p in _ordered_params(module)}
+    times, phases = [], []
     for i in range(opts.warmup + opts.steps):
+        warm = i < opts.warmup
         dist.barrier()  # every step starts together; the barrier itself is not timed
         t0 = time.perf_counter()
-        step()
+        _, _, ends = step(measure=warm)  # memory is measured in the warm-up steps, time in the others
         optim.step()
         t1 = time.perf_counter()
-        peak_saved = max(peak_saved, sum(saved.values()))
-        if i >= opts.warmup:
+        if warm:
+            peak_saved = max(peak_saved, sum(saved.values()))
+        else:
             times.append(t1 - t0)
+            marks = [t0, *ends, t1]
+            phases.append([b - a for a, b in itertools.pairwise(marks)])
+    if opts.verify:  # after the timed steps, which it would disturb
+        final = {n: runner.full_parameter(n, p.detach()) for n, p in _ordered_params(module)}
+        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
+                                                 float(first_loss), grads, after, final))
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
+    # Where the time went (medians per phase; waits for other ranks fall in the phase that waits).
+    report["measured_phases_s"] = {name: statistics.median(p[k] for p in phases) for k, name in
+                                   enumerate(PHASES)} if phases else {}
     # Memory the cost model predicts, measured: model states (weights, gradients, optimizer state
     # tensors) and the activations autograd saved for backward in one step (the largest step's).
     states = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -203,7 +222,9 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
                                loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
-                               after: dict[str, torch.Tensor]) -> dict[str, Any]:
+                               after: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The same training in one process: the first step's loss, gradients and updated parameters,
+    and the parameters after all the run's steps (`final`, after 1 + warm-up + timed steps)."""
     ref = load_module(model_path, dims, seed=opts.seed)
     optim = _optimizer(ref.parameters(), opts)
     loss = loss_of(ref(*batch))
@@ -212,8 +233,14 @@ def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunO
     optim.step()
     param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in _ordered_params(ref))
     loss_diff = abs(float(loss) - dist_loss)
+    for _ in range(opts.warmup + opts.steps):
+        optim.zero_grad(set_to_none=True)
+        loss_of(ref(*batch)).backward()
+        optim.step()
+    final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in _ordered_params(ref))
     return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
-            "param_max_abs_diff": param_diff, "max_abs_diff": max(loss_diff, grad_diff, param_diff)}
+            "param_max_abs_diff": param_diff, "final_param_max_abs_diff": final_diff,
+            "max_abs_diff": max(loss_diff, grad_diff, param_diff, final_diff)}
 
 
 def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str, opts: RunOptions, out: Any) -> None:
