@@ -107,27 +107,48 @@ def bench_layers(repeat: int) -> None:
     console.print(table)
 
 
-def bench_fidelity(repeat: int) -> None:
-    """Predicted vs measured: every small zoo model planned (auto) for 2 ranks on the calibrated `cpu`
-    profile and run by the executor (gloo); |predicted − measured| / measured for step time and memory."""
+def bench_fidelity(repeat: int, profile: str | None = None) -> None:
+    """Predicted vs measured: every small zoo model planned (auto) for 2 ranks on a profile calibrated
+    on this machine and run by the executor (gloo); |predicted − measured| / measured for step time
+    and memory. This machine's speed drifts over hours (a shared VM: the same matmul takes 212 µs in
+    one hour and 270 µs in another), so by default the profile is calibrated first, here and now;
+    `--profile cpu` uses the stored preset instead."""
     from executor.launch import run
     from executor.train import RunOptions
+    from hwprofiles.calibrate import CalibrationConfig, calibrate
+    from hwprofiles.profile import load_profile, save_profile
     from planner.plan import PlanRequest, make_plan
+
+    if profile is None:
+        console.print("calibrating this machine first (about 90 s) ...")
+        fresh, report = calibrate(CalibrationConfig(nproc=2, name="cpu"))
+        profile = "/tmp/meshplan-fidelity-profile.json"
+        save_profile(fresh, profile)
+        stored, d = load_profile("cpu").device, fresh.device
+        console.print(f"calibrated in {report.elapsed_s:.0f} s: matmul peak {d.peak_for('fp32') / 1e9:.1f} GFLOP/s "
+                      f"(stored cpu preset {stored.peak_for('fp32') / 1e9:.1f}), copy {d.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
+                      f"({stored.mem_bandwidth_bytes_per_s / 1e9:.1f}), element-wise {d.elementwise_bytes_per_s / 1e9:.1f} GB/s "
+                      f"({stored.elementwise_bytes_per_s / 1e9:.1f}), op overhead {d.kernel_launch_s * 1e6:.2f} µs "
+                      f"({stored.kernel_launch_s * 1e6:.2f})")
 
     dims = {"mlp": {"batch": 256}, "mlp-legacy": {"batch": 256}, "convnet": {"batch": 16},
             "convnet-legacy": {"batch": 16}, "gpt2-tiny": {"batch": 8, "seq": 64}, "bert-tiny": {"batch": 8, "seq": 64},
             "vit-tiny": {"batch": 16}, "llama-tiny": {"batch": 8, "seq": 64}}
-    table = Table(title="fidelity: cost model (cpu profile) vs executor on 2 gloo ranks")
+    table = Table(title=f"fidelity: cost model ({profile}) vs executor on 2 gloo ranks")
     for col in ("model", "mesh", "predicted ms", "measured ms", "time error", "predicted MiB", "measured MiB",
                 "memory error", "collectives (planned = executed)"):
         table.add_column(col, justify="right" if col != "model" else "left")
+    phases = Table(title="where the time goes (ms): measured phases of the slowest rank vs predicted terms")
+    for col in ("model", "forward", "backward", "gradient sync", "optimizer", "predicted compute",
+                "predicted comm", "predicted optimizer"):
+        phases.add_column(col, justify="right" if col != "model" else "left")
     t_err, m_err = [], []
     for name in zoo.SMALL:
         path = str(zoo.export(name))
-        strategy, _ = make_plan(PlanRequest(model=path, dims=dims[name], profile="cpu", devices=2, mesh_shape=(2,)))
+        strategy, _ = make_plan(PlanRequest(model=path, dims=dims[name], profile=profile, devices=2, mesh_shape=(2,)))
         out = f"/tmp/meshplan-fidelity-{name}.json"
         strategy.save(out)
-        r = run(out, path, nproc=2, opts=RunOptions(steps=max(5, repeat), warmup=2))
+        r = run(out, path, nproc=2, opts=RunOptions(steps=max(30, repeat), warmup=3))
         te = abs(r["predicted_step_s"] - r["measured_step_s"]) / r["measured_step_s"]
         me = abs(r["predicted_memory_bytes"] - r["measured_memory_bytes"]) / max(r["measured_memory_bytes"], 1)
         t_err.append(te)
@@ -137,7 +158,10 @@ def bench_fidelity(repeat: int) -> None:
                       f"{r['measured_memory_bytes'] / 2**20:.1f}", f"{me:.0%}",
                       "yes" if r["collectives_planned"] == r["collectives_executed"] else
                       f"no: {r['collectives_planned']} vs {r['collectives_executed']}")
+        phases.add_row(name, *(f"{v * 1e3:.2f}" for v in r["measured_phases_s"].values()),
+                       *(f"{v * 1e3:.2f}" for v in r["predicted_phases_s"].values()))
     console.print(table)
+    console.print(phases)
     console.print(f"median time error {statistics.median(t_err):.0%}, median memory error {statistics.median(m_err):.0%} "
                   "(memory measured as model-state tensors + the storages autograd saved for backward)")
 
@@ -149,9 +173,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.run")
     ap.add_argument("--only", choices=list(BENCHMARKS), action="append")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--profile", help="fidelity: a profile name or JSON (default: calibrate this machine first)")
     args = ap.parse_args()
     for name in args.only or list(BENCHMARKS):
-        BENCHMARKS[name](args.repeat)
+        if name == "fidelity":
+            bench_fidelity(args.repeat, args.profile)
+        else:
+            BENCHMARKS[name](args.repeat)
 
 
 if __name__ == "__main__":
