@@ -558,10 +558,12 @@ def _quantities(obj: Any, prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="calibrated.json", show_default=True,
               help="Profile JSON to write; a PNG plot and a report JSON are written next to it.")
 @click.option("--base", default=None, help="Start from this preset and keep what is not measured.")
+@click.option("--compute-only", is_flag=True,
+              help="Measure compute only (all ranks at once) and keep --base's links: seconds, not minutes.")
 @click.option("--name", default=None, help="Name of the new profile.")
 @_one_line_errors
 def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base: str | None,
-                      name: str | None) -> None:
+                      compute_only: bool, name: str | None) -> None:
     """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON."""
     from pathlib import Path
 
@@ -570,7 +572,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     from hwprofiles.calibrate import CalibrationConfig, calibrate, dump_report, plot_report
     from hwprofiles.profile import load_profile, save_profile
 
-    cfg = CalibrationConfig(nproc=nproc, backend=backend, quick=quick, base=base, name=name)
+    cfg = CalibrationConfig(nproc=nproc, backend=backend, quick=quick, base=base, name=name, compute_only=compute_only)
     if base:
         load_profile(base)  # fail before measuring
     out = Path(out_path)
@@ -605,7 +607,8 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
         table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
                       f"{fit.median_rel_error:.1%}")
     console.print(table)
-    console.print(f"wrote {out}, {out.with_suffix('.png')}, {out.with_suffix('.report.json')}")
+    plot = f"{out.with_suffix('.png')}, " if report.collectives else ""
+    console.print(f"wrote {out}, {plot}{out.with_suffix('.report.json')}")
 
 
 if __name__ == "__main__":

@@ -55,8 +55,12 @@ class CalibrationConfig:
     base: str | None = None
     name: str | None = None
     timeout_s: float = 600.0
+    compute_only: bool = False  # measure compute on all ranks at once; links from `base`
 
     def __post_init__(self) -> None:
+        if self.compute_only and self.base is None:
+            raise CalibrationError("--compute-only keeps another profile's links: pass --base NAME (a preset or a "
+                                   "profile JSON calibrated on this machine)")
         if self.nproc < 1:
             raise CalibrationError(f"--nproc {self.nproc}: needs at least 1 rank (2 or more to measure collectives)")
         if self.nproc < 2 and self.base is None:
@@ -317,7 +321,7 @@ def _collective_worker(rank: int, n: int, port: int, cfg: CalibrationConfig, out
             out.put(("compute", medians.tolist()))
         results: dict[str, list[tuple[int, list[float]]]] = {}
         total, done = len(Collective) * len(sizes), 0
-        for kind in Collective:
+        for kind in () if cfg.compute_only else Collective:
             for size in sizes:
                 fn = _collective_fn(kind, size, rank, n, device)
                 for _ in range(2):
@@ -434,7 +438,12 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         data = profile_to_json(load_profile(cfg.base))
         data["name"] = cfg.name or f"{cfg.base}-calibrated"
         data["origin"] = {"kind": "calibrated", "date": now, "host": host, "base": cfg.base}
-        peak = data["device"]["peak_flops_per_s"]["fp32" if cfg.backend == "gloo" else "bf16"]["value"]
+        dtype = "fp32" if cfg.backend == "gloo" else "bf16"
+        peak = data["device"]["peak_flops_per_s"][dtype]["value"]
+        if eff.peak_achieved_flops_per_s > peak:  # the base was measured slower (or its datasheet is wrong)
+            peak = eff.peak_achieved_flops_per_s
+            data["device"]["peak_flops_per_s"][dtype] = q(peak, "FLOP/s", "asymptote of the fitted matmul curve, "
+                                                                           "above the base's")
         if link is not None:
             data["node"]["link"] = link
     else:

@@ -52,3 +52,17 @@ def test_shipped_cpu_preset_is_calibrated() -> None:
     p = load_profile("cpu")
     assert p.origin["kind"] == "calibrated"
     assert p.collectives[(LinkLevel.INTRA_NODE, Collective.ALL_REDUCE)].table
+
+
+@pytest.mark.slow
+def test_compute_only_keeps_the_base_links(tmp_path: Path) -> None:
+    # Compute re-measured on both ranks at once; every link and collective figure is the base's.
+    out = tmp_path / "now.json"
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--compute-only", "--base", "cpu", "--quick", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p, base = load_profile(out), load_profile("cpu")
+    assert p.collectives == base.collectives and p.links == base.links
+    assert p.device.kernel_launch_s != base.device.kernel_launch_s  # measured now
+    assert p.device.peak_for("fp32") >= base.device.peak_for("fp32")
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--compute-only", "--out", str(out)])
+    assert r.exit_code == 2 and "--base" in r.output and "Traceback" not in r.output
