@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 import numpy as np
@@ -35,6 +36,7 @@ _PROTO_LIMIT_BYTES = 2**31 - 1
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
 _SMALL_TENSOR_ELEMS = 64
 
+_NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
 # Ops whose output depends only on the *shape* of their inputs, which is static once dims are bound.
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 # Inputs that contribute only their dtype or shape, never their values (CastLike's target_type).
@@ -305,7 +307,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
                 const_values[node.outputs[0]] = value
 
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
-    return OpGraph(
+    graph = OpGraph(
         name=name,
         nodes=nodes,
         tensors=tensors,
@@ -316,6 +318,82 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         dims=bound,
         const_values=const_values,
     )
+    _check_constant_lookups(model, graph)
+    return graph
+
+
+def _check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
+    """A parameter table read at constant indices (a position embedding read at 0 … seq−1) must hold
+    every index at the bound dims, or training fails at run time; the indices' constant subgraph is
+    evaluated here (ONNX's numpy reference evaluator, on the static shapes)."""
+    for node in graph.compute_nodes:
+        if node.op_type != "Gather" or len(node.inputs) < 2:
+            continue
+        table, idx = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
+        if table.kind is not TensorKind.PARAM or idx.kind is not TensorKind.CONSTANT:
+            continue
+        value = _evaluate_constant(model, graph, idx.name)
+        if value is None or value.size == 0:
+            continue
+        rows = table.shape[int(node.attr("axis", 0))]  # type: ignore[call-overload]
+        top = int(value.max())
+        if top >= rows or int(value.min()) < -rows:
+            bound = ", ".join(f"{k}={v}" for k, v in graph.dims.items() if v in idx.shape) or \
+                ", ".join(f"{k}={v}" for k, v in graph.dims.items())
+            raise DimBindingError(f"{node.name} reads row {top} of {table.name}, which has {rows} rows, at {bound}: "
+                                  f"the model holds {rows} positions; bind that dim to at most {rows}")
+
+
+def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, name: str) -> np.ndarray | None:
+    """The value of a tensor computed by constant nodes only (None when it depends on data)."""
+    from onnx.reference import ReferenceEvaluator
+
+    g = model.graph
+    producer = {t: n for n in g.node for t in n.output}
+    inits = {t.name: t for t in g.initializer}
+    feeds: dict[str, np.ndarray] = {}
+    keep: set[int] = set()
+    order = {id(n): i for i, n in enumerate(g.node)}
+    stack = [name]
+    while stack:
+        t = stack.pop()
+        if not t or t in feeds or t in inits:
+            if t in inits and inits[t].data_location == onnx.TensorProto.EXTERNAL:
+                return None
+            continue
+        n = producer.get(t)
+        if n is None:
+            return None  # a graph input: data
+        if id(n) in keep:
+            continue
+        if n.op_type in _SHAPE_ONLY_OPS:  # its value is the static shape
+            shape = list(graph.tensors[n.input[0]].shape)
+            start, end = (next((a.i for a in n.attribute if a.name == k), d) for k, d in (("start", 0), ("end", None)))
+            feeds[n.output[0]] = np.array(shape[start:end] if n.op_type == "Shape" else int(np.prod(shape)),
+                                          dtype=np.int64)
+            continue
+        keep.add(id(n))
+        for i, inp in enumerate(n.input):
+            info = graph.tensors.get(inp)
+            if n.op_type == "CastLike" and i == 1 and info is not None and info.kind is TensorKind.ACTIVATION:
+                feeds[inp] = np.zeros((), dtype=np.dtype(info.dtype) if info.dtype in _NUMPY_DTYPES else np.float32)
+            else:
+                stack.append(inp)
+    nodes = sorted((n for n in g.node if id(n) in keep), key=lambda n: order[id(n)])
+    used = {i for n in nodes for i in n.input}
+    sub = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            nodes, "constant", [onnx.helper.make_tensor_value_info(k, onnx.helper.np_dtype_to_tensor_dtype(v.dtype), v.shape)
+                                for k, v in feeds.items()],
+            [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.UNDEFINED, None)],
+            initializer=[inits[i] for i in sorted(used & set(inits))]),
+        opset_imports=model.opset_import)
+    try:
+        outs: Any = ReferenceEvaluator(sub).run(None, dict(feeds))
+        return np.asarray(outs[0])
+    except Exception:  # an op the reference evaluator lacks: no check, as before
+        return None
+
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""OpGraph import on hand-built ONNX graphs: dims binding, tensor kinds, constant folding, layers."""
+"""OpGraph import on hand-built ONNX graphs (and one zoo model): dims binding, tensor kinds, constant
+folding, layers."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -117,6 +119,14 @@ def test_fingerprint_tracks_shapes_not_names() -> None:
 def test_dim_binding_errors(dims: dict[str, int], message: str) -> None:
     with pytest.raises(DimBindingError, match=message.replace("(", r"\(")):
         graph_from_proto(_linear_stack(1), dims)
+
+
+def test_positions_beyond_the_table_are_a_binding_error(zoo: Callable[[str], Path]) -> None:
+    # gpt2-tiny's position embedding has 64 rows, read at Range(0, seq): seq = 64 fits, 65 does not.
+    load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 64})
+    with pytest.raises(DimBindingError, match=r"reads row 64 of model.transformer.wpe.weight, which has 64 rows, "
+                                              r"at seq=65: .* bind that dim to at most 64"):
+        load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 65})
 
 
 def test_shape_only_initializers_not_read(tmp_path: Path) -> None:
