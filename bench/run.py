@@ -131,8 +131,8 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
         console.print(f"calibrated in {report.elapsed_s:.0f} s: matmul peak {d.peak_for('fp32') / 1e9:.1f} GFLOP/s "
                       f"(stored cpu preset {stored.peak_for('fp32') / 1e9:.1f}), copy {d.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s "
                       f"({stored.mem_bandwidth_bytes_per_s / 1e9:.1f}), element-wise {d.elementwise_bytes_per_s / 1e9:.1f} GB/s "
-                      f"({stored.elementwise_bytes_per_s / 1e9:.1f}), op overhead {d.kernel_launch_s * 1e6:.2f} µs "
-                      f"({stored.kernel_launch_s * 1e6:.2f})")
+                      f"({stored.elementwise_bytes_per_s / 1e9:.1f}), executor per-op overhead {d.graph_op_s * 1e6:.2f} µs "
+                      f"({stored.graph_op_s * 1e6:.2f})")
 
     dims = {"mlp": {"batch": 256}, "mlp-legacy": {"batch": 256}, "convnet": {"batch": 16},
             "convnet-legacy": {"batch": 16}, "gpt2-tiny": {"batch": 8, "seq": 64}, "bert-tiny": {"batch": 8, "seq": 64},

@@ -2,8 +2,9 @@
 
 Forward: matmul-class FLOPs at the profile's peak for the dtype times the efficiency curve for that
 matmul size; every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
-time) + the per-op launch overhead. Backward: a matmul is two matmuls (input and weight gradients),
-2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
+time) + the per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the
+executor's interpreter and autograd work). Backward: a matmul is two matmuls (input and weight
+gradients), 2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
 input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
 Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
 far below a copy's). Attention's score chain is one fused kernel (FlashAttention):
@@ -69,7 +70,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
                  if graph.tensors[t].dtype != "sequence" and t not in on_chip)
     dev = profile.device
     fused = bool(node.outputs) and all(t in on_chip for t in node.outputs if t)
-    launch = 0.0 if fused else dev.kernel_launch_s
+    launch = 0.0 if fused else dev.graph_op_s
     if node.op_type in VIEW_OPS:
         nbytes = 0.0
     dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"

@@ -501,9 +501,10 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
     dev["elementwise_bandwidth_bytes_per_s"] = q(report.elementwise_bandwidth_bytes_per_s, "B/s",
                                                  "element-wise kernel mix (add, mul, where, tanh, erf, exp, pow, "
                                                  "softmax) on 64k floats, bytes in + out per second")
-    dev["kernel_launch_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
-                               "autograd) on tiny transformer blocks, forward + backward / 3 per op" if cfg.backend == "gloo"
-                               else "median time of a one-element op")
+    dev["kernel_launch_s"] = q(report.bare_op_s, "s", "median time of a one-element op")
+    if cfg.backend == "gloo":
+        dev["graph_op_overhead_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
+                                       "autograd) on tiny transformer blocks, forward + backward / 3 per op")
     dev["matmul_efficiency"] = {
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),

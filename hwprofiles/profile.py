@@ -160,6 +160,10 @@ class DeviceSpec:
     matmul_efficiency: EfficiencyCurve
     # What element-wise kernels achieve (bytes in + out per second); None: the memory bandwidth.
     elementwise_bandwidth_bytes_per_s: float | None = None
+    # Per-launch cost of an op of the model's graph where an executor adds its own work to the
+    # kernel's (CPU: the interpreter and autograd's bookkeeping); None: the kernel launch. Plain
+    # kernels (the optimizer's, the loss's) cost `kernel_launch_s`.
+    graph_op_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -173,10 +177,16 @@ class DeviceSpec:
         _positive(self, "kernel_launch_s", allow_zero=True)
         if self.elementwise_bandwidth_bytes_per_s is not None:
             _positive(self, "elementwise_bandwidth_bytes_per_s")
+        if self.graph_op_overhead_s is not None:
+            _positive(self, "graph_op_overhead_s", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
         return self.elementwise_bandwidth_bytes_per_s or self.mem_bandwidth_bytes_per_s
+
+    @property
+    def graph_op_s(self) -> float:
+        return self.kernel_launch_s if self.graph_op_overhead_s is None else self.graph_op_overhead_s
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
@@ -250,7 +260,7 @@ def _schema() -> dict[str, Any]:
 
 _UNITS = {
     "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
+    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s",
 }
@@ -294,6 +304,8 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             elementwise_bandwidth_bytes_per_s=(r.q(dev, "elementwise_bandwidth_bytes_per_s",
                                                    "device.elementwise_bandwidth_bytes_per_s")
                                                if "elementwise_bandwidth_bytes_per_s" in dev else None),
+            graph_op_overhead_s=(r.q(dev, "graph_op_overhead_s", "device.graph_op_overhead_s")
+                                 if "graph_op_overhead_s" in dev else None),
             matmul_efficiency=EfficiencyCurve(
                 max_fraction=r.q(eff, "max_fraction", "device.matmul_efficiency.max_fraction"),
                 half_flops=r.q(eff, "half_flops", "device.matmul_efficiency.half_flops"),
@@ -382,6 +394,8 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"elementwise_bandwidth_bytes_per_s": q(d.elementwise_bandwidth_bytes_per_s, "B/s",
                                                        "device.elementwise_bandwidth_bytes_per_s")}
                if d.elementwise_bandwidth_bytes_per_s else {}),
+            **({"graph_op_overhead_s": q(d.graph_op_overhead_s, "s", "device.graph_op_overhead_s")}
+               if d.graph_op_overhead_s is not None else {}),
             "matmul_efficiency": {
                 "max_fraction": q(d.matmul_efficiency.max_fraction, "1", "device.matmul_efficiency.max_fraction"),
                 "half_flops": q(d.matmul_efficiency.half_flops, "FLOP", "device.matmul_efficiency.half_flops"),

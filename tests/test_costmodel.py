@@ -231,6 +231,23 @@ def test_a_parameters_own_reshard_is_not_bucketed(zoo: Callable[[str], Path]) ->
     assert ev.time_s == pytest.approx(collective_time_s(H100, mesh, Collective.ALL_REDUCE, ev.size_bytes, (0,)))
 
 
+def test_graph_ops_pay_the_executor_overhead_plain_kernels_the_launch(zoo: Callable[[str], Path]) -> None:
+    # The cpu preset: a graph op pays the executor's per-op overhead (1 forward + 2 backward), a
+    # view nothing else; the optimizer's kernels pay the bare launch (12 per parameter tensor).
+    cpu = load_profile("cpu")
+    dev = cpu.device
+    assert dev.graph_op_overhead_s is not None and dev.graph_op_s > dev.kernel_launch_s
+    g = load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 8})
+    mesh = DeviceMesh.build(1)
+    cm = CostModel(g, mesh, cpu, PRECISIONS["fp32"])
+    view = next(n for n in g.compute_nodes if n.op_type == "Transpose")
+    assert cm.node_cost(view, replicated_strategy(OpContext.of(view, g), 1)).compute.total_s == \
+        pytest.approx(3 * dev.graph_op_s)
+    w = g.params[0]
+    assert cm.optimizer_s(w.name, Spec.replicated(1)) == pytest.approx(
+        w.numel * 28 / dev.mem_bandwidth_bytes_per_s + 12 * dev.kernel_launch_s)
+
+
 def _one_matmul(t: int, h: int) -> OpGraph:
     model = helper.make_model(helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "mm",
