@@ -599,6 +599,10 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     e = report.efficiency
     table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
                   f"{e.median_rel_error:.1%}")
+    if report.conv_efficiency is not None:
+        c = report.conv_efficiency
+        table.add_row("3×3 conv sweep", f"P·d/(d + d½) by channels d: P = {c.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, "
+                      f"d½ = {c.half_flops:.0f}", f"{c.median_rel_error:.1%}")
     table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "

@@ -1,7 +1,7 @@
 """Compute time of one op on one rank: a roofline on the rank's local shard.
 
 Forward: matmul-class FLOPs at the profile's peak for the dtype times the efficiency curve for that
-matmul size; every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
+matmul size (a convolution also no faster than its channel count allows, where the profile says); every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
 time) + the per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the
 executor's interpreter and autograd work). Backward: a matmul is two matmuls (input and weight
 gradients), 2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.flops import node_flops
+from costmodel.flops import conv_channels, node_flops
 from costmodel.memory import Precision
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorInfo
@@ -77,7 +77,9 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
     mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_bytes_per_s)
     peak = dev.peak_for(dtype)
-    fwd = max(dev.matmul_time_s(flops.matmul, dtype) + flops.other / peak, mem_s) + launch
-    bwd = max(BACKWARD_FLOPS_FACTOR * dev.matmul_time_s(flops.matmul, dtype) + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+    mm_s = dev.conv_time_s(flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
+        if node.op_type in ("Conv", "ConvTranspose") else dev.matmul_time_s(flops.matmul, dtype)
+    fwd = max(mm_s + flops.other / peak, mem_s) + launch
+    bwd = max(BACKWARD_FLOPS_FACTOR * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
               BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

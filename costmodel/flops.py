@@ -61,6 +61,17 @@ def _conv(node: OpNode, shape: ShapeOf) -> float:
     return 2.0 * _numel(shape(node.inputs[0])) * w[1] * kernel
 
 
+def conv_channels(node: OpNode, shape: ShapeOf) -> int:
+    """The narrowest dim of a convolution's implicit GEMM, per group: its output channels or its
+    input channels × kernel size (what bounds its efficiency, `ChannelCurve`)."""
+    w = shape(node.inputs[1])  # Conv: (Cout, Cin/g, k…); ConvTranspose: (Cin, Cout/g, k…)
+    groups = int(node.attr("group", 1))  # type: ignore[call-overload]
+    kernel = _numel(w[2:])
+    if node.op_type == "Conv":
+        return min(w[0] // max(groups, 1), w[1] * kernel)
+    return min(w[1], w[0] // max(groups, 1) * kernel)
+
+
 @register_flops("Einsum")
 def _einsum(node: OpNode, shape: ShapeOf) -> float:
     eq = str(node.attr("equation", "")).replace(" ", "")

@@ -5,6 +5,7 @@ What is measured (warm-up first, then repetitions; the median is kept, the sprea
   matmul sweep (one rank = one process with one thread on CPU, one GPU with nccl): n×n×n for a range
   of n → achieved FLOP/s per size → the efficiency curve P·F/(F + F½);
 - memory copy of a large buffer → bandwidth (read + write bytes over time);
+- 3×3 convolutions over channel counts → their efficiency by channels, P_c·d/(d + d½);
 - tiny transformer blocks through the executor's interpreter with autograd → per-op overhead (the
   CPU's "kernel launch"; a one-element torch op is reported for reference);
 - each collective over message sizes at the requested world size, ranks spawned here on 127.0.0.1
@@ -123,9 +124,11 @@ class CalibrationReport:
     matmul: list[Measurement] = field(default_factory=list)
     efficiency: EfficiencyFit | None = None
     copy_bandwidth_bytes_per_s: float = 0.0
-    op_overhead_s: float = 0.0  # what the profile's kernel_launch_s becomes
+    op_overhead_s: float = 0.0  # the executor's per-op time: the profile's graph_op_overhead_s (gloo)
     elementwise_bandwidth_bytes_per_s: float = 0.0
-    bare_op_s: float = 0.0  # a one-element torch op, for reference
+    bare_op_s: float = 0.0  # a one-element torch op: the profile's kernel_launch_s
+    conv: list[Measurement] = field(default_factory=list)  # size = channels
+    conv_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = channels
     collectives: dict[str, list[Measurement]] = field(default_factory=dict)
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -170,8 +173,8 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
 
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> list[float]:
     """Median seconds, in a fixed order: one matmul per size, a buffer copy, a one-element op, an op
-    through the executor, and one byte of the element-wise mix. Larger is slower, so the slowest
-    rank's figures are a MAX-reduction away."""
+    through the executor, one byte of the element-wise mix, one convolution per channel count.
+    Larger is slower, so the slowest rank's figures are a MAX-reduction away."""
     import torch
 
     torch.set_num_threads(1)  # one rank = one process on one core
@@ -192,7 +195,19 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     out += [bare, executor_op_overhead_s() if cfg.backend == "gloo" else bare,
             1.0 / elementwise_bandwidth(device, cfg.repeats)]
     progress("memory", 1, 1)
+    for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
+        x = torch.randn(8, c, 32, 32, device=device, dtype=dtype)
+        w = torch.randn(c, c, 3, 3, device=device, dtype=dtype)
+        out.append(statistics.median(_time_op(functools.partial(torch.nn.functional.conv2d, x, w, padding=1), device,
+                                              warmup=2, repeats=cfg.repeats, min_time_s=0.1)))
     return out
+
+
+CONV_CHANNELS = (8, 16, 32, 64, 128)
+
+
+def _conv_flops(c: int) -> float:
+    return 2.0 * 8 * 32 * 32 * c * c * 9
 
 
 def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: list[float]) -> None:
@@ -203,6 +218,10 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: lis
     copy_s_per_byte, report.bare_op_s, report.op_overhead_s, ew_s_per_byte = medians[k:k + 4]
     report.copy_bandwidth_bytes_per_s = 1.0 / copy_s_per_byte
     report.elementwise_bandwidth_bytes_per_s = 1.0 / ew_s_per_byte
+    report.conv = [Measurement(kind="conv", size=float(c), times_s=[t]) for c, t in zip(CONV_CHANNELS, medians[k + 4:],
+                                                                                     strict=True)]
+    report.conv_efficiency = fit_efficiency([m.size for m in report.conv],
+                                            [_conv_flops(int(m.size)) / m.median_s for m in report.conv])
 
 
 def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
@@ -509,6 +528,11 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),
     }
+    if report.conv_efficiency is not None:
+        ce = report.conv_efficiency
+        what = "3×3 convolution sweep (batch 8, 32×32, 8–128 channels) fit, by channels"
+        dev["conv_efficiency"] = {"max_fraction": q(ce.peak_achieved_flops_per_s / peak, "1", what),
+                                  "half_channels": q(ce.half_flops, "1", what)}
     colls = data.setdefault("collectives", {}).setdefault(LinkLevel.INTRA_NODE.value, {})
     for kind_name, fit in report.fits.items():
         colls[kind_name] = {
@@ -583,6 +607,8 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "op_overhead_s": report.op_overhead_s,
         "bare_op_s": report.bare_op_s,
         "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
+        "conv": [{"channels": m.size, "median_s": m.median_s} for m in report.conv],
+        "conv_efficiency_fit_median_rel_error": report.conv_efficiency.median_rel_error if report.conv_efficiency else None,
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
                 "median_rel_error": report.fits[k].median_rel_error,

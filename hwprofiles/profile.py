@@ -151,6 +151,26 @@ class EfficiencyCurve:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class ChannelCurve:
+    """Achieved fraction of peak for a convolution by the narrowest dim d of its implicit GEMM (output
+    channels, or input channels × kernel size, per group): max_fraction · d/(d + half_channels).
+    Few channels leave the vector units half idle whatever the FLOPs (on this CPU a 3×3 conv with
+    32 channels runs at half the rate of a matmul of the same FLOPs). The fitted asymptote may lie
+    above the peak (max_fraction > 1): a convolution is never priced faster than a matmul of its
+    FLOPs, so the curve only bites where channels are few."""
+
+    max_fraction: float
+    half_channels: float
+
+    def __post_init__(self) -> None:
+        _positive(self, "max_fraction")
+        _positive(self, "half_channels", allow_zero=True)
+
+    def fraction(self, channels: float) -> float:
+        return self.max_fraction * channels / (channels + self.half_channels) if channels > 0 else 0.0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     name: str
     peak_flops_per_s: Mapping[str, float]  # by dtype: "fp32", "tf32", "bf16", "fp16", "fp8"
@@ -164,6 +184,7 @@ class DeviceSpec:
     # kernel's (CPU: the interpreter and autograd's bookkeeping); None: the kernel launch. Plain
     # kernels (the optimizer's, the loss's) cost `kernel_launch_s`.
     graph_op_overhead_s: float | None = None
+    conv_efficiency: ChannelCurve | None = None  # None: convolutions run like matmuls of their FLOPs
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -196,6 +217,13 @@ class DeviceSpec:
         if flops <= 0:
             return 0.0
         return flops / (self.peak_for(dtype) * self.matmul_efficiency.fraction(flops))
+
+    def conv_time_s(self, flops: float, channels: float, dtype: str) -> float:
+        """A convolution: no faster than a matmul of its FLOPs, nor than its channels allow."""
+        t = self.matmul_time_s(flops, dtype)
+        if self.conv_efficiency is None or flops <= 0 or channels <= 0:
+            return t
+        return max(t, flops / (self.peak_for(dtype) * self.conv_efficiency.fraction(channels)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,7 +288,7 @@ def _schema() -> dict[str, Any]:
 
 _UNITS = {
     "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "devices_per_node": "1",
+    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s",
 }
@@ -306,6 +334,10 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                                if "elementwise_bandwidth_bytes_per_s" in dev else None),
             graph_op_overhead_s=(r.q(dev, "graph_op_overhead_s", "device.graph_op_overhead_s")
                                  if "graph_op_overhead_s" in dev else None),
+            conv_efficiency=(ChannelCurve(
+                max_fraction=r.q(dev["conv_efficiency"], "max_fraction", "device.conv_efficiency.max_fraction"),
+                half_channels=r.q(dev["conv_efficiency"], "half_channels", "device.conv_efficiency.half_channels"))
+                if "conv_efficiency" in dev else None),
             matmul_efficiency=EfficiencyCurve(
                 max_fraction=r.q(eff, "max_fraction", "device.matmul_efficiency.max_fraction"),
                 half_flops=r.q(eff, "half_flops", "device.matmul_efficiency.half_flops"),
@@ -396,6 +428,10 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                if d.elementwise_bandwidth_bytes_per_s else {}),
             **({"graph_op_overhead_s": q(d.graph_op_overhead_s, "s", "device.graph_op_overhead_s")}
                if d.graph_op_overhead_s is not None else {}),
+            **({"conv_efficiency": {
+                "max_fraction": q(d.conv_efficiency.max_fraction, "1", "device.conv_efficiency.max_fraction"),
+                "half_channels": q(d.conv_efficiency.half_channels, "1", "device.conv_efficiency.half_channels")}}
+               if d.conv_efficiency is not None else {}),
             "matmul_efficiency": {
                 "max_fraction": q(d.matmul_efficiency.max_fraction, "1", "device.matmul_efficiency.max_fraction"),
                 "half_flops": q(d.matmul_efficiency.half_flops, "FLOP", "device.matmul_efficiency.half_flops"),

@@ -21,6 +21,8 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     report = json.loads(out.with_suffix(".report.json").read_text())
 
     p = load_profile(out)  # a calibrated profile is accepted by path like a preset
+    assert p.device.conv_efficiency is not None and p.device.graph_op_s > p.device.kernel_launch_s
+    assert report["conv_efficiency_fit_median_rel_error"] < 0.35
     assert p.name == "here" and p.origin["kind"] == "calibrated"
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())
     for kind in Collective:

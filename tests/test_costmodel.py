@@ -248,6 +248,36 @@ def test_graph_ops_pay_the_executor_overhead_plain_kernels_the_launch(zoo: Calla
         w.numel * 28 / dev.mem_bandwidth_bytes_per_s + 12 * dev.kernel_launch_s)
 
 
+def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path]) -> None:
+    # With a channel curve P·d/(d + d½), a conv of F FLOPs whose implicit GEMM's narrowest dim is d
+    # takes max(matmul time of F, F / (peak · max_fraction · d/(d + d½))); without one, the former.
+    import dataclasses
+
+    from costmodel.compute import compute_cost, local_shapes
+    from costmodel.flops import conv_channels, node_flops
+    from hwprofiles.profile import ChannelCurve
+
+    cpu = load_profile("cpu")
+    curve = ChannelCurve(max_fraction=1.2, half_channels=32.0)
+    with_curve = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, conv_efficiency=curve))
+    without = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, conv_efficiency=None))
+    g = load_graph(zoo("convnet"), {"batch": 8})
+    mesh = DeviceMesh.build(1)
+    fp32 = PRECISIONS["fp32"]
+    for node in (n for n in g.compute_nodes if n.op_type == "Conv"):
+        shapes = local_shapes(node, g, {}, mesh)
+        f = node_flops(node, lambda t: shapes[t]).matmul
+        w = g.tensors[node.inputs[1]].shape
+        d = conv_channels(node, lambda t: shapes[t])
+        assert d == min(w[0], w[1] * w[2] * w[3])  # groups = 1
+        mm = cpu.device.matmul_time_s(f, "fp32")
+        expected = max(mm, f / (cpu.device.peak_for("fp32") * 1.2 * d / (d + 32.0)))
+        a, b = (compute_cost(node, g, shapes, p, fp32) for p in (with_curve, without))
+        assert a.fwd_s - b.fwd_s == pytest.approx(max(expected, a.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s)
+                                                  - max(mm, b.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s), rel=1e-9)
+    assert expected > mm  # the convnet's last conv (32 channels) is bound by its channels here
+
+
 def _one_matmul(t: int, h: int) -> OpGraph:
     model = helper.make_model(helper.make_graph(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "mm",
