@@ -266,9 +266,9 @@ def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path])
     fp32 = PRECISIONS["fp32"]
     for node in (n for n in g.compute_nodes if n.op_type == "Conv"):
         shapes = local_shapes(node, g, {}, mesh)
-        f = node_flops(node, lambda t: shapes[t]).matmul
+        f = node_flops(node, shapes.__getitem__).matmul
         w = g.tensors[node.inputs[1]].shape
-        d = conv_channels(node, lambda t: shapes[t])
+        d = conv_channels(node, shapes.__getitem__)
         assert d == min(w[0], w[1] * w[2] * w[3])  # groups = 1
         mm = cpu.device.matmul_time_s(f, "fp32")
         expected = max(mm, f / (cpu.device.peak_for("fp32") * 1.2 * d / (d + 32.0)))
