@@ -607,6 +607,8 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
                   f"({report.bare_op_s * 1e6:.2f} µs bare)", "")
+    if report.reshard_overhead_s > 0:
+        table.add_row("reshard overhead", f"{report.reshard_overhead_s * 1e6:.0f} µs per DTensor redistribute", "")
     for k, fit in report.fits.items():
         table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
                       f"{fit.median_rel_error:.1%}")

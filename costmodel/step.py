@@ -224,6 +224,8 @@ class CostModel:
                 one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
                 latency = 2 * one - two  # the intercept of the affine α-β time
                 t -= latency * (1.0 - min(1.0, size / self.grad_bucket_fill))
+            else:  # issued on its own by the executor (a redistribute): its host cost too
+                t += self.profile.device.reshard_overhead_s or 0.0
             events.append(CommEvent(kind, (axis,), size, t, backward, reason))
 
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)

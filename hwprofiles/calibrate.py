@@ -6,6 +6,7 @@ What is measured (warm-up first, then repetitions; the median is kept, the sprea
   of n → achieved FLOP/s per size → the efficiency curve P·F/(F + F½);
 - memory copy of a large buffer → bandwidth (read + write bytes over time);
 - 3×3 convolutions over channel counts → their efficiency by channels, P_c·d/(d + d½);
+- a DTensor redistribute against the same all-reduce through c10d → DTensor's host cost per reshard;
 - tiny transformer blocks through the executor's interpreter with autograd → per-op overhead (the
   CPU's "kernel launch"; a one-element torch op is reported for reference);
 - each collective over message sizes at the requested world size, ranks spawned here on 127.0.0.1
@@ -129,6 +130,7 @@ class CalibrationReport:
     bare_op_s: float = 0.0  # a one-element torch op: the profile's kernel_launch_s
     conv: list[Measurement] = field(default_factory=list)  # size = channels
     conv_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = channels
+    reshard_overhead_s: float = 0.0  # DTensor's redistribute beyond its collective (0: not measured)
     collectives: dict[str, list[Measurement]] = field(default_factory=dict)
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -173,7 +175,8 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
 
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> list[float]:
     """Median seconds, in a fixed order: one matmul per size, a buffer copy, a one-element op, an op
-    through the executor, one byte of the element-wise mix, one convolution per channel count.
+    through the executor, one byte of the element-wise mix, one convolution per channel count, and
+    DTensor's cost per reshard (collective: the ranks run it together).
     Larger is slower, so the slowest rank's figures are a MAX-reduction away."""
     import torch
 
@@ -200,6 +203,7 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
         w = torch.randn(c, c, 3, 3, device=device, dtype=dtype)
         out.append(statistics.median(_time_op(functools.partial(torch.nn.functional.conv2d, x, w, padding=1), device,
                                               warmup=2, repeats=cfg.repeats, min_time_s=0.1)))
+    out.append(reshard_overhead_s() if cfg.backend == "gloo" else 0.0)
     return out
 
 
@@ -218,8 +222,9 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: lis
     copy_s_per_byte, report.bare_op_s, report.op_overhead_s, ew_s_per_byte = medians[k:k + 4]
     report.copy_bandwidth_bytes_per_s = 1.0 / copy_s_per_byte
     report.elementwise_bandwidth_bytes_per_s = 1.0 / ew_s_per_byte
-    report.conv = [Measurement(kind="conv", size=float(c), times_s=[t]) for c, t in zip(CONV_CHANNELS, medians[k + 4:],
-                                                                                     strict=True)]
+    report.conv = [Measurement(kind="conv", size=float(c), times_s=[t])
+                   for c, t in zip(CONV_CHANNELS, medians[k + 4:k + 4 + len(CONV_CHANNELS)], strict=True)]
+    report.reshard_overhead_s = medians[k + 4 + len(CONV_CHANNELS)]
     report.conv_efficiency = fit_efficiency([m.size for m in report.conv],
                                             [_conv_flops(int(m.size)) / m.median_s for m in report.conv])
 
@@ -248,6 +253,33 @@ def elementwise_bandwidth(device: Any, repeats: int, elems: int = 1 << 16) -> fl
         total_s += statistics.median(_time_op(fn, device, warmup=3, repeats=repeats, min_time_s=0.05))
         total_bytes += tensors * elems * 4
     return total_bytes / total_s
+
+
+def reshard_overhead_s(elems: int = 1024, repeats: int = 200) -> float:
+    """What DTensor adds to a collective (placement logic, functional collective, wait, wrapping):
+    a partial → replicated redistribute of `elems` floats against the same all-reduce through c10d,
+    medians of `repeats` each, on the default process group; 0 without one (a single process)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return 0.0
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    x = torch.ones(elems)
+
+    def through_dtensor() -> None:
+        DTensor.from_local(x, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+
+    def through_c10d() -> None:
+        dist.all_reduce(x.clone())
+
+    cpu = torch.device("cpu")
+    dt_s = statistics.median(_time_op(through_dtensor, cpu, warmup=10, repeats=repeats))
+    c10d_s = statistics.median(_time_op(through_c10d, cpu, warmup=10, repeats=repeats))
+    return max(0.0, dt_s - c10d_s)
 
 
 def executor_op_overhead_s(blocks: int = 4, s: int = 4, h: int = 8, heads: int = 2) -> float:
@@ -521,6 +553,9 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
                                                  "element-wise kernel mix (add, mul, where, tanh, erf, exp, pow, "
                                                  "softmax) on 64k floats, bytes in + out per second")
     dev["kernel_launch_s"] = q(report.bare_op_s, "s", "median time of a one-element op")
+    if report.reshard_overhead_s > 0:
+        dev["reshard_overhead_s"] = q(report.reshard_overhead_s, "s", "DTensor partial → replicated redistribute of "
+                                      "4 KiB minus the same all-reduce through c10d, medians")
     if cfg.backend == "gloo":
         dev["graph_op_overhead_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
                                        "autograd) on tiny transformer blocks, forward + backward / 3 per op")
@@ -608,6 +643,7 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "bare_op_s": report.bare_op_s,
         "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
         "conv": [{"channels": m.size, "median_s": m.median_s} for m in report.conv],
+        "reshard_overhead_s": report.reshard_overhead_s,
         "conv_efficiency_fit_median_rel_error": report.conv_efficiency.median_rel_error if report.conv_efficiency else None,
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,

@@ -185,6 +185,9 @@ class DeviceSpec:
     # kernels (the optimizer's, the loss's) cost `kernel_launch_s`.
     graph_op_overhead_s: float | None = None
     conv_efficiency: ChannelCurve | None = None  # None: convolutions run like matmuls of their FLOPs
+    # Host time an executor spends issuing one reshard collective beyond the collective itself
+    # (DTensor's redistribute: placement logic, functional collective, wait); None: nothing.
+    reshard_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -200,6 +203,8 @@ class DeviceSpec:
             _positive(self, "elementwise_bandwidth_bytes_per_s")
         if self.graph_op_overhead_s is not None:
             _positive(self, "graph_op_overhead_s", allow_zero=True)
+        if self.reshard_overhead_s is not None:
+            _positive(self, "reshard_overhead_s", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
@@ -288,7 +293,7 @@ def _schema() -> dict[str, Any]:
 
 _UNITS = {
     "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
+    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s",
 }
@@ -334,6 +339,8 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                                if "elementwise_bandwidth_bytes_per_s" in dev else None),
             graph_op_overhead_s=(r.q(dev, "graph_op_overhead_s", "device.graph_op_overhead_s")
                                  if "graph_op_overhead_s" in dev else None),
+            reshard_overhead_s=(r.q(dev, "reshard_overhead_s", "device.reshard_overhead_s")
+                                if "reshard_overhead_s" in dev else None),
             conv_efficiency=(ChannelCurve(
                 max_fraction=r.q(dev["conv_efficiency"], "max_fraction", "device.conv_efficiency.max_fraction"),
                 half_channels=r.q(dev["conv_efficiency"], "half_channels", "device.conv_efficiency.half_channels"))
@@ -428,6 +435,8 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                if d.elementwise_bandwidth_bytes_per_s else {}),
             **({"graph_op_overhead_s": q(d.graph_op_overhead_s, "s", "device.graph_op_overhead_s")}
                if d.graph_op_overhead_s is not None else {}),
+            **({"reshard_overhead_s": q(d.reshard_overhead_s, "s", "device.reshard_overhead_s")}
+               if d.reshard_overhead_s is not None else {}),
             **({"conv_efficiency": {
                 "max_fraction": q(d.conv_efficiency.max_fraction, "1", "device.conv_efficiency.max_fraction"),
                 "half_channels": q(d.conv_efficiency.half_channels, "1", "device.conv_efficiency.half_channels")}}

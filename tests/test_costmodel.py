@@ -248,6 +248,24 @@ def test_graph_ops_pay_the_executor_overhead_plain_kernels_the_launch(zoo: Calla
         w.numel * 28 / dev.mem_bandwidth_bytes_per_s + 12 * dev.kernel_launch_s)
 
 
+def test_reshards_pay_the_executors_host_cost_bucketed_gradients_do_not(zoo: Callable[[str], Path]) -> None:
+    # A profile's reshard_overhead_s (DTensor's redistribute, calibrated on CPU) is added to every
+    # collective the executor issues on its own; the bucketed gradient all-reduces go through c10d.
+    import dataclasses
+
+    base = H100
+    extra = 3e-4
+    h = dataclasses.replace(base, device=dataclasses.replace(base.device, reshard_overhead_s=extra))
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4, devices_per_node=8)
+    a, b = CostModel(g, mesh, h, BF16), CostModel(g, mesh, base, BF16)
+    act = next(t for t in g.tensors.values() if t.kind.name == "ACTIVATION" and len(t.shape) == 2)
+    (ea,), (eb,) = (m.edge_events(act.name, Spec((Shard(0),)), Spec.replicated(1), frozenset()) for m in (a, b))
+    assert ea.kind is Collective.ALL_GATHER and ea.time_s == pytest.approx(eb.time_s + extra)
+    (ga,), (gb,) = (m.edge_events("fc1.weight", Spec.replicated(1), Spec.replicated(1), frozenset({0})) for m in (a, b))
+    assert ga.time_s == pytest.approx(gb.time_s)
+
+
 def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path]) -> None:
     # With a channel curve P·d/(d + d½), a conv of F FLOPs whose implicit GEMM's narrowest dim is d
     # takes max(matmul time of F, F / (peak · max_fraction · d/(d + d½))); without one, the former.
