@@ -1,14 +1,15 @@
 """Compute time of one op on one rank: a roofline on the rank's local shard.
 
 Forward: matmul-class FLOPs at the profile's peak for the dtype times the efficiency curve for that
-matmul size (a convolution also no faster than its channel count allows, where the profile says); every op also moves its inputs and outputs through memory; time = max(FLOP time, byte
-time) + the per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the
-executor's interpreter and autograd work). Backward: a matmul is two matmuls (input and weight
-gradients), 2× the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
+matmul size (a convolution also no faster than its channel count allows, where the profile says);
+every op also moves its inputs and outputs through memory; time = max(FLOP time, byte time) + the
+per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the executor's
+interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
+the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
 input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
 Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
-far below a copy's). Attention's score chain is one fused kernel (FlashAttention):
-its s×s tensors stay on chip, so they cost FLOPs but no memory traffic.
+far below a copy's). Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
+stay on chip, so they cost FLOPs but no memory traffic.
 """
 
 from __future__ import annotations

@@ -60,7 +60,6 @@ OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
 
 
-
 @dataclass(frozen=True, slots=True)
 class CommEvent:
     kind: Collective

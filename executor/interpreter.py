@@ -21,7 +21,7 @@ from torch import nn
 
 from executor.fusion import attention_regions
 from executor.ops import run_op
-from planner.graph import OpGraph, TensorKind, load_graph, load_model_proto
+from planner.graph import OpGraph, TensorKind, load_graph, load_model_proto, shape_op_value
 
 
 def _seeded_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -67,12 +67,7 @@ class OnnxModule(nn.Module):
             if node.name not in g.constant_nodes:
                 continue
             if node.op_type in ("Shape", "Size"):
-                shape = list(g.tensors[node.inputs[0]].shape)
-                start = int(node.attr("start", 0))  # type: ignore[call-overload]
-                end = node.attr("end")
-                dims = shape[start:None if end is None else int(end)]  # type: ignore[call-overload]
-                outs: list[Any] = [torch.tensor(dims if node.op_type == "Shape" else int(np.prod(shape)),
-                                                dtype=torch.int64)]
+                outs: list[Any] = [torch.from_numpy(shape_op_value(g, node))]
             else:
                 outs = run_op(node, [values[t] if t in values else self._meta(t) if t else None for t in node.inputs])
             values.update(zip(node.outputs, outs, strict=False))

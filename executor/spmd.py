@@ -94,6 +94,13 @@ def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch
     return out
 
 
+def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """Start and length of chunk i of n split k ways, as torch.chunk (and DTensor's Shard) cut it."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return start, max(0, min((i + 1) * c, n) - start)
+
+
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -131,10 +138,7 @@ def local_shard(full: torch.Tensor, placements: Sequence[Placement], mesh: Devic
     local = full
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            k, i = _coords(mesh)[a]
-            c = -(-local.shape[p.dim] // k)
-            local = local.narrow(p.dim, min(i * c, local.shape[p.dim]),
-                                 max(0, min((i + 1) * c, local.shape[p.dim]) - min(i * c, local.shape[p.dim])))
+            local = local.narrow(p.dim, *_chunk(local.shape[p.dim], *_coords(mesh)[a]))
         elif isinstance(p, Partial):
             raise ValueError("a whole tensor is not partial")
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
@@ -146,9 +150,7 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: De
     out = list(shape)
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            k, i = _coords(mesh)[a]
-            c = -(-out[p.dim] // k)
-            out[p.dim] = max(0, min((i + 1) * c, out[p.dim]) - min(i * c, out[p.dim]))
+            out[p.dim] = _chunk(out[p.dim], *_coords(mesh)[a])[1]
     return out
 
 
@@ -159,13 +161,11 @@ class SpmdRunner:
         self.module, self.strategy, self.mesh = module, strategy, mesh
         self.graph = module.graph
         self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
-        tensors = strategy.data["tensors"]
         # Parameters are plain local shards (fast to update); their placements are kept here.
         self.stored: dict[str, list[Placement]] = {}
         for name, key in module.param_names.items():
             full = module.params[key].detach()
-            placements: list[Placement] = self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
-                                                     else [Replicate()] * mesh.ndim)
+            placements = self.placements(name)
             module.params[key] = nn.Parameter(shard_full(full, placements, mesh).to_local().clone())
             self.stored[name] = placements
         self.partial_grads: dict[str, set[int]] = {}  # this step: parameter → axes its local grad is partial on
@@ -187,8 +187,7 @@ class SpmdRunner:
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
         self.regions = {last: r for last, r in attention_regions(self.graph).items() if self._is_local(r)}
         self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
-        self.input_placements = {name: self.normalize(placements_of(tensors[name]["placements"]) if name in tensors
-                                                      else [Replicate()] * mesh.ndim) for name in self.graph.inputs}
+        self.input_placements = {name: self.placements(name) for name in self.graph.inputs}
         # Where every activation lies (as produced: fixed by the plan) and the ops to run, with what
         # each needs, decided once: a step is then only the ops and the planned collectives.
         self.placed: dict[str, list[Placement]] = dict(self.input_placements)
@@ -241,6 +240,11 @@ class SpmdRunner:
         """This rank's shards of a batch every rank holds whole: what its data loader would give it."""
         return [local_shard(x, self.input_placements[name], self.mesh) for name, x in zip(self.graph.inputs, inputs,
                                                                                         strict=True)]
+
+    def placements(self, tensor: str) -> list[Placement]:
+        """Where the plan stores a parameter or feeds an input (replicated when it does not say)."""
+        entry = self.strategy.data["tensors"].get(tensor)
+        return self.normalize(placements_of(entry["placements"]) if entry else [Replicate()] * self.mesh.ndim)
 
     def normalize(self, placements: list[Placement]) -> list[Placement]:
         """On a mesh axis of one device every placement holds the same data: call it replicated."""
@@ -406,9 +410,8 @@ class SpmdRunner:
         lo, n = 0, full
         for a, kernel in enumerate(kernels):
             if kernel == MASKED_GATHER:
-                k, i = _coords(self.mesh)[a]
-                c = -(-n // k)
-                lo, n = lo + min(i * c, n), max(0, min((i + 1) * c, n) - min(i * c, n))
+                start, n = _chunk(n, *_coords(self.mesh)[a])
+                lo += start
         local = idx - lo
         inside = (local >= 0) & (local < n)
         out = torch.index_select(data, axis, torch.where(inside, local, 0).reshape(-1))

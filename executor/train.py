@@ -6,7 +6,8 @@ vocabulary their embedding reads, float inputs standard normal. The loss is the 
 runs on each rank's rows of the output (their sum over the global count: the loss's addends), after
 the planned reshard that reduces partial sums and, for cross-entropy, gathers a split class dim.
 Verification runs the same graph, init, data, loss and optimizer in one process and compares the
-loss, every parameter's gradient (gathered) and every parameter after the optimizer step.
+loss, every parameter's gradient (gathered) and every parameter after the first optimizer step, and
+every parameter after all the run's steps.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
-from executor.spmd import SpmdRunner, placements_of, shard_full
+from executor.spmd import SpmdRunner, local_shard, placements_of
 from planner.graph import OpGraph
 from planner.placement import parse_spec
 from planner.strategy import Strategy
@@ -129,7 +130,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
     need = runner.normalize(placements_of(str(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)),
                                                           len(graph.tensors[out_name].shape)))))
-    labels = None if loss_of.labels is None else shard_full(loss_of.labels, need, mesh).to_local()  # no class dim split
+    labels = None if loss_of.labels is None else local_shard(loss_of.labels, need, mesh)  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
     local_batch = runner.shard_inputs(batch)  # once, as a data loader hands each rank its shard

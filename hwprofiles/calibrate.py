@@ -119,7 +119,6 @@ class Measurement:
         return (q[2] - q[0]) / self.median_s
 
 
-
 @dataclass(kw_only=True, slots=True)
 class CalibrationReport:
     matmul: list[Measurement] = field(default_factory=list)

@@ -36,6 +36,7 @@ _PROTO_LIMIT_BYTES = 2**31 - 1
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
 _SMALL_TENSOR_ELEMS = 64
 
+# dtypes numpy names as we do (a CastLike target read for its dtype is fed as a numpy zero of it).
 _NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
 # Ops whose output depends only on the *shape* of their inputs, which is static once dims are bound.
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
@@ -322,17 +323,29 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     return graph
 
 
+def shape_op_value(graph: OpGraph, node: OpNode) -> np.ndarray:
+    """The value of a Shape or Size node: known from the static shapes once dims are bound."""
+    shape = list(graph.tensors[node.inputs[0]].shape)
+    if node.op_type == "Size":
+        return np.array(int(np.prod(shape)), dtype=np.int64)
+    end = node.attr("end")
+    return np.array(shape[int(node.attr("start", 0)):None if end is None else int(end)],  # type: ignore[call-overload]
+                    dtype=np.int64)
+
+
 def _check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
     """A parameter table read at constant indices (a position embedding read at 0 … seq−1) must hold
     every index at the bound dims, or training fails at run time; the indices' constant subgraph is
     evaluated here (ONNX's numpy reference evaluator, on the static shapes)."""
-    for node in graph.compute_nodes:
-        if node.op_type != "Gather" or len(node.inputs) < 2:
-            continue
+    lookups = [n for n in graph.compute_nodes if n.op_type == "Gather" and len(n.inputs) > 1
+               and graph.tensors[n.inputs[0]].kind is TensorKind.PARAM
+               and graph.tensors[n.inputs[1]].kind is TensorKind.CONSTANT]
+    if not lookups:
+        return
+    protos = dict(zip((n.name for n in graph.nodes), model.graph.node, strict=True))
+    for node in lookups:
         table, idx = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
-        if table.kind is not TensorKind.PARAM or idx.kind is not TensorKind.CONSTANT:
-            continue
-        value = _evaluate_constant(model, graph, idx.name)
+        value = _evaluate_constant(model, graph, protos, idx.name)
         if value is None or value.size == 0:
             continue
         rows = table.shape[int(node.attr("axis", 0))]  # type: ignore[call-overload]
@@ -344,16 +357,14 @@ def _check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
                                   f"the model holds {rows} positions; bind that dim to at most {rows}")
 
 
-def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, name: str) -> np.ndarray | None:
+def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, protos: Mapping[str, onnx.NodeProto],
+                       name: str) -> np.ndarray | None:
     """The value of a tensor computed by constant nodes only (None when it depends on data)."""
     from onnx.reference import ReferenceEvaluator
 
-    g = model.graph
-    producer = {t: n for n in g.node for t in n.output}
-    inits = {t.name: t for t in g.initializer}
+    inits = {t.name: t for t in model.graph.initializer}
     feeds: dict[str, np.ndarray] = {}
-    keep: set[int] = set()
-    order = {id(n): i for i, n in enumerate(g.node)}
+    keep: set[str] = set()
     stack = [name]
     while stack:
         t = stack.pop()
@@ -361,25 +372,23 @@ def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, name: str) -> np.
             if t in inits and inits[t].data_location == onnx.TensorProto.EXTERNAL:
                 return None
             continue
-        n = producer.get(t)
-        if n is None:
+        src = graph.producer.get(t)
+        if src is None:
             return None  # a graph input: data
-        if id(n) in keep:
+        if src in keep:
             continue
-        if n.op_type in _SHAPE_ONLY_OPS:  # its value is the static shape
-            shape = list(graph.tensors[n.input[0]].shape)
-            start, end = (next((a.i for a in n.attribute if a.name == k), d) for k, d in (("start", 0), ("end", None)))
-            feeds[n.output[0]] = np.array(shape[start:end] if n.op_type == "Shape" else int(np.prod(shape)),
-                                          dtype=np.int64)
+        node = graph.node_by_name[src]
+        if node.op_type in _SHAPE_ONLY_OPS:
+            feeds[t] = shape_op_value(graph, node)
             continue
-        keep.add(id(n))
-        for i, inp in enumerate(n.input):
+        keep.add(src)
+        for i, inp in enumerate(node.inputs):
             info = graph.tensors.get(inp)
-            if n.op_type == "CastLike" and i == 1 and info is not None and info.kind is TensorKind.ACTIVATION:
+            if node.op_type == "CastLike" and i == 1 and info is not None and info.kind is TensorKind.ACTIVATION:
                 feeds[inp] = np.zeros((), dtype=np.dtype(info.dtype) if info.dtype in _NUMPY_DTYPES else np.float32)
             else:
                 stack.append(inp)
-    nodes = sorted((n for n in g.node if id(n) in keep), key=lambda n: order[id(n)])
+    nodes = [protos[n.name] for n in graph.nodes if n.name in keep]  # graph order
     used = {i for n in nodes for i in n.input}
     sub = onnx.helper.make_model(
         onnx.helper.make_graph(
@@ -393,7 +402,6 @@ def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, name: str) -> np.
         return np.asarray(outs[0])
     except Exception:  # an op the reference evaluator lacks: no check, as before
         return None
-
 
 
 # ---------------------------------------------------------------------------------------------
