@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.attention import attention_regions
 from planner.graph import OpGraph, TensorKind
 
 
@@ -64,49 +65,10 @@ _SAVES_NOTHING = frozenset({
 })
 
 
-_SCORE_CHAIN = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Cast", "Identity", "Softmax"})
-
-
 def attention_score_tensors(graph: OpGraph) -> frozenset[str]:
-    """Tensors between an attention's two matmuls: MatMul → (scale, mask, nan-guard)* → Softmax → MatMul."""
-    consumers: dict[str, list[str]] = {}
-    for n in graph.compute_nodes:
-        for t in n.inputs:
-            consumers.setdefault(t, []).append(n.name)
-    out: set[str] = set()
-    for n in graph.compute_nodes:
-        if n.op_type != "Softmax":
-            continue
-        # Forward from the probabilities, through a NaN guard or dropout, to the ·V matmul.
-        chain, ahead, reaches_v = {n.outputs[0]}, [n.outputs[0]], False
-        while ahead and len(chain) < 16:
-            t = ahead.pop()
-            for c in consumers.get(t, []):
-                op = graph.node_by_name[c].op_type
-                if op == "MatMul":
-                    reaches_v = True
-                elif op in _SCORE_CHAIN or op == "Dropout":
-                    out_t = graph.node_by_name[c].outputs[0]
-                    if out_t not in chain:
-                        chain.add(out_t)
-                        ahead.append(out_t)
-        if not reaches_v:
-            continue
-        frontier, found = [n.inputs[0]], False
-        while frontier and len(chain) < 16:
-            t = frontier.pop()
-            chain.add(t)
-            src = graph.producer.get(t)
-            if src is None or src in graph.constant_nodes:
-                continue
-            op = graph.node_by_name[src].op_type
-            if op == "MatMul":
-                found = True
-            elif op in _SCORE_CHAIN:
-                frontier.extend(i for i in graph.node_by_name[src].inputs[:1] if i)
-        if found:
-            out |= chain
-    return frozenset(out)
+    """Tensors inside a fused attention (`attention.py`): scores, mask sum, probabilities, NaN guard."""
+    return frozenset(t for region in attention_regions(graph).values() for name in region.nodes[:-1]
+                     for t in graph.node_by_name[name].outputs if t)
 
 
 def saved_tensors(graph: OpGraph) -> frozenset[str]:

@@ -3,7 +3,7 @@
 Float initializers the importer classed as parameters become `nn.Parameter`s (their ONNX values, or,
 for shape-only files, a deterministic seeded init, identical in every process); other initializers
 are buffers. Constant subgraphs are evaluated once at construction from the static shapes, so a
-step runs only the compute nodes; attention chains run as one fused kernel (`fusion.py`).
+step runs only the compute nodes; attention chains run as one fused kernel (`costmodel/attention.py`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
-from executor.fusion import attention_regions
-from executor.ops import run_op
+from costmodel.attention import attention_regions
+from executor.ops import fused_attention, run_op
 from planner.graph import OpGraph, TensorKind, load_graph, load_model_proto, shape_op_value
 
 
@@ -56,7 +56,7 @@ class OnnxModule(nn.Module):
             elif not absent:
                 consts[name] = torch.from_numpy(np.array(numpy_helper.to_array(init)))
         self.values = self._fold_constants(consts)
-        # Attention chains run as one fused kernel (executor/fusion.py).
+        # Attention chains run as one fused kernel (costmodel/attention.py).
         self.regions = attention_regions(graph)
         self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
 
@@ -93,7 +93,7 @@ class OnnxModule(nn.Module):
                 continue
             region = self.regions.get(node.name)
             if region is not None:
-                outs = [region.run(env[region.q], env[region.kt], env.get(region.mask) if region.mask else None,
+                outs = [fused_attention(env[region.q], env[region.kt], env.get(region.mask) if region.mask else None,
                                    env[region.v])]
             else:
                 outs = run_op(node, [env.get(t) if t else None for t in node.inputs])

@@ -36,6 +36,12 @@ def op(*names: str) -> Callable[[TorchOp], TorchOp]:
     return deco
 
 
+def fused_attention(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """An exporter-decomposed attention chain (`costmodel/attention.py`) as torch's fused SDPA: the
+    scale is already in q and kᵀ."""
+    return F.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, attn_mask=mask, scale=1.0)
+
+
 def run_op(node: OpNode, inputs: list[Any]) -> list[Any]:
     fn = OPS.get(node.op_type)
     if fn is None:

@@ -20,9 +20,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from executor.fusion import AttentionRegion, attention_regions
+from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
-from executor.ops import run_op
+from executor.ops import fused_attention, run_op
 from planner.graph import OpNode
 from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
 from planner.rules.gather import MASKED_GATHER
@@ -292,7 +292,7 @@ class SpmdRunner:
 
         for node, region, direct, want_out, kernels in self._program:
             if region is not None:  # the attention chain ending here, as one fused kernel
-                outs = [region.run(*(prepare(n, i) for n, i in region.inputs))]
+                outs = [fused_attention(*(prepare(n, i) for n, i in region.inputs))]
             else:
                 outs = self._run_local(node, [local[t] if d else prepare(node.name, i)
                                               for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],

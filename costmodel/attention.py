@@ -1,20 +1,19 @@
-"""Attention as one kernel, as training frameworks run it.
+"""Attention as one kernel, as training frameworks run it — one definition for the cost model and
+the executor.
 
 Exporters decompose `scaled_dot_product_attention` into
     MatMul(q, kᵀ) → [Add(mask)] → Softmax(last axis) → [IsNaN → Where(nan, 0, p)] → MatMul(·, v)
-(the scale is folded into q and k beforehand). The executor runs each such chain as torch's fused
-SDPA (a FlashAttention kernel on CPU as on GPU): the s×s scores and probabilities are never stored,
-backward recomputes them. That is what the cost model prices (`costmodel/memory.py`,
-`attention_score_tensors`); a chain of any other shape runs op by op.
+(the scale is folded into q and k beforehand). Each such chain is one fused kernel (FlashAttention):
+the s×s scores and probabilities never reach memory and backward recomputes them. The cost model
+prices exactly these chains so (`memory.attention_score_tensors`), and the executor runs exactly
+these as torch's fused SDPA (`executor/interpreter.py`, `executor/spmd.py`); a chain of any other
+shape is priced and run op by op.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-
-import torch
-import torch.nn.functional as F
 
 from planner.graph import OpGraph, TensorKind
 
@@ -28,9 +27,6 @@ class AttentionRegion:
     v: str
     out: str
     inputs: tuple[tuple[str, int], ...]  # (node, input index) where q, kᵀ, mask and v enter the chain
-
-    def run(self, q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, attn_mask=mask, scale=1.0)
 
 
 def attention_regions(graph: OpGraph) -> dict[str, AttentionRegion]:
