@@ -172,38 +172,51 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
     return times
 
 
-def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> list[float]:
-    """Median seconds, in a fixed order: one matmul per size, a buffer copy, a one-element op, an op
-    through the executor, one byte of the element-wise mix, one convolution per channel count, and
-    DTensor's cost per reshard (collective: the ranks run it together).
-    Larger is slower, so the slowest rank's figures are a MAX-reduction away."""
+def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
+    """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
+    one-element op), "graph op" (an op through the executor), "element-wise per byte" of the kernel
+    mix, "conv c" per channel count, and "reshard" (DTensor's cost per reshard; collective: the ranks
+    run it together). Larger is slower, so the slowest rank's figures are a MAX-reduction away
+    (`reduce_max`)."""
     import torch
 
     torch.set_num_threads(1)  # one rank = one process on one core
     dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
-    out = []
+    out: dict[str, float] = {}
     for i, n in enumerate(cfg.matmul_sizes):
         a = torch.randn(n, n, device=device, dtype=dtype)
         b = torch.randn(n, n, device=device, dtype=dtype)
-        out.append(statistics.median(_time_op(functools.partial(torch.matmul, a, b), device, warmup=2,
-                                              repeats=cfg.repeats, min_time_s=0.2)))
+        out[f"matmul {n}"] = statistics.median(_time_op(functools.partial(torch.matmul, a, b), device, warmup=2,
+                                                        repeats=cfg.repeats, min_time_s=0.2))
         progress("matmul", i + 1, len(cfg.matmul_sizes))
     nbytes = (32 if cfg.quick else 128) * MiB
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    out.append(statistics.median(_time_op(lambda: dst.copy_(src), device, warmup=2, repeats=cfg.repeats)) / (2 * nbytes))
+    out["copy per byte"] = statistics.median(_time_op(lambda: dst.copy_(src), device, warmup=2,
+                                                      repeats=cfg.repeats)) / (2 * nbytes)
     one = torch.ones(1, device=device)
-    bare = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
-    out += [bare, executor_op_overhead_s() if cfg.backend == "gloo" else bare,
-            1.0 / elementwise_bandwidth(device, cfg.repeats)]
+    out["bare op"] = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    out["graph op"] = executor_op_overhead_s() if cfg.backend == "gloo" else out["bare op"]
+    out["element-wise per byte"] = 1.0 / elementwise_bandwidth(device, cfg.repeats)
     progress("memory", 1, 1)
     for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
         x = torch.randn(8, c, 32, 32, device=device, dtype=dtype)
         w = torch.randn(c, c, 3, 3, device=device, dtype=dtype)
-        out.append(statistics.median(_time_op(functools.partial(torch.nn.functional.conv2d, x, w, padding=1), device,
-                                              warmup=2, repeats=cfg.repeats, min_time_s=0.1)))
-    out.append(reshard_overhead_s() if cfg.backend == "gloo" else 0.0)
+        out[f"conv {c}"] = statistics.median(_time_op(functools.partial(torch.nn.functional.conv2d, x, w, padding=1),
+                                                      device, warmup=2, repeats=cfg.repeats, min_time_s=0.1))
+    out["reshard"] = reshard_overhead_s() if cfg.backend == "gloo" else 0.0
     return out
+
+
+def reduce_max(medians: dict[str, float]) -> dict[str, float]:
+    """Every figure at its slowest rank's value (all ranks measured the same names)."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(medians)
+    values = torch.tensor([medians[k] for k in names], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(names, values.tolist(), strict=True))
 
 
 CONV_CHANNELS = (8, 16, 32, 64, 128)
@@ -213,17 +226,15 @@ def _conv_flops(c: int) -> float:
     return 2.0 * 8 * 32 * 32 * c * c * 9
 
 
-def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: list[float]) -> None:
-    k = len(cfg.matmul_sizes)
-    report.matmul = [Measurement(kind="matmul", size=2.0 * n**3, times_s=[t]) for n, t in zip(cfg.matmul_sizes, medians[:k],
-                                                                                            strict=True)]
+def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dict[str, float]) -> None:
+    report.matmul = [Measurement(kind="matmul", size=2.0 * n**3, times_s=[medians[f"matmul {n}"]])
+                     for n in cfg.matmul_sizes]
     report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
-    copy_s_per_byte, report.bare_op_s, report.op_overhead_s, ew_s_per_byte = medians[k:k + 4]
-    report.copy_bandwidth_bytes_per_s = 1.0 / copy_s_per_byte
-    report.elementwise_bandwidth_bytes_per_s = 1.0 / ew_s_per_byte
-    report.conv = [Measurement(kind="conv", size=float(c), times_s=[t])
-                   for c, t in zip(CONV_CHANNELS, medians[k + 4:k + 4 + len(CONV_CHANNELS)], strict=True)]
-    report.reshard_overhead_s = medians[k + 4 + len(CONV_CHANNELS)]
+    report.copy_bandwidth_bytes_per_s = 1.0 / medians["copy per byte"]
+    report.bare_op_s, report.op_overhead_s = medians["bare op"], medians["graph op"]
+    report.elementwise_bandwidth_bytes_per_s = 1.0 / medians["element-wise per byte"]
+    report.conv = [Measurement(kind="conv", size=float(c), times_s=[medians[f"conv {c}"]]) for c in CONV_CHANNELS]
+    report.reshard_overhead_s = medians["reshard"]
     report.conv_efficiency = fit_efficiency([m.size for m in report.conv],
                                             [_conv_flops(int(m.size)) / m.median_s for m in report.conv])
 
@@ -394,11 +405,10 @@ def _collective_worker(rank: int, n: int, port: int, cfg: CalibrationConfig, out
         device = _device(backend, rank)
         # Compute, measured on every rank at once as training runs it (cores or GPUs sharing power,
         # caches and memory): the slowest rank's medians.
-        medians = torch.tensor(compute_medians(cfg, device, (lambda *a: out.put(("progress", *a))) if rank == 0
-                                               else (lambda *a: None)), dtype=torch.float64)
-        dist.all_reduce(medians, op=dist.ReduceOp.MAX)
+        medians = reduce_max(compute_medians(cfg, device, (lambda *a: out.put(("progress", *a))) if rank == 0
+                                             else (lambda *a: None)))
         if rank == 0:
-            out.put(("compute", medians.tolist()))
+            out.put(("compute", medians))
         results: dict[str, list[tuple[int, list[float]]]] = {}
         total, done = len(Collective) * len(sizes), 0
         for kind in () if cfg.compute_only else Collective:
