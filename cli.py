@@ -248,8 +248,9 @@ def _render_plan(d: dict[str, Any], candidates: list[Any], out: Any) -> None:
     head.add_column()
     head.add_row("mesh", " × ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"], strict=True)))
     head.add_row("mode", f"{d['settings']['mode']} ({d['settings']['search']}, {d['settings']['dtype']})")
+    overhead = f" + per-step overhead {c['overhead_s'] * 1e3:.2f} ms" if c.get("overhead_s") else ""
     head.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms = compute {c['compute_s'] * 1e3:.2f} ms "
-                 f"+ communication {c['comm_s'] * 1e3:.2f} ms")
+                 f"+ optimizer {c.get('optimizer_s', 0.0) * 1e3:.2f} ms + communication {c['comm_s'] * 1e3:.2f} ms{overhead}")
     head.add_row("memory per device", f"{_fmt_bytes(c['memory_bytes_per_device'])} ("
                  + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in c["memory"].items()) + ")")
     head.add_row("solver", f"{sv['status']} in {sv['time_s']:.2f} s, objective {sv['objective']:.6g} s, gap "
@@ -493,7 +494,7 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     mp, pp = result["measured_phases_s"], result["predicted_phases_s"]
     t.add_row("  measured", ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in mp.items()) + " ms")
     t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, "
-              f"optimizer {pp['optimizer_s'] * 1e3:.2f} ms")
+              f"optimizer {pp['optimizer_s'] * 1e3:.2f}, per-step overhead {pp.get('overhead_s', 0.0) * 1e3:.2f} ms")
     mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
     t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (model states + saved activations), "
               f"predicted {_fmt_bytes(pm)}")
@@ -606,7 +607,9 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
     table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
-                  f"({report.bare_op_s * 1e6:.2f} µs bare)", "")
+                  f"({report.bare_op_s * 1e6:.2f} µs bare), {report.step_overhead_s * 1e6:.0f} µs per step", "")
+    table.add_row("optimizer step (AdamW)", f"{report.optimizer_fixed_s * 1e6:.0f} µs + {report.optimizer_tensor_s * 1e6:.1f} µs "
+                  f"per tensor + {report.optimizer_param_s * 1e9:.2f} ns per parameter", "")
     if report.reshard_overhead_s > 0:
         table.add_row("reshard overhead", f"{report.reshard_overhead_s * 1e6:.0f} µs per DTensor redistribute", "")
     for k, fit in report.fits.items():

@@ -145,7 +145,7 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
         table.add_column(col, justify="right" if col != "model" else "left")
     phases = Table(title="where the time goes (ms, median round): measured phases of the slowest rank vs predicted terms")
     for col in ("model", "forward", "backward", "gradient sync", "optimizer", "predicted compute",
-                "predicted comm", "predicted optimizer"):
+                "predicted comm", "predicted optimizer", "predicted per-step overhead"):
         phases.add_column(col, justify="right" if col != "model" else "left")
     # Rounds over all models, each planned on compute figures measured just before it (the links
     # stay those of the full calibration): prediction and measurement see the same machine.

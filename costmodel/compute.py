@@ -5,7 +5,7 @@ matmul size (a convolution also no faster than its channel count allows, where t
 every op also moves its inputs and outputs through memory; time = max(FLOP time, byte time) + the
 per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the executor's
 interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
-the forward FLOPs; memory-bound ops read the output gradient and their saved inputs and write the
+the forward FLOPs, or one where an operand needs no gradient (a graph input); memory-bound ops read the output gradient and their saved inputs and write the
 input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
 Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
 far below a copy's). Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
@@ -26,7 +26,7 @@ from planner.graph import OpGraph, OpNode, TensorInfo
 from planner.mesh import DeviceMesh
 from planner.placement import Spec
 
-BACKWARD_FLOPS_FACTOR = 2.0  # dX = dY·Wᵀ and dW = Xᵀ·dY
+BACKWARD_FLOPS_FACTOR = 2.0  # element-wise FLOPs of a backward, per forward FLOP
 # Ops torch runs as views of their input (no data moved): they cost their launch only.
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice",
                       "SequenceAt", "SplitToSequence", "Split", "Dropout"})
@@ -37,6 +37,7 @@ BACKWARD_BYTES_FACTOR = 2.0
 class ComputeCost:
     fwd_flops: float
     fwd_matmul_flops: float
+    bwd_matmul_flops: float
     fwd_bytes: float
     fwd_s: float
     bwd_s: float
@@ -63,9 +64,13 @@ def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None],
 
 
 def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile,
-                 precision: Precision, *, on_chip: frozenset[str] = frozenset()) -> ComputeCost:
+                 precision: Precision, *, on_chip: frozenset[str] = frozenset(),
+                 needs_grad: frozenset[str] | None = None) -> ComputeCost:
     """`on_chip`: tensors that never reach memory (inside a fused kernel, e.g. attention scores);
-    an op whose outputs are all on chip is part of that kernel: no memory traffic, no launch."""
+    an op whose outputs are all on chip is part of that kernel: no memory traffic, no launch.
+    `needs_grad`: the tensors backward computes a gradient for (None: all). A matmul's backward
+    computes the gradient of each operand that needs one (the first layer's input needs none: one
+    matmul, not two); an op none of whose inputs needs a gradient has no backward at all."""
     flops = node_flops(node, lambda t: shapes[t])
     nbytes = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for t in shapes
                  if graph.tensors[t].dtype != "sequence" and t not in on_chip)
@@ -81,6 +86,9 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     mm_s = dev.conv_time_s(flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
         if node.op_type in ("Conv", "ConvTranspose") else dev.matmul_time_s(flops.matmul, dtype)
     fwd = max(mm_s + flops.other / peak, mem_s) + launch
-    bwd = max(BACKWARD_FLOPS_FACTOR * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
-              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch
-    return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)
+    grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
+    mm_grads = sum(grads[:2]) if any(grads) else 0  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
+    bwd = max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch if any(grads) else 0.0
+    return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,
+                       fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

@@ -23,7 +23,7 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
   backward at their local size (a sum over the step, not a liveness peak).
 Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
 need no gradient; constants cost nothing. Step time = compute + optimizer step + communication (no
-overlap assumed).
+overlap assumed) + the executor's fixed cost per step, where the profile has one.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
-    BACKWARD_FLOPS_FACTOR,
     ComputeCost,
     compute_cost,
     local_shapes,
@@ -99,6 +98,7 @@ class StepCost:
     compute_s: float = 0.0  # forward + backward of every op; the optimizer step is counted apart
     comm_s: float = 0.0
     optimizer_s: float = 0.0
+    overhead_s: float = 0.0  # the executor's fixed host cost per step (the profile's step_overhead_s)
     memory: dict[str, float] = field(default_factory=dict)
     events: list[CommEvent] = field(default_factory=list)
     flops_matmul: float = 0.0  # per device, forward + backward
@@ -111,7 +111,7 @@ class StepCost:
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.optimizer_s + self.comm_s
+        return self.compute_s + self.optimizer_s + self.comm_s + self.overhead_s
 
     @property
     def memory_bytes(self) -> float:
@@ -150,7 +150,8 @@ class CostModel:
         specs: dict[str, Spec | None] = dict(zip(node.inputs, strategy.input_specs, strict=True))
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
         shapes = local_shapes(node, g, specs, self.mesh)
-        compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip)
+        compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
+                               needs_grad=self.needs_grad)
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
         loss = None
         if self.loss_tensor in node.outputs:
@@ -179,9 +180,12 @@ class CostModel:
             for s in (*strategy.input_specs, *strategy.output_specs)))
 
     def optimizer_s(self, tensor: str, spec: Spec) -> float:
-        """Time of the optimizer step for one parameter's local shard: memory-bound, plus launches."""
+        """Time of the optimizer step for one parameter's local shard: as calibrated (per tensor and
+        per parameter) where the profile has it, else memory-bound plus launches."""
         local = float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh)
         dev = self.profile.device
+        if dev.optimizer_step is not None:
+            return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
         return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
 
     def param_state_bytes(self, tensor: str, spec: Spec) -> float:
@@ -274,7 +278,7 @@ class CostModel:
             node_s = nc.compute.total_s + (nc.loss.compute_s if nc.loss is not None else 0.0)
             cost.compute_s += node_s
             cost.node_compute_s[node.name] = node_s
-            cost.flops_matmul += nc.compute.fwd_matmul_flops * (1 + BACKWARD_FLOPS_FACTOR)
+            cost.flops_matmul += nc.compute.fwd_matmul_flops + nc.compute.bwd_matmul_flops
             split = self.split_axes(strategy)
             mine = cost.node_events.setdefault(node.name, [])
             if nc.loss is not None:
@@ -299,6 +303,10 @@ class CostModel:
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
             mem["activations"] += nc.activation_bytes
+        dev = self.profile.device
+        if self.param_owner and dev.optimizer_step is not None:
+            cost.optimizer_s += dev.optimizer_step.fixed_s
+        cost.overhead_s = dev.step_overhead_s or 0.0
         for t in self.param_owner:
             cost.optimizer_s += self.optimizer_s(t, placed[t])
             states = self.param_state_bytes(t, placed[t])

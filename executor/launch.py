@@ -81,9 +81,10 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "strategy": str(strategy_path), "nproc": nproc, "loss": r0["loss"],
         "predicted_step_s": d["cost"]["step_time_s"],
         "measured_step_s": max(r["measured_step_s"] for r in reports.values()),
+        "measured_step_s_by_rank": [reports[r]["measured_step_s"] for r in sorted(reports)],
         "measured_phases_s": max((r["measured_phases_s"] for r in reports.values()),
                                  key=lambda p: sum(p.values())),  # the slowest rank's
-        "predicted_phases_s": {k: d["cost"].get(k, 0.0) for k in ("compute_s", "comm_s", "optimizer_s")},
+        "predicted_phases_s": {k: d["cost"].get(k, 0.0) for k in ("compute_s", "comm_s", "optimizer_s", "overhead_s")},
         "predicted_memory_bytes": d["cost"]["memory_bytes_per_device"],
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy),

@@ -7,8 +7,10 @@ What is measured (warm-up first, then repetitions; the median is kept, the sprea
 - memory copy of a large buffer → bandwidth (read + write bytes over time);
 - 3×3 convolutions over channel counts → their efficiency by channels, P_c·d/(d + d½);
 - a DTensor redistribute against the same all-reduce through c10d → DTensor's host cost per reshard;
-- tiny transformer blocks through the executor's interpreter with autograd → per-op overhead (the
-  CPU's "kernel launch"; a one-element torch op is reported for reference);
+- tiny transformer blocks trained by the executor (its SPMD runner, data-parallel over the ranks) at
+  two depths, forward + backward, then the optimizer → the per-op cost (the CPU's "kernel launch"),
+  the per-step cost, and AdamW's cost per parameter tensor where it runs (a one-element torch op is
+  reported for reference); AdamW on large tensors → its cost per parameter;
 - each collective over message sizes at the requested world size, ranks spawned here on 127.0.0.1
   with a free port; a repetition's time is the slowest rank's → α and β per collective (`fit.py`),
   and the raw table, which the cost model prefers inside its range.
@@ -130,6 +132,10 @@ class CalibrationReport:
     conv: list[Measurement] = field(default_factory=list)  # size = channels
     conv_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = channels
     reshard_overhead_s: float = 0.0  # DTensor's redistribute beyond its collective (0: not measured)
+    step_overhead_s: float = 0.0  # the executor's cost per training step beyond its ops
+    optimizer_fixed_s: float = 0.0  # AdamW's step: per step, per tensor, per parameter
+    optimizer_tensor_s: float = 0.0
+    optimizer_param_s: float = 0.0
     collectives: dict[str, list[Measurement]] = field(default_factory=dict)
     fits: dict[str, AlphaBetaFit] = field(default_factory=dict)
     elapsed_s: float = 0.0
@@ -196,7 +202,12 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
                                                       repeats=cfg.repeats)) / (2 * nbytes)
     one = torch.ones(1, device=device)
     out["bare op"] = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
-    out["graph op"] = executor_op_overhead_s() if cfg.backend == "gloo" else out["bare op"]
+    if cfg.backend == "gloo":
+        out.update(executor_step_costs())
+    else:  # the executor's costs are measured on CPUs only: kernel launches here
+        out.update({"graph op": out["bare op"], "step overhead": 0.0, "optimizer per tensor": 12 * out["bare op"],
+                    "optimizer fixed": 0.0})
+    out["optimizer per parameter"] = optimizer_param_s(device)
     out["element-wise per byte"] = 1.0 / elementwise_bandwidth(device, cfg.repeats)
     progress("memory", 1, 1)
     for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
@@ -232,6 +243,10 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dic
     report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
     report.copy_bandwidth_bytes_per_s = 1.0 / medians["copy per byte"]
     report.bare_op_s, report.op_overhead_s = medians["bare op"], medians["graph op"]
+    report.step_overhead_s = medians["step overhead"]
+    report.optimizer_fixed_s = medians["optimizer fixed"]
+    report.optimizer_tensor_s = medians["optimizer per tensor"]
+    report.optimizer_param_s = medians["optimizer per parameter"]
     report.elementwise_bandwidth_bytes_per_s = 1.0 / medians["element-wise per byte"]
     report.conv = [Measurement(kind="conv", size=float(c), times_s=[medians[f"conv {c}"]]) for c in CONV_CHANNELS]
     report.reshard_overhead_s = medians["reshard"]
@@ -292,20 +307,27 @@ def reshard_overhead_s(elems: int = 1024, repeats: int = 200) -> float:
     return max(0.0, dt_s - c10d_s)
 
 
-def executor_op_overhead_s(blocks: int = 4, s: int = 4, h: int = 8, heads: int = 2) -> float:
-    """Per-op time of meshplan's executor on tiny tensors: pre-norm transformer blocks (layer norm,
-    q/k/v matmuls, head reshapes and transposes, softmax attention, residual adds, a GELU MLP) at
-    s = 4 tokens of width 8, written in ONNX ops as exporters write them, run through the interpreter
-    with autograd, forward + backward, over the 3 launches the cost model charges per op (1 forward,
-    2 backward). A real graph's fan-outs (residuals, q/k/v) and views cost autograd more than a chain
-    does: here 7.0 µs per launch where an add/mul chain measured 2.8 µs and an 8-op-type chain 4.6 µs;
-    llama-tiny and gpt2-tiny at 4 tokens run 20 µs per node forward + backward."""
-    import numpy as np
+def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tensors: int = 8) -> float:
+    """The optimizer's time per parameter (torch's AdamW, one tensor at a time: its dozen kernels'
+    memory traffic): `tensors` tensors of `large` floats against as many of `small` floats."""
     import torch
-    from onnx import TensorProto, helper, numpy_helper
 
-    from executor.interpreter import OnnxModule
-    from planner.graph import graph_from_proto
+    def timed(numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(numel, device=device)
+        optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        return statistics.median(_time_op(optim.step, device, warmup=3, repeats=25, min_time_s=0.05))
+
+    return max(0.0, (timed(large) - timed(small)) / (tensors * (large - small)))
+
+
+def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: int = 2) -> Any:
+    """An ONNX model of `blocks` (0: a single matmul) pre-norm transformer blocks (layer norm, q/k/v matmuls, head reshapes
+    and transposes, softmax attention, residual adds, a GELU MLP) on x of shape [b, s, h], written in
+    ONNX ops as exporters write them; tiny, so that running it is almost all per-op overhead."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     inits: list[Any] = []
@@ -324,33 +346,96 @@ def executor_op_overhead_s(blocks: int = 4, s: int = 4, h: int = 8, heads: int =
         return const(name, (0.1 * rng.standard_normal((rows, cols))).astype(np.float32))
 
     d = h // heads
-    split, merge = const("split", np.array([s, heads, d], np.int64)), const("merge", np.array([s, h], np.int64))
+    split, merge = const("split", np.array([b, s, heads, d], np.int64)), const("merge", np.array([b, s, h], np.int64))
     x = "x"
-    for b in range(blocks):
-        ln1 = op("LayerNormalization", x, const(f"g1_{b}", np.ones(h, np.float32)), const(f"b1_{b}", np.zeros(h, np.float32)),
+    for i in range(blocks):
+        ln1 = op("LayerNormalization", x, const(f"g1_{i}", np.ones(h, np.float32)), const(f"b1_{i}", np.zeros(h, np.float32)),
                  axis=-1)
-        q, k, v = (op("Transpose", op("Reshape", op("MatMul", ln1, weight(f"w{c}_{b}", h, h)), split), perm=[1, 0, 2])
+        q, k, v = (op("Transpose", op("Reshape", op("MatMul", ln1, weight(f"w{c}_{i}", h, h)), split), perm=[0, 2, 1, 3])
                    for c in "qkv")
-        scores = op("Mul", op("MatMul", q, op("Transpose", k, perm=[0, 2, 1])), const(f"scale_{b}", np.float32(d ** -0.5)))
-        ctx = op("Reshape", op("Transpose", op("MatMul", op("Softmax", scores, axis=-1), v), perm=[1, 0, 2]), merge)
-        x = op("Add", x, op("MatMul", ctx, weight(f"wo_{b}", h, h)))
-        ln2 = op("LayerNormalization", x, const(f"g2_{b}", np.ones(h, np.float32)), const(f"b2_{b}", np.zeros(h, np.float32)),
+        scores = op("Mul", op("MatMul", q, op("Transpose", k, perm=[0, 1, 3, 2])), const(f"scale_{i}", np.float32(d ** -0.5)))
+        ctx = op("Reshape", op("Transpose", op("MatMul", op("Softmax", scores, axis=-1), v), perm=[0, 2, 1, 3]), merge)
+        x = op("Add", x, op("MatMul", ctx, weight(f"wo_{i}", h, h)))
+        ln2 = op("LayerNormalization", x, const(f"g2_{i}", np.ones(h, np.float32)), const(f"b2_{i}", np.zeros(h, np.float32)),
                  axis=-1)
-        hidden = op("Gelu", op("Add", op("MatMul", ln2, weight(f"w1_{b}", h, 4 * h)), const(f"c1_{b}", np.zeros(4 * h, np.float32))))
-        x = op("Add", x, op("MatMul", hidden, weight(f"w2_{b}", 4 * h, h)))
-    model = helper.make_model(helper.make_graph(
-        nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [s, h])],
-        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [s, h])], initializer=inits),
+        hidden = op("Gelu", op("Add", op("MatMul", ln2, weight(f"w1_{i}", h, 4 * h)), const(f"c1_{i}", np.zeros(4 * h, np.float32))))
+        x = op("Add", x, op("MatMul", hidden, weight(f"w2_{i}", 4 * h, h)))
+    if blocks == 0:  # the least a training step can be: one op on one parameter
+        x = op("MatMul", x, weight("w", h, h))
+    return helper.make_model(helper.make_graph(
+        nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, h])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, [b, s, h])], initializer=inits),
         opset_imports=[helper.make_opsetid("", 20)])
-    module = OnnxModule(graph_from_proto(model, {}), model)
-    xs = torch.from_numpy(rng.standard_normal((s, h)).astype(np.float32))
 
-    def step() -> None:
-        module.zero_grad(set_to_none=True)
-        module(xs).sum().backward()
 
-    times = _time_op(step, torch.device("cpu"), warmup=5, repeats=50)
-    return statistics.median(times) / (3 * len(nodes))
+def executor_step_costs(blocks: int = 4) -> dict[str, float]:
+    """The executor's costs on tiny tensors, where they arise: `tiny_blocks_model` trained as the
+    executor trains it, forward + backward then the optimizer step (AdamW), at `blocks` blocks and
+    as a single matmul. With a process group of 2 or more ranks, through the executor's SPMD runner
+    under a data-parallel plan over all of them (what `meshplan run` executes); alone, through the
+    interpreter. Per op launch (the cost model charges 3 per op: 1 forward, 2 backward): the two
+    steps' difference over their launches' difference; per step: what the matmul's step takes beyond
+    its 3 launches; likewise the optimizer per parameter tensor and per step. (This VM runs the same
+    step at one of two speeds, 1.5–2× apart, fixed when its tensors are allocated; a slope between
+    two depths of blocks proved too fragile for that.) Measured in the step rather than in a loop of
+    its own, the optimizer takes 2–3× longer per tensor (caches and branch predictors hold the
+    step's other work), and a real graph's fan-outs and views cost autograd more than a chain of
+    ops does (7–12 µs per launch against 2.8 for an add/mul chain)."""
+    import torch.distributed as dist
+
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    (t0, l0, o0, p0), (t1, l1, o1, p1) = (_tiny_blocks_step_s(depth, n) for depth in (0, blocks))
+    per_launch, per_tensor = (t1 - t0) / (l1 - l0), max(0.0, (o1 - o0) / (p1 - p0))
+    return {"graph op": per_launch, "step overhead": max(0.0, t0 - per_launch * l0),
+            "optimizer per tensor": per_tensor, "optimizer fixed": max(0.0, o0 - per_tensor * p0)}
+
+
+def _tiny_blocks_step_s(depth: int, n: int) -> tuple[float, int, float, int]:
+    """Median seconds of one training step of `tiny_blocks_model(depth)` up to the optimizer,
+    data-parallel over the `n` ranks of the process group (alone: through the interpreter), the op
+    launches it makes, the optimizer step's median seconds and its parameter tensors."""
+    import tempfile
+
+    import torch
+
+    from executor.interpreter import OnnxModule
+    from planner.graph import graph_from_proto
+
+    model = tiny_blocks_model(depth, b=max(n, 2))  # one sequence per rank at least
+    graph = graph_from_proto(model, {})
+    module = OnnxModule(graph, model)
+    x = torch.randn(*graph.tensors["x"].shape)
+    forward: Callable[[], Any]
+    zero_grad: Callable[[], object]
+    if n > 1:
+        import onnx
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from executor.spmd import SpmdRunner
+        from planner.plan import PlanRequest, make_plan
+
+        with tempfile.TemporaryDirectory() as tmp:
+            onnx.save(model, f"{tmp}/blocks.onnx")
+            strategy, _ = make_plan(PlanRequest(model=f"{tmp}/blocks.onnx", profile="cpu", devices=n, mesh_shape=(n,),
+                                                mode="data-parallel"))
+        runner = SpmdRunner(module, strategy, init_device_mesh("cpu", (n,)))
+        local = runner.shard_inputs([x])
+        forward, zero_grad = (lambda: runner.forward(local)[0]), runner.zero_grad
+    else:
+        forward, zero_grad = (lambda: module(x)), (lambda: module.zero_grad(set_to_none=True))
+    params = list(module.parameters())
+    optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    steps, updates = [], []
+    for i in range(55):
+        t0 = time.perf_counter()
+        zero_grad()
+        forward().sum().backward()
+        t1 = time.perf_counter()
+        optim.step()
+        if i >= 5:  # warm-up
+            steps.append(t1 - t0)
+            updates.append(time.perf_counter() - t1)
+    return statistics.median(steps), 3 * len(graph.compute_nodes), statistics.median(updates), len(params)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -566,8 +651,16 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         dev["reshard_overhead_s"] = q(report.reshard_overhead_s, "s", "DTensor partial → replicated redistribute of "
                                       "4 KiB minus the same all-reduce through c10d, medians")
     if cfg.backend == "gloo":
-        dev["graph_op_overhead_s"] = q(report.op_overhead_s, "s", "per-op time of the meshplan executor (interpreter + "
-                                       "autograd) on tiny transformer blocks, forward + backward / 3 per op")
+        how = ("tiny transformer blocks trained by the meshplan executor (data-parallel over the ranks), forward + "
+               "backward of 4 blocks and of one matmul")
+        dev["graph_op_overhead_s"] = q(report.op_overhead_s, "s", f"{how}: their difference per op launch (3 per op)")
+        dev["step_overhead_s"] = q(report.step_overhead_s, "s", f"{how}: the matmul's step beyond its launches")
+    in_step = ("torch AdamW (one tensor at a time) in the training step of 4 tiny transformer blocks and of "
+               "one matmul")
+    dev["optimizer_step"] = {"fixed_s": q(report.optimizer_fixed_s, "s", f"{in_step}: the matmul's beyond one tensor"),
+                             "tensor_s": q(report.optimizer_tensor_s, "s", f"{in_step}: their difference per tensor"),
+                             "param_s": q(report.optimizer_param_s, "s", "torch AdamW (one tensor at a time): 8 tensors "
+                                          "of 128 Ki floats against 8 of 256, per parameter")}
     dev["matmul_efficiency"] = {
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),
@@ -653,6 +746,9 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
         "conv": [{"channels": m.size, "median_s": m.median_s} for m in report.conv],
         "reshard_overhead_s": report.reshard_overhead_s,
+        "step_overhead_s": report.step_overhead_s,
+        "optimizer_step": {"fixed_s": report.optimizer_fixed_s, "tensor_s": report.optimizer_tensor_s,
+                           "param_s": report.optimizer_param_s},
         "conv_efficiency_fit_median_rel_error": report.conv_efficiency.median_rel_error if report.conv_efficiency else None,
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,

@@ -171,6 +171,21 @@ class ChannelCurve:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OptimizerStep:
+    """The optimizer step as an executor runs it, measured: a fixed cost per step, one per parameter
+    tensor (its kernels' launches and the optimizer's own work on it) and one per parameter (the
+    kernels' memory traffic: torch's one-tensor-at-a-time AdamW moves each value about 20 times)."""
+
+    fixed_s: float
+    tensor_s: float
+    param_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("fixed_s", "tensor_s", "param_s"):
+            _positive(self, name, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class DeviceSpec:
     name: str
     peak_flops_per_s: Mapping[str, float]  # by dtype: "fp32", "tf32", "bf16", "fp16", "fp8"
@@ -188,6 +203,11 @@ class DeviceSpec:
     # Host time an executor spends issuing one reshard collective beyond the collective itself
     # (DTensor's redistribute: placement logic, functional collective, wait); None: nothing.
     reshard_overhead_s: float | None = None
+    # An executor's host time per training step beyond its ops (autograd's engine, bookkeeping);
+    # None: nothing.
+    step_overhead_s: float | None = None
+    # The optimizer step, calibrated; None: priced from its memory traffic and kernel launches.
+    optimizer_step: OptimizerStep | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -205,6 +225,8 @@ class DeviceSpec:
             _positive(self, "graph_op_overhead_s", allow_zero=True)
         if self.reshard_overhead_s is not None:
             _positive(self, "reshard_overhead_s", allow_zero=True)
+        if self.step_overhead_s is not None:
+            _positive(self, "step_overhead_s", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
@@ -293,7 +315,8 @@ def _schema() -> dict[str, Any]:
 
 _UNITS = {
     "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
+    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s",
+    "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s",
 }
@@ -341,6 +364,10 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                  if "graph_op_overhead_s" in dev else None),
             reshard_overhead_s=(r.q(dev, "reshard_overhead_s", "device.reshard_overhead_s")
                                 if "reshard_overhead_s" in dev else None),
+            step_overhead_s=(r.q(dev, "step_overhead_s", "device.step_overhead_s") if "step_overhead_s" in dev else None),
+            optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
+                                             for k in ("fixed_s", "tensor_s", "param_s")})
+                            if "optimizer_step" in dev else None),
             conv_efficiency=(ChannelCurve(
                 max_fraction=r.q(dev["conv_efficiency"], "max_fraction", "device.conv_efficiency.max_fraction"),
                 half_channels=r.q(dev["conv_efficiency"], "half_channels", "device.conv_efficiency.half_channels"))
@@ -437,6 +464,11 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                if d.graph_op_overhead_s is not None else {}),
             **({"reshard_overhead_s": q(d.reshard_overhead_s, "s", "device.reshard_overhead_s")}
                if d.reshard_overhead_s is not None else {}),
+            **({"step_overhead_s": q(d.step_overhead_s, "s", "device.step_overhead_s")}
+               if d.step_overhead_s is not None else {}),
+            **({"optimizer_step": {k: q(getattr(d.optimizer_step, k), "s", f"device.optimizer_step.{k}")
+                                   for k in ("fixed_s", "tensor_s", "param_s")}}
+               if d.optimizer_step is not None else {}),
             **({"conv_efficiency": {
                 "max_fraction": q(d.conv_efficiency.max_fraction, "1", "device.conv_efficiency.max_fraction"),
                 "half_channels": q(d.conv_efficiency.half_channels, "1", "device.conv_efficiency.half_channels")}}

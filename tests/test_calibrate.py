@@ -22,6 +22,10 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
 
     p = load_profile(out)  # a calibrated profile is accepted by path like a preset
     assert p.device.conv_efficiency is not None and p.device.graph_op_s > p.device.kernel_launch_s
+    # The optimizer as the executor runs it: a cost per tensor and per parameter; the executor's step
+    # its intercept (may be zero within noise).
+    opt = p.device.optimizer_step
+    assert opt is not None and opt.tensor_s > 0 and opt.param_s > 0 and p.device.step_overhead_s is not None
     assert report["conv_efficiency_fit_median_rel_error"] < 0.35
     assert p.name == "here" and p.origin["kind"] == "calibrated"
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())

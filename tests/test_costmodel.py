@@ -231,9 +231,9 @@ def test_a_parameters_own_reshard_is_not_bucketed(zoo: Callable[[str], Path]) ->
     assert ev.time_s == pytest.approx(collective_time_s(H100, mesh, Collective.ALL_REDUCE, ev.size_bytes, (0,)))
 
 
-def test_graph_ops_pay_the_executor_overhead_plain_kernels_the_launch(zoo: Callable[[str], Path]) -> None:
+def test_graph_ops_pay_the_executor_overhead(zoo: Callable[[str], Path]) -> None:
     # The cpu preset: a graph op pays the executor's per-op overhead (1 forward + 2 backward), a
-    # view nothing else; the optimizer's kernels pay the bare launch (12 per parameter tensor).
+    # view nothing else.
     cpu = load_profile("cpu")
     dev = cpu.device
     assert dev.graph_op_overhead_s is not None and dev.graph_op_s > dev.kernel_launch_s
@@ -243,9 +243,32 @@ def test_graph_ops_pay_the_executor_overhead_plain_kernels_the_launch(zoo: Calla
     view = next(n for n in g.compute_nodes if n.op_type == "Transpose")
     assert cm.node_cost(view, replicated_strategy(OpContext.of(view, g), 1)).compute.total_s == \
         pytest.approx(3 * dev.graph_op_s)
-    w = g.params[0]
-    assert cm.optimizer_s(w.name, Spec.replicated(1)) == pytest.approx(
+
+
+def test_optimizer_step_and_step_overhead_closed_forms(zoo: Callable[[str], Path]) -> None:
+    # Without a calibrated optimizer: AdamW's 28 bytes per parameter at memory bandwidth and 12 bare
+    # launches per tensor. With one (a, b, c): a + Σ over local tensors (b + c · local numel); the
+    # profile's per-step overhead is added to the step once, whatever the plan.
+    import dataclasses
+
+    from hwprofiles.profile import OptimizerStep
+
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(2, devices_per_node=8)
+    w = g.tensors["fc1.weight"]
+    plain = CostModel(g, mesh, H100, BF16)
+    dev = H100.device
+    assert plain.optimizer_s(w.name, Spec.replicated(1)) == pytest.approx(
         w.numel * 28 / dev.mem_bandwidth_bytes_per_s + 12 * dev.kernel_launch_s)
+    opt = OptimizerStep(fixed_s=5e-5, tensor_s=3e-5, param_s=2e-9)
+    h = dataclasses.replace(H100, device=dataclasses.replace(dev, optimizer_step=opt, step_overhead_s=2e-4))
+    cm = CostModel(g, mesh, h, BF16)
+    assert cm.optimizer_s(w.name, parse_spec("S(0)")) == pytest.approx(3e-5 + 2e-9 * w.numel / 2)
+    choice = {n.name: replicated_strategy(OpContext.of(n, g), 1) for n in g.compute_nodes}
+    cost, base = cm.price(choice), plain.price(choice)
+    assert cost.optimizer_s == pytest.approx(5e-5 + sum(3e-5 + 2e-9 * p.numel for p in g.params))
+    assert cost.overhead_s == 2e-4 and base.overhead_s == 0.0
+    assert cost.step_time_s == pytest.approx(cost.compute_s + cost.comm_s + cost.optimizer_s + 2e-4)
 
 
 def test_reshards_pay_the_executors_host_cost_bucketed_gradients_do_not(zoo: Callable[[str], Path]) -> None:
@@ -294,6 +317,28 @@ def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path])
         assert a.fwd_s - b.fwd_s == pytest.approx(max(expected, a.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s)
                                                   - max(mm, b.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s), rel=1e-9)
     assert expected > mm  # the convnet's last conv (32 channels) is bound by its channels here
+
+
+def test_backward_computes_only_the_gradients_needed(zoo: Callable[[str], Path]) -> None:
+    # The first layer reads the batch, which needs no gradient: its backward is one matmul (dW), not
+    # two; the second layer's input comes from a parameter: two. Element-wise FLOPs and launches
+    # stay; the step's matmul FLOPs count what runs.
+    from costmodel.compute import compute_cost, local_shapes
+
+    cpu = load_profile("cpu")
+    g = load_graph(zoo("mlp"), {"batch": 256})
+    mesh = DeviceMesh.build(1)
+    cm = CostModel(g, mesh, cpu, PRECISIONS["fp32"])
+    fc1, fc2 = (n for n in g.compute_nodes if n.op_type == "Gemm")
+    for node, grads in ((fc1, 1), (fc2, 2)):
+        shapes = local_shapes(node, g, {}, mesh)
+        a = compute_cost(node, g, shapes, cpu, PRECISIONS["fp32"], needs_grad=cm.needs_grad)
+        b = compute_cost(node, g, shapes, cpu, PRECISIONS["fp32"])
+        mm = cpu.device.matmul_time_s(a.fwd_matmul_flops, "fp32")
+        assert a.fwd_s == b.fwd_s and a.bwd_matmul_flops == grads * a.fwd_matmul_flops
+        assert b.bwd_s - a.bwd_s == pytest.approx((2 - grads) * mm)  # compute-bound at 256 rows
+    choice = {n.name: replicated_strategy(OpContext.of(n, g), 1) for n in g.compute_nodes}
+    assert cm.price(choice).flops_matmul == pytest.approx(2 * 256 * 64 * 256 * (2 + 3))
 
 
 def _one_matmul(t: int, h: int) -> OpGraph:
