@@ -582,7 +582,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
         tasks: dict[str, Any] = {}
 
         def progress(label: str, done: int, total: int) -> None:
-            key = "collectives" if label not in ("matmul", "memory") else label
+            key = "collectives" if label != "compute" else label
             if key not in tasks:
                 tasks[key] = bar.add_task(key, total=total)
             bar.update(tasks[key], completed=done, description=f"{key} {label if key == 'collectives' else ''}")

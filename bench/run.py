@@ -8,6 +8,7 @@ Each benchmark prints its median over `--repeat` runs and the spread (min–max)
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -113,8 +114,8 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
     on this machine and run by the executor (gloo); |predicted − measured| / measured for step time
     and memory. This machine's speed drifts over hours (a shared VM: the same matmul takes 212 µs in
     one hour and 270 µs in another), so by default the profile is calibrated first, here and now;
-    `--profile cpu` starts from the stored preset instead. Each model runs `rounds` times (30 timed
-    steps each, rounds interleaved across models, each round planned on compute re-measured just
+    `--profile cpu` starts from the stored preset instead. Each model runs `rounds` times (about 3 s
+    of timed steps each, rounds interleaved across models, each round planned on compute re-measured just
     before it); the median round (by error) is reported."""
     from executor.launch import run
     from executor.train import RunOptions
@@ -159,7 +160,10 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
                                                 devices=2, mesh_shape=(2,)))
             out = f"/tmp/meshplan-fidelity-{name}.json"
             strategy.save(out)
-            runs[name].append(run(out, path, nproc=2, opts=RunOptions(steps=30, warmup=3)))
+            # About 3 s of timed steps: this VM's cores switch speed every few seconds, and a short run
+            # would catch one speed at random.
+            steps = min(1500, max(30, math.ceil(3.0 / strategy.step_time_s)))
+            runs[name].append(run(out, path, nproc=2, opts=RunOptions(steps=steps, warmup=5)))
     t_err, m_err = [], []
     for name, rs in runs.items():
         for x in rs:

@@ -178,6 +178,27 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
     return times
 
 
+def _time_interleaved(fns: dict[str, Callable[[], object]], device: Any, *, min_time_s: float, repeats: int
+                      ) -> dict[str, float]:
+    """Median seconds of each function, timed call by call in round-robin passes (at least `repeats`
+    passes, and `min_time_s` in all). A shared VM's core alternates between speeds for seconds at a
+    time (here: one state 1.4–1.7× slower than the other, for 1–3 s); timed one after the other, each
+    figure would catch one state at random, and their ratios (a curve, a difference) would be noise.
+    Interleaved, every figure sees the same mix of states."""
+    for fn in fns.values():
+        fn(), fn()
+    _sync(device)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    while len(times[next(iter(fns))]) < repeats or time.perf_counter() - start < min_time_s:
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
     """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
     one-element op), "graph op" (an op through the executor), "element-wise per byte" of the kernel
@@ -188,34 +209,35 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
 
     torch.set_num_threads(1)  # one rank = one process on one core
     dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
-    out: dict[str, float] = {}
-    for i, n in enumerate(cfg.matmul_sizes):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        out[f"matmul {n}"] = statistics.median(_time_op(functools.partial(torch.matmul, a, b), device, warmup=2,
-                                                        repeats=cfg.repeats, min_time_s=0.2))
-        progress("matmul", i + 1, len(cfg.matmul_sizes))
+    fns: dict[str, Callable[[], object]] = {}
+    for n in cfg.matmul_sizes:
+        fns[f"matmul {n}"] = functools.partial(torch.matmul, torch.randn(n, n, device=device, dtype=dtype),
+                                               torch.randn(n, n, device=device, dtype=dtype))
     nbytes = (32 if cfg.quick else 128) * MiB
     src = torch.empty(nbytes // 4, device=device)
     dst = torch.empty_like(src)
-    out["copy per byte"] = statistics.median(_time_op(lambda: dst.copy_(src), device, warmup=2,
-                                                      repeats=cfg.repeats)) / (2 * nbytes)
+    fns["copy"] = functools.partial(dst.copy_, src)
     one = torch.ones(1, device=device)
-    out["bare op"] = statistics.median(_time_op(lambda: one.add(1.0), device, warmup=100, repeats=2000))
+    fns["bare op"] = functools.partial(one.add, 1.0)
+    mix = elementwise_kernels(device)
+    fns.update({f"element-wise {i}": fn for i, (fn, _) in enumerate(mix)})
+    for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
+        fns[f"conv {c}"] = functools.partial(torch.nn.functional.conv2d, torch.randn(8, c, 32, 32, device=device, dtype=dtype),
+                                             torch.randn(c, c, 3, 3, device=device, dtype=dtype), padding=1)
+    progress("compute", 0, 3)
+    out = _time_interleaved(fns, device, min_time_s=1.5 if cfg.quick else 4.0, repeats=cfg.repeats)
+    out["copy per byte"] = out.pop("copy") / (2 * nbytes)
+    out["element-wise per byte"] = sum(out.pop(f"element-wise {i}") for i in range(len(mix))) / sum(b for _, b in mix)
+    progress("compute", 1, 3)
     if cfg.backend == "gloo":
-        out.update(executor_step_costs())
+        out.update(executor_step_costs(min_time_s=1.5 if cfg.quick else 3.0))
     else:  # the executor's costs are measured on CPUs only: kernel launches here
         out.update({"graph op": out["bare op"], "step overhead": 0.0, "optimizer per tensor": 12 * out["bare op"],
                     "optimizer fixed": 0.0})
     out["optimizer per parameter"] = optimizer_param_s(device)
-    out["element-wise per byte"] = 1.0 / elementwise_bandwidth(device, cfg.repeats)
-    progress("memory", 1, 1)
-    for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
-        x = torch.randn(8, c, 32, 32, device=device, dtype=dtype)
-        w = torch.randn(c, c, 3, 3, device=device, dtype=dtype)
-        out[f"conv {c}"] = statistics.median(_time_op(functools.partial(torch.nn.functional.conv2d, x, w, padding=1),
-                                                      device, warmup=2, repeats=cfg.repeats, min_time_s=0.1))
+    progress("compute", 2, 3)
     out["reshard"] = reshard_overhead_s() if cfg.backend == "gloo" else 0.0
+    progress("compute", 3, 3)
     return out
 
 
@@ -259,10 +281,11 @@ def measure_compute(cfg: CalibrationConfig, report: CalibrationReport, progress:
     fill_compute(cfg, report, compute_medians(cfg, _device(cfg.backend, 0), progress))
 
 
-def elementwise_bandwidth(device: Any, repeats: int, elems: int = 1 << 16) -> float:
-    """Bytes in + out per second over a mix of the element-wise kernels transformers run (add, mul,
-    where, tanh, erf, exp, pow, softmax), on tensors of `elems` floats: what the roofline's
-    memory-bound side achieves for them (on a CPU core far below a copy's bandwidth)."""
+def elementwise_kernels(device: Any, elems: int = 1 << 16) -> list[tuple[Callable[[], object], float]]:
+    """A mix of the element-wise kernels transformers run (add, mul, where, tanh, erf, exp, pow,
+    softmax) on tensors of `elems` floats, each with the bytes it reads + writes: their summed bytes
+    over their summed times is what the roofline's memory-bound side achieves for them (on a CPU
+    core far below a copy's bandwidth)."""
     import torch
 
     x = torch.randn(elems, device=device)
@@ -273,11 +296,7 @@ def elementwise_bandwidth(device: Any, repeats: int, elems: int = 1 << 16) -> fl
         (lambda: torch.erf(x), 2), (lambda: torch.exp(x), 2), (lambda: torch.pow(x, 3.0), 2),
         (lambda: torch.softmax(x.view(-1, 256), -1), 2),
     ]
-    total_bytes = total_s = 0.0
-    for fn, tensors in kernels:
-        total_s += statistics.median(_time_op(fn, device, warmup=3, repeats=repeats, min_time_s=0.05))
-        total_bytes += tensors * elems * 4
-    return total_bytes / total_s
+    return [(fn, tensors * elems * 4.0) for fn, tensors in kernels]
 
 
 def reshard_overhead_s(elems: int = 1024, repeats: int = 200) -> float:
@@ -312,14 +331,14 @@ def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tenso
     memory traffic): `tensors` tensors of `large` floats against as many of `small` floats."""
     import torch
 
-    def timed(numel: int) -> float:
+    def optimizer(numel: int) -> Callable[[], object]:
         params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
         for p in params:
             p.grad = torch.randn(numel, device=device)
-        optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-        return statistics.median(_time_op(optim.step, device, warmup=3, repeats=25, min_time_s=0.05))
+        return torch.optim.AdamW(params, lr=1e-3, foreach=False).step
 
-    return max(0.0, (timed(large) - timed(small)) / (tensors * (large - small)))
+    t = _time_interleaved({"small": optimizer(small), "large": optimizer(large)}, device, min_time_s=0.5, repeats=20)
+    return max(0.0, (t["large"] - t["small"]) / (tensors * (large - small)))
 
 
 def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: int = 2) -> Any:
@@ -368,74 +387,73 @@ def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: in
         opset_imports=[helper.make_opsetid("", 20)])
 
 
-def executor_step_costs(blocks: int = 4) -> dict[str, float]:
+def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:
     """The executor's costs on tiny tensors, where they arise: `tiny_blocks_model` trained as the
     executor trains it, forward + backward then the optimizer step (AdamW), at `blocks` blocks and
-    as a single matmul. With a process group of 2 or more ranks, through the executor's SPMD runner
-    under a data-parallel plan over all of them (what `meshplan run` executes); alone, through the
-    interpreter. Per op launch (the cost model charges 3 per op: 1 forward, 2 backward): the two
-    steps' difference over their launches' difference; per step: what the matmul's step takes beyond
-    its 3 launches; likewise the optimizer per parameter tensor and per step. (This VM runs the same
-    step at one of two speeds, 1.5–2× apart, fixed when its tensors are allocated; a slope between
-    two depths of blocks proved too fragile for that.) Measured in the step rather than in a loop of
-    its own, the optimizer takes 2–3× longer per tensor (caches and branch predictors hold the
-    step's other work), and a real graph's fan-outs and views cost autograd more than a chain of
-    ops does (7–12 µs per launch against 2.8 for an add/mul chain)."""
+    as a single matmul, their steps interleaved (`_time_interleaved`). With a process group of 2 or
+    more ranks, through the executor's SPMD runner under a data-parallel plan over all of them (what
+    `meshplan run` executes); alone, through the interpreter. Per op launch (the cost model charges
+    3 per op: 1 forward, 2 backward): the two steps' difference over their launches' difference; per
+    step: what the matmul's step takes beyond its 3 launches; likewise the optimizer per parameter
+    tensor and per step. Measured in the step rather than in a loop of its own, the optimizer takes
+    2–3× longer per tensor (caches and branch predictors hold the step's other work), and a real
+    graph's fan-outs and views cost autograd more than a chain of ops does (7–12 µs per launch
+    against 2.8 for an add/mul chain)."""
+    import torch
     import torch.distributed as dist
 
     n = dist.get_world_size() if dist.is_initialized() else 1
-    (t0, l0, o0, p0), (t1, l1, o1, p1) = (_tiny_blocks_step_s(depth, n) for depth in (0, blocks))
-    per_launch, per_tensor = (t1 - t0) / (l1 - l0), max(0.0, (o1 - o0) / (p1 - p0))
-    return {"graph op": per_launch, "step overhead": max(0.0, t0 - per_launch * l0),
-            "optimizer per tensor": per_tensor, "optimizer fixed": max(0.0, o0 - per_tensor * p0)}
+    small, large = _TinyBlocksStep(0, n), _TinyBlocksStep(blocks, n)
+    t = _time_interleaved({"step 0": small.step, "optimizer 0": small.optim.step, "step 1": large.step,
+                           "optimizer 1": large.optim.step}, torch.device("cpu"), min_time_s=min_time_s, repeats=30)
+    per_launch = (t["step 1"] - t["step 0"]) / (large.launches - small.launches)
+    per_tensor = max(0.0, (t["optimizer 1"] - t["optimizer 0"]) / (large.tensors - small.tensors))
+    return {"graph op": per_launch, "step overhead": max(0.0, t["step 0"] - per_launch * small.launches),
+            "optimizer per tensor": per_tensor, "optimizer fixed": max(0.0, t["optimizer 0"] - per_tensor * small.tensors)}
 
 
-def _tiny_blocks_step_s(depth: int, n: int) -> tuple[float, int, float, int]:
-    """Median seconds of one training step of `tiny_blocks_model(depth)` up to the optimizer,
-    data-parallel over the `n` ranks of the process group (alone: through the interpreter), the op
-    launches it makes, the optimizer step's median seconds and its parameter tensors."""
-    import tempfile
+class _TinyBlocksStep:
+    """`tiny_blocks_model(depth)` set up for training as the executor runs it: data-parallel over the
+    `n` ranks of the process group (alone: through the interpreter); `step` runs forward + backward
+    up to the optimizer, `optim` is its AdamW."""
 
-    import torch
+    def __init__(self, depth: int, n: int) -> None:
+        import tempfile
 
-    from executor.interpreter import OnnxModule
-    from planner.graph import graph_from_proto
+        import torch
 
-    model = tiny_blocks_model(depth, b=max(n, 2))  # one sequence per rank at least
-    graph = graph_from_proto(model, {})
-    module = OnnxModule(graph, model)
-    x = torch.randn(*graph.tensors["x"].shape)
-    forward: Callable[[], Any]
-    zero_grad: Callable[[], object]
-    if n > 1:
-        import onnx
-        from torch.distributed.device_mesh import init_device_mesh
+        from executor.interpreter import OnnxModule
+        from planner.graph import graph_from_proto
 
-        from executor.spmd import SpmdRunner
-        from planner.plan import PlanRequest, make_plan
+        model = tiny_blocks_model(depth, b=max(n, 2))  # one sequence per rank at least
+        graph = graph_from_proto(model, {})
+        self.module = OnnxModule(graph, model)
+        self.x = torch.randn(*graph.tensors["x"].shape)
+        self.runner = None
+        if n > 1:
+            import onnx
+            from torch.distributed.device_mesh import init_device_mesh
 
-        with tempfile.TemporaryDirectory() as tmp:
-            onnx.save(model, f"{tmp}/blocks.onnx")
-            strategy, _ = make_plan(PlanRequest(model=f"{tmp}/blocks.onnx", profile="cpu", devices=n, mesh_shape=(n,),
-                                                mode="data-parallel"))
-        runner = SpmdRunner(module, strategy, init_device_mesh("cpu", (n,)))
-        local = runner.shard_inputs([x])
-        forward, zero_grad = (lambda: runner.forward(local)[0]), runner.zero_grad
-    else:
-        forward, zero_grad = (lambda: module(x)), (lambda: module.zero_grad(set_to_none=True))
-    params = list(module.parameters())
-    optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
-    steps, updates = [], []
-    for i in range(55):
-        t0 = time.perf_counter()
-        zero_grad()
-        forward().sum().backward()
-        t1 = time.perf_counter()
-        optim.step()
-        if i >= 5:  # warm-up
-            steps.append(t1 - t0)
-            updates.append(time.perf_counter() - t1)
-    return statistics.median(steps), 3 * len(graph.compute_nodes), statistics.median(updates), len(params)
+            from executor.spmd import SpmdRunner
+            from planner.plan import PlanRequest, make_plan
+
+            with tempfile.TemporaryDirectory() as tmp:
+                onnx.save(model, f"{tmp}/blocks.onnx")
+                strategy, _ = make_plan(PlanRequest(model=f"{tmp}/blocks.onnx", profile="cpu", devices=n,
+                                                    mesh_shape=(n,), mode="data-parallel"))
+            self.runner = SpmdRunner(self.module, strategy, init_device_mesh("cpu", (n,)))
+            self.x = self.runner.shard_inputs([self.x])[0]
+        params = list(self.module.parameters())
+        self.optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+        self.launches, self.tensors = 3 * len(graph.compute_nodes), len(params)
+
+    def step(self) -> None:
+        if self.runner is not None:
+            self.runner.zero_grad()
+            self.runner.forward([self.x])[0].sum().backward()
+        else:
+            self.module.zero_grad(set_to_none=True)
+            self.module(self.x).sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------
