@@ -178,24 +178,37 @@ def _time_op(fn: Callable[[], object], device: Any, *, warmup: int, repeats: int
     return times
 
 
-def _time_interleaved(fns: dict[str, Callable[[], object]], device: Any, *, min_time_s: float, repeats: int
-                      ) -> dict[str, float]:
-    """Median seconds of each function, timed call by call in round-robin passes (at least `repeats`
-    passes, and `min_time_s` in all). A shared VM's core alternates between speeds for seconds at a
-    time (here: one state 1.4–1.7× slower than the other, for 1–3 s); timed one after the other, each
-    figure would catch one state at random, and their ratios (a curve, a difference) would be noise.
-    Interleaved, every figure sees the same mix of states."""
-    for fn in fns.values():
-        fn(), fn()
-    _sync(device)
+def _time_interleaved(fns: dict[str, Callable[[], object]], device: Any, *, min_time_s: float, repeats: int,
+                      bursts: bool = True) -> dict[str, float]:
+    """Median seconds of each function, in round-robin passes (at least `repeats`, and `min_time_s` in
+    all). A shared VM's core alternates between speeds for seconds at a time (here: one state
+    1.4–1.7× slower than the other, for 1–3 s); timed one after the other, each figure would catch
+    one state at random, and their ratios (a curve, a difference) would be noise. Interleaved, every
+    figure sees the same mix of states. In a pass each function runs a burst of about 2 ms, its
+    first call untimed unless it is the only one: a small kernel is timed on warm caches, as it runs
+    in a step right after the op producing its input, not after the previous function's sweep.
+    Without `bursts`, one call each per pass (functions that form a sequence, e.g. a training step
+    and its optimizer step)."""
+    burst = {}
+    for name, fn in fns.items():
+        fn()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        burst[name] = max(1, min(1000, int(2e-3 / max(time.perf_counter() - t0, 1e-7)))) if bursts else 1
     times: dict[str, list[float]] = {k: [] for k in fns}
     start = time.perf_counter()
-    while len(times[next(iter(fns))]) < repeats or time.perf_counter() - start < min_time_s:
+    passes = 0
+    while passes < repeats or time.perf_counter() - start < min_time_s:
+        passes += 1
         for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
+            for i in range(burst[name]):
+                t0 = time.perf_counter()
+                fn()
+                _sync(device)
+                if i > 0 or burst[name] == 1:
+                    times[name].append(time.perf_counter() - t0)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -390,7 +403,7 @@ def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: in
 def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:
     """The executor's costs on tiny tensors, where they arise: `tiny_blocks_model` trained as the
     executor trains it, forward + backward then the optimizer step (AdamW), at `blocks` blocks and
-    as a single matmul, their steps interleaved (`_time_interleaved`). With a process group of 2 or
+    as a single matmul, their iterations interleaved (`_time_interleaved`). With a process group of 2 or
     more ranks, through the executor's SPMD runner under a data-parallel plan over all of them (what
     `meshplan run` executes); alone, through the interpreter. Per op launch (the cost model charges
     3 per op: 1 forward, 2 backward): the two steps' difference over their launches' difference; per
@@ -404,8 +417,10 @@ def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, f
 
     n = dist.get_world_size() if dist.is_initialized() else 1
     small, large = _TinyBlocksStep(0, n), _TinyBlocksStep(blocks, n)
-    t = _time_interleaved({"step 0": small.step, "optimizer 0": small.optim.step, "step 1": large.step,
-                           "optimizer 1": large.optim.step}, torch.device("cpu"), min_time_s=min_time_s, repeats=30)
+    _time_interleaved({"small": small.iteration, "large": large.iteration}, torch.device("cpu"), min_time_s=min_time_s,
+                      repeats=30)
+    t = {"step 0": statistics.median(small.steps), "optimizer 0": statistics.median(small.updates),
+         "step 1": statistics.median(large.steps), "optimizer 1": statistics.median(large.updates)}
     per_launch = (t["step 1"] - t["step 0"]) / (large.launches - small.launches)
     per_tensor = max(0.0, (t["optimizer 1"] - t["optimizer 0"]) / (large.tensors - small.tensors))
     return {"graph op": per_launch, "step overhead": max(0.0, t["step 0"] - per_launch * small.launches),
@@ -415,7 +430,7 @@ def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, f
 class _TinyBlocksStep:
     """`tiny_blocks_model(depth)` set up for training as the executor runs it: data-parallel over the
     `n` ranks of the process group (alone: through the interpreter); `step` runs forward + backward
-    up to the optimizer, `optim` is its AdamW."""
+    up to the optimizer, `optim` is its AdamW, `iteration` runs both and records their times."""
 
     def __init__(self, depth: int, n: int) -> None:
         import tempfile
@@ -446,6 +461,17 @@ class _TinyBlocksStep:
         params = list(self.module.parameters())
         self.optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)
         self.launches, self.tensors = 3 * len(graph.compute_nodes), len(params)
+        self.steps: list[float] = []  # seconds of each iteration's forward + backward, and optimizer step
+        self.updates: list[float] = []
+
+    def iteration(self) -> None:
+        """One training iteration, its two parts timed."""
+        t0 = time.perf_counter()
+        self.step()
+        t1 = time.perf_counter()
+        self.optim.step()
+        self.steps.append(t1 - t0)
+        self.updates.append(time.perf_counter() - t1)
 
     def step(self) -> None:
         if self.runner is not None:
