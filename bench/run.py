@@ -115,7 +115,7 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
     and memory. This machine's speed drifts over hours (a shared VM: the same matmul takes 212 µs in
     one hour and 270 µs in another), so by default the profile is calibrated first, here and now;
     `--profile cpu` starts from the stored preset instead. Each model runs `rounds` times (about 3 s
-    of timed steps each, rounds interleaved across models, each round planned on compute re-measured just
+    of timed steps each, rounds interleaved across models, each run planned on compute re-measured just
     before it); the median round (by error) is reported."""
     from executor.launch import run
     from executor.train import RunOptions
@@ -138,7 +138,7 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
     dims = {"mlp": {"batch": 256}, "mlp-legacy": {"batch": 256}, "convnet": {"batch": 16},
             "convnet-legacy": {"batch": 16}, "gpt2-tiny": {"batch": 8, "seq": 64}, "bert-tiny": {"batch": 8, "seq": 64},
             "vit-tiny": {"batch": 16}, "llama-tiny": {"batch": 8, "seq": 64}}
-    table = Table(title=f"fidelity: cost model (links from {profile}, compute re-measured each round) vs executor on "
+    table = Table(title=f"fidelity: cost model (links from {profile}, compute re-measured before each run) vs executor on "
                         f"2 gloo ranks, median of {rounds} rounds")
     for col in ("model", "mesh", "predicted ms", "measured ms", "rounds min–max", "time error", "predicted MiB",
                 "measured MiB",
@@ -148,13 +148,13 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
     for col in ("model", "forward", "backward", "gradient sync", "optimizer", "predicted compute",
                 "predicted comm", "predicted optimizer", "predicted per-step overhead"):
         phases.add_column(col, justify="right" if col != "model" else "left")
-    # Rounds over all models, each planned on compute figures measured just before it (the links
-    # stay those of the full calibration): prediction and measurement see the same machine.
+    # Rounds over all models; each model planned on compute figures measured just before its run (the
+    # links stay those of the full calibration): prediction and measurement see the same machine.
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in zoo.SMALL}
     for _ in range(rounds):
-        now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True))
-        save_profile(now, "/tmp/meshplan-fidelity-round.json")
         for name in zoo.SMALL:
+            now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True))
+            save_profile(now, "/tmp/meshplan-fidelity-round.json")
             path = str(zoo.export(name))
             strategy, _ = make_plan(PlanRequest(model=path, dims=dims[name], profile="/tmp/meshplan-fidelity-round.json",
                                                 devices=2, mesh_shape=(2,)))
