@@ -5,8 +5,8 @@ matmul size (a convolution also no faster than its channel count allows, where t
 every op also moves its inputs and outputs through memory; time = max(FLOP time, byte time) + the
 per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the executor's
 interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
-the forward FLOPs, or one where an operand needs no gradient (a graph input); memory-bound ops read the output gradient and their saved inputs and write the
-input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
+the forward FLOPs, or one where an operand needs no gradient (a graph input); memory-bound ops read
+the output gradient and their saved inputs and write the input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
 Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
 far below a copy's). Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
 stay on chip, so they cost FLOPs but no memory traffic.
@@ -87,7 +87,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
         if node.op_type in ("Conv", "ConvTranspose") else dev.matmul_time_s(flops.matmul, dtype)
     fwd = max(mm_s + flops.other / peak, mem_s) + launch
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
-    mm_grads = sum(grads[:2]) if any(grads) else 0  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
+    mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
     bwd = max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
               BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch if any(grads) else 0.0
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,

@@ -7,10 +7,13 @@ What is measured (warm-up first, then repetitions; the median is kept, the sprea
 - memory copy of a large buffer → bandwidth (read + write bytes over time);
 - 3×3 convolutions over channel counts → their efficiency by channels, P_c·d/(d + d½);
 - a DTensor redistribute against the same all-reduce through c10d → DTensor's host cost per reshard;
-- tiny transformer blocks trained by the executor (its SPMD runner, data-parallel over the ranks) at
-  two depths, forward + backward, then the optimizer → the per-op cost (the CPU's "kernel launch"),
-  the per-step cost, and AdamW's cost per parameter tensor where it runs (a one-element torch op is
-  reported for reference); AdamW on large tensors → its cost per parameter;
+- 4 tiny transformer blocks and a one-matmul model trained by the executor (its SPMD runner,
+  data-parallel over the ranks), forward + backward, then the optimizer → the per-op cost (the
+  CPU's "kernel launch"), the per-step cost, and AdamW's cost per parameter tensor and per step
+  where it runs (a one-element torch op is reported for reference); AdamW on large tensors → its
+  cost per parameter;
+- all of a rank's compute figures timed interleaved (`_time_interleaved`): this VM's cores switch
+  speed every few seconds;
 - each collective over message sizes at the requested world size, ranks spawned here on 127.0.0.1
   with a free port; a repetition's time is the slowest rank's → α and β per collective (`fit.py`),
   and the raw table, which the cost model prefers inside its range.
@@ -214,10 +217,11 @@ def _time_interleaved(fns: dict[str, Callable[[], object]], device: Any, *, min_
 
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
     """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
-    one-element op), "graph op" (an op through the executor), "element-wise per byte" of the kernel
-    mix, "conv c" per channel count, and "reshard" (DTensor's cost per reshard; collective: the ranks
-    run it together). Larger is slower, so the slowest rank's figures are a MAX-reduction away
-    (`reduce_max`)."""
+    one-element op), "element-wise per byte" of the kernel mix, "conv c" per channel count, the
+    executor's "graph op", "step overhead", "optimizer fixed" and "optimizer per tensor"
+    (`executor_step_costs`; gloo only, else zero or the bare op), "optimizer per parameter", and
+    "reshard" (DTensor's cost per reshard; collective: the ranks run it together). Larger is slower,
+    so the slowest rank's figures are a MAX-reduction away (`reduce_max`)."""
     import torch
 
     torch.set_num_threads(1)  # one rank = one process on one core
@@ -244,9 +248,8 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     progress("compute", 1, 3)
     if cfg.backend == "gloo":
         out.update(executor_step_costs(min_time_s=1.5 if cfg.quick else 3.0))
-    else:  # the executor's costs are measured on CPUs only: kernel launches here
-        out.update({"graph op": out["bare op"], "step overhead": 0.0, "optimizer per tensor": 12 * out["bare op"],
-                    "optimizer fixed": 0.0})
+    else:  # the executor's costs are measured on CPUs only (the profile then prices the optimizer by its traffic)
+        out.update({"graph op": out["bare op"], "step overhead": 0.0, "optimizer per tensor": 0.0, "optimizer fixed": 0.0})
     out["optimizer per parameter"] = optimizer_param_s(device)
     progress("compute", 2, 3)
     out["reshard"] = reshard_overhead_s() if cfg.backend == "gloo" else 0.0
@@ -355,9 +358,10 @@ def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tenso
 
 
 def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: int = 2) -> Any:
-    """An ONNX model of `blocks` (0: a single matmul) pre-norm transformer blocks (layer norm, q/k/v matmuls, head reshapes
-    and transposes, softmax attention, residual adds, a GELU MLP) on x of shape [b, s, h], written in
-    ONNX ops as exporters write them; tiny, so that running it is almost all per-op overhead."""
+    """An ONNX model of `blocks` pre-norm transformer blocks (layer norm, q/k/v matmuls, head reshapes
+    and transposes, softmax attention, residual adds, a GELU MLP; 0 blocks: a single matmul) on x of
+    shape [b, s, h], written in ONNX ops as exporters write them; tiny, so that running it is almost
+    all per-op overhead."""
     import numpy as np
     from onnx import TensorProto, helper, numpy_helper
 
@@ -403,15 +407,14 @@ def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: in
 def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:
     """The executor's costs on tiny tensors, where they arise: `tiny_blocks_model` trained as the
     executor trains it, forward + backward then the optimizer step (AdamW), at `blocks` blocks and
-    as a single matmul, their iterations interleaved (`_time_interleaved`). With a process group of 2 or
-    more ranks, through the executor's SPMD runner under a data-parallel plan over all of them (what
+    as a single matmul, their iterations interleaved (`_time_interleaved`). With a process group of
+    2 or more ranks, through the executor's SPMD runner under a data-parallel plan over all of them (what
     `meshplan run` executes); alone, through the interpreter. Per op launch (the cost model charges
     3 per op: 1 forward, 2 backward): the two steps' difference over their launches' difference; per
     step: what the matmul's step takes beyond its 3 launches; likewise the optimizer per parameter
-    tensor and per step. Measured in the step rather than in a loop of its own, the optimizer takes
-    2–3× longer per tensor (caches and branch predictors hold the step's other work), and a real
-    graph's fan-outs and views cost autograd more than a chain of ops does (7–12 µs per launch
-    against 2.8 for an add/mul chain)."""
+    tensor and per step. Measured in the step rather than in a loop of its own, AdamW took 31–50 µs
+    per tensor here against 27; a real graph's fan-outs and views cost autograd more than a chain of
+    ops does (7–12 µs per launch against 2.8 for an add/mul chain)."""
     import torch
     import torch.distributed as dist
 
@@ -699,12 +702,13 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
                "backward of 4 blocks and of one matmul")
         dev["graph_op_overhead_s"] = q(report.op_overhead_s, "s", f"{how}: their difference per op launch (3 per op)")
         dev["step_overhead_s"] = q(report.step_overhead_s, "s", f"{how}: the matmul's step beyond its launches")
-    in_step = ("torch AdamW (one tensor at a time) in the training step of 4 tiny transformer blocks and of "
-               "one matmul")
-    dev["optimizer_step"] = {"fixed_s": q(report.optimizer_fixed_s, "s", f"{in_step}: the matmul's beyond one tensor"),
-                             "tensor_s": q(report.optimizer_tensor_s, "s", f"{in_step}: their difference per tensor"),
-                             "param_s": q(report.optimizer_param_s, "s", "torch AdamW (one tensor at a time): 8 tensors "
-                                          "of 128 Ki floats against 8 of 256, per parameter")}
+        in_step = ("torch AdamW (one tensor at a time) in the training step of 4 tiny transformer blocks and "
+                   "of one matmul")
+        dev["optimizer_step"] = {
+            "fixed_s": q(report.optimizer_fixed_s, "s", f"{in_step}: the matmul's beyond one tensor"),
+            "tensor_s": q(report.optimizer_tensor_s, "s", f"{in_step}: their difference per tensor"),
+            "param_s": q(report.optimizer_param_s, "s", "torch AdamW (one tensor at a time): 8 tensors of 128 Ki "
+                         "floats against 8 of 256, per parameter")}
     dev["matmul_efficiency"] = {
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),

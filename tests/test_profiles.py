@@ -115,6 +115,9 @@ def _h100() -> dict[str, Any]:
         (lambda d: d["device"]["peak_flops_per_s"].pop("fp32"), "peak_flops_per_s.fp32"),
         (lambda d: d["device"]["kernel_launch_s"].pop("source"), "'source' is a required property"),
         (lambda d: d["collectives"]["intra_node"].update(all_sum={}), "field collectives.intra_node"),
+        (lambda d: d["device"].update(optimizer_step={k: {"value": -1e-6 if k == "tensor_s" else 0.0, "unit": "s",
+                                                          "source": "x"} for k in ("fixed_s", "tensor_s", "param_s")}),
+         "field device.optimizer_step.tensor_s.value"),
     ],
 )
 def test_validation_names_the_field(mutate: Any, message: str) -> None:
