@@ -21,7 +21,7 @@ from torch import nn
 
 from costmodel.attention import attention_regions
 from executor.ops import fused_attention, run_op
-from planner.graph import OpGraph, TensorKind, load_graph, load_model_proto, shape_op_value
+from planner.graph import OpGraph, load_graph, load_model_proto, shape_op_value
 
 
 def _seeded_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -37,24 +37,45 @@ def _key(name: str) -> str:
     return name.replace(".", "__")
 
 
+def _initializer_value(init: onnx.TensorProto, base_dir: Path | None) -> np.ndarray | None:
+    """An initializer's value: inline, or from its external data file beside the model (torch.onnx
+    saves weights there by default); None where that file is absent (a shape-only model)."""
+    if init.data_location != onnx.TensorProto.EXTERNAL:
+        return numpy_helper.to_array(init)
+    location = next((e.value for e in init.external_data if e.key == "location"), "")
+    if base_dir is None or not location or not (base_dir / location).is_file():
+        return None
+    t = onnx.TensorProto()
+    t.CopyFrom(init)
+    onnx.external_data_helper.load_external_data_for_tensor(t, str(base_dir))
+    t.data_location = onnx.TensorProto.DEFAULT
+    return numpy_helper.to_array(t)
+
+
 class OnnxModule(nn.Module):
-    def __init__(self, graph: OpGraph, proto: onnx.ModelProto, *, seed: int = 0) -> None:
+    def __init__(self, graph: OpGraph, proto: onnx.ModelProto, *, seed: int = 0, base_dir: Path | None = None) -> None:
         super().__init__()
         self.graph = graph
         inits = {t.name: t for t in proto.graph.initializer}
         self.params = nn.ParameterDict()
         self.param_names: dict[str, str] = {}
+        for name, p in graph.parameters.items():  # a split merged initializer gives its value to each part
+            shape = graph.tensors[name].shape
+            src = inits.get(p.source)
+            data = None if src is None else _initializer_value(src, base_dir)
+            if src is None:  # a zero bias the exporter's optimizer removed
+                value = torch.zeros(shape)
+            elif data is None:  # shape-only: no weights anywhere
+                value = _seeded_init(name, shape, seed)
+            else:
+                value = torch.from_numpy(np.array(data, dtype=np.float32))
+            self.params[_key(name)] = nn.Parameter(value.to(torch.float32))
+            self.param_names[name] = _key(name)
         consts: dict[str, torch.Tensor] = {}
         for name, init in inits.items():
-            info = graph.tensors.get(name)
-            absent = init.data_location == onnx.TensorProto.EXTERNAL
-            if info is not None and info.kind is TensorKind.PARAM:
-                value = _seeded_init(name, info.shape, seed) if absent else \
-                    torch.from_numpy(np.array(numpy_helper.to_array(init), dtype=np.float32))
-                self.params[_key(name)] = nn.Parameter(value.to(torch.float32))
-                self.param_names[name] = _key(name)
-            elif not absent:
-                consts[name] = torch.from_numpy(np.array(numpy_helper.to_array(init)))
+            data = None if name in graph.parameters else _initializer_value(init, base_dir)
+            if data is not None:
+                consts[name] = torch.from_numpy(np.array(data))
         self.values = self._fold_constants(consts)
         # Attention chains run as one fused kernel (costmodel/attention.py).
         self.regions = attention_regions(graph)
@@ -103,4 +124,4 @@ class OnnxModule(nn.Module):
 
 
 def load_module(path: str | Path, dims: Mapping[str, int], *, seed: int = 0) -> OnnxModule:
-    return OnnxModule(load_graph(path, dims), load_model_proto(path), seed=seed)
+    return OnnxModule(load_graph(path, dims), load_model_proto(path), seed=seed, base_dir=Path(path).parent)

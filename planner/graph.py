@@ -18,7 +18,7 @@ import enum
 import hashlib
 import operator
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -30,6 +30,7 @@ from onnx import numpy_helper, shape_inference
 
 from planner.errors import DimBindingError, ModelError
 from planner.layers import LayerGroup, find_repeated_layers
+from planner.params import DroppedBias, Parameter, find_parameters
 
 # Protobuf refuses messages over 2 GiB; above this a model's shapes are inferred on the file.
 _PROTO_LIMIT_BYTES = 2**31 - 1
@@ -42,9 +43,6 @@ _NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "in
 _SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 # Inputs that contribute only their dtype or shape, never their values (CastLike's target_type).
 _META_ONLY_INPUTS = {"CastLike": (1,)}
-# Input slots that take running statistics, not trainable weights (for exports without parameter kinds).
-_STATISTICS_INPUTS = {"BatchNormalization": (3, 4)}
-_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 
 
@@ -135,6 +133,8 @@ class OpGraph:
         opset: int,
         dims: Mapping[str, int],
         const_values: Mapping[str, np.ndarray] | None = None,
+        parameters: Mapping[str, Parameter] | None = None,
+        notes: tuple[str, ...] = (),
     ) -> None:
         self.name = name
         self.nodes = nodes
@@ -145,6 +145,9 @@ class OpGraph:
         self.opset = opset
         self.dims = dict(dims)
         self.const_values = dict(const_values or {})
+        # Every PARAM tensor's provenance: the initializer holding its value, the torch name it stands for.
+        self.parameters = dict(parameters or {})
+        self.notes = notes  # what the import changed or could not recover, for inspect and plan to say
         self.node_by_name = {n.name: n for n in nodes}
         self.producer = {t: n.name for n in nodes for t in n.outputs if t}
         self.graph = self._build_digraph()
@@ -245,7 +248,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     init_names = {t.name for t in g.initializer}
     user_inputs = [v for v in g.input if v.name not in init_names]
     bound = _bind_dims(user_inputs, dims)
-    param_kind = {n: meta.get(_KIND_KEY) for n, meta in _value_metadata(g).items()}
+    table = find_parameters(g)  # before inference, which drops value_info metadata
     model = _with_static_shapes(model, bound)
     g = model.graph
 
@@ -256,26 +259,22 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
             sequences.add(v.name)
         infos[v.name] = (_static_shape(v.type), _dtype_name(v.type.tensor_type.elem_type))
 
-    has_export_kinds = any(k is not None for k in param_kind.values())
-
-    statistics = {
-        n.input[i] for n in g.node for i in _STATISTICS_INPUTS.get(n.op_type, ()) if i < len(n.input)
-    }
     tensors: dict[str, TensorInfo] = {}
     for v in user_inputs:
         shape, dtype = infos[v.name]
         tensors[v.name] = TensorInfo(v.name, shape or (), dtype, TensorKind.INPUT)
     for init in g.initializer:
-        dtype = _dtype_name(init.data_type)
-        if has_export_kinds:
-            is_param = param_kind.get(init.name) == "PARAMETER"
-        else:  # legacy exporter: trainable weights are the float initializers with more than one element
-            is_param = dtype in _FLOAT_DTYPES and int(np.prod(init.dims)) > 1 and init.name not in statistics
-        kind = TensorKind.PARAM if is_param else TensorKind.CONSTANT
-        tensors[init.name] = TensorInfo(init.name, tuple(int(d) for d in init.dims), dtype, kind)
+        kind = TensorKind.PARAM if init.name in table.params else TensorKind.CONSTANT
+        tensors[init.name] = TensorInfo(init.name, tuple(int(d) for d in init.dims), _dtype_name(init.data_type), kind)
+    for p in table.params.values():
+        if p.name not in tensors and p.source:  # a merged initializer split into the parameters it stood for
+            src = tensors[p.source]
+            tensors[p.name] = TensorInfo(p.name, src.shape, src.dtype, TensorKind.PARAM)
 
-    nodes = tuple(_op_node(n, i) for i, n in enumerate(g.node))
+    nodes = _restore_dropped_biases([_op_node(n, i, table.renamed_inputs) for i, n in enumerate(g.node)],
+                                    table.dropped_biases, infos, tensors)
     constant_nodes = _constant_nodes(nodes, tensors)
+    read = {t for n in nodes for t in n.inputs if t} | {v.name for v in g.output}
     missing: list[str] = []
     for node in nodes:
         kind = TensorKind.CONSTANT if node.name in constant_nodes else TensorKind.ACTIVATION
@@ -288,13 +287,16 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
                 # that shape tells the rules which dims its elements share with it.
                 dtype = "sequence"
                 shape = tensors[node.inputs[0]].shape if node.op_type == "SplitToSequence" else shape
-            elif shape is None and kind is TensorKind.ACTIVATION:
-                missing.append(f"{t} ({node.op_type})")
+            elif shape is None and kind is TensorKind.ACTIVATION and t in read:
+                # An output nothing reads (Dropout's mask, training-mode statistics) needs no shape.
+                missing.append(f"{t!r} (output of {node.op_type} node {node.name!r})")
             tensors[t] = TensorInfo(t, shape or (), dtype, kind)
     if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise ModelError(
-            f"shape inference left {len(missing)} tensor(s) without a static shape (first: {missing[0]}); "
-            "bind every symbolic dim with --dim NAME=N or export with static shapes"
+            f"ONNX shape inference could not give tensor {missing[0]}{more} a static shape at the bound dims "
+            f"({', '.join(f'{k}={v}' for k, v in bound.items()) or 'no symbolic dims'}); re-export the model "
+            "with static shapes or a newer opset"
         )
 
     const_values: dict[str, np.ndarray] = {}
@@ -318,9 +320,35 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         opset=opset,
         dims=bound,
         const_values=const_values,
+        parameters={k: p for k, p in table.params.items() if k in tensors},
+        notes=table.notes,
     )
     _check_constant_lookups(model, graph)
     return graph
+
+
+def _restore_dropped_biases(nodes: list[OpNode], dropped: tuple[DroppedBias, ...],
+                            infos: dict[str, tuple[tuple[int, ...] | None, str]],
+                            tensors: dict[str, TensorInfo]) -> tuple[OpNode, ...]:
+    """Give back the zero biases the exporter's optimizer removed: Gemm's and Conv's bias slot, or
+    an Add after the MatMul (its output renamed, so that every reader still reads the biased value)."""
+    inserted: dict[int, OpNode] = {}
+    for d in dropped:
+        node = nodes[d.node_index]
+        out = node.outputs[0]
+        shape, dtype = infos.get(out, (None, "float32"))
+        if not shape:
+            continue
+        tensors[d.name] = TensorInfo(d.name, (shape[1] if d.conv else shape[-1],), dtype, TensorKind.PARAM)
+        if node.op_type in ("Gemm", "Conv"):
+            nodes[d.node_index] = replace(node, inputs=(*node.inputs[:2], d.name))
+            continue
+        unbiased = f"{out}__unbiased"
+        infos[unbiased] = (shape, dtype)
+        nodes[d.node_index] = replace(node, outputs=(unbiased, *node.outputs[1:]))
+        inserted[d.node_index] = OpNode(name=f"{node.name}__bias", op_type="Add", inputs=(unbiased, d.name),
+                                        outputs=(out,), attrs=(), module_path=node.module_path)
+    return tuple(x for i, n in enumerate(nodes) for x in ((n, inserted[i]) if i in inserted else (n,)))
 
 
 def shape_op_value(graph: OpGraph, node: OpNode) -> np.ndarray:
@@ -342,7 +370,7 @@ def _check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
                and graph.tensors[n.inputs[1]].kind is TensorKind.CONSTANT]
     if not lookups:
         return
-    protos = dict(zip((n.name for n in graph.nodes), model.graph.node, strict=True))
+    protos = {n.name or f"{n.op_type}_{i}": n for i, n in enumerate(model.graph.node)}  # as _op_node names them
     for node in lookups:
         table, idx = graph.tensors[node.inputs[0]], graph.tensors[node.inputs[1]]
         value = _evaluate_constant(model, graph, protos, idx.name)
@@ -431,14 +459,6 @@ def _bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) 
         if size <= 0:
             raise DimBindingError(f"--dim {k}={size}: a dimension must be a positive integer")
     return {d: int(dims[d]) for d in needed}
-
-
-def _value_metadata(g: onnx.GraphProto) -> dict[str, dict[str, str]]:
-    return {
-        v.name: {p.key: p.value for p in v.metadata_props}
-        for v in (*g.input, *g.value_info)
-        if len(v.metadata_props)
-    }
 
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -549,11 +569,11 @@ def _module_path(n: onnx.NodeProto) -> str:
     return ""
 
 
-def _op_node(n: onnx.NodeProto, index: int) -> OpNode:
+def _op_node(n: onnx.NodeProto, index: int, renamed: Mapping[tuple[int, int], str]) -> OpNode:
     return OpNode(
         name=n.name or f"{n.op_type}_{index}",
         op_type=n.op_type,
-        inputs=tuple(n.input),
+        inputs=tuple(renamed.get((index, j), t) for j, t in enumerate(n.input)),
         outputs=tuple(n.output),
         attrs=tuple((a.name, _attr_value(a)) for a in n.attribute),
         domain=n.domain,
