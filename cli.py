@@ -132,6 +132,36 @@ def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
         click.echo(json.dumps(summary, indent=1))
         return
     _render_summary(summary)
+    for note in summary["notes"]:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int | None]:
+    dims: dict[str, int | None] = {}
+    for v in values:
+        name, sep, num = v.partition("=")
+        if not name or (sep and not num.strip().isdigit()):
+            raise click.BadParameter(f"{v!r} is not NAME or NAME=N (e.g. --dim batch --dim seq=2048)")
+        dims[name] = int(num) if sep else None
+    return dims
+
+
+@main.command("export")
+@click.option("--hf-config", "hf_config", required=True, type=click.Path(path_type=str),
+              help="A transformers config.json (or the folder holding it); no weights are read or made.")
+@click.option("--dim", "dims", multiple=True, callback=_parse_export_dims, metavar="NAME[=N]",
+              help="An input dim: NAME stays symbolic (bound by --dim NAME=N at plan time), NAME=N is static. "
+                   "Token models take batch and seq (both symbolic by default).")
+@click.option("-o", "--out", "out_path", required=True, help="The .onnx file to write (shape-only).")
+@_one_line_errors
+def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> None:
+    """Write a shape-only ONNX of a transformers model: every parameter declared, no weights."""
+    from planner.export import export_hf_config
+
+    with err_console.status("exporting"):
+        r = export_hf_config(hf_config, out_path, dims=dims)
+    note = f", layers repeated ({r.repeated_layers})" if r.repeated_layers else ""
+    console.print(f"wrote {r.path}: {r.num_params:,} parameters, shape-only, {r.seconds:.1f} s{note}")
 
 
 def _render_summary(s: dict[str, Any]) -> None:
@@ -259,6 +289,8 @@ def _render_plan(d: dict[str, Any], candidates: list[Any], out: Any) -> None:
     head.add_row("fallbacks", ", ".join(fb) if fb else "none")
     head.add_row("written", str(out))
     console.print(head)
+    for note in d["model"].get("notes", []):
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if len(candidates) > 1:
         t = Table(title="mesh candidates")
         for col in ("mesh", "step time", "memory", "status"):

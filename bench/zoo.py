@@ -14,13 +14,9 @@ the torch parameter count with tied weights counted once, the default dims, the 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
-import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,9 +25,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from planner.export import export as export_module
+from planner.export import export_config, logits_module, quiet
+
 # Bump when an export recipe changes: cached files of another version are rebuilt.
-ZOO_VERSION = 2
-_KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+ZOO_VERSION = 3
 DEFAULT_DIR = Path(os.environ.get("MESHPLAN_ZOO_DIR", Path.home() / ".cache" / "meshplan" / "zoo"))
 
 
@@ -87,64 +85,43 @@ class ConvNet(nn.Module):
         return self.fc(torch.flatten(self.pool(self.stages(self.stem(x))), 1))
 
 
-class CausalLMLogits(nn.Module):
-    """`forward(ids) -> logits` around a transformers model: one tensor in, one out, no cache."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=ids, use_cache=False, return_dict=False)[0]
-
-
-class EncoderLogits(nn.Module):
-    def __init__(self, model: nn.Module, key: str) -> None:
-        super().__init__()
-        self.model = model
-        self.key = key
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.key: x}, return_dict=False)[0]
-
-
 # ---------------------------------------------------------------------------------------------
 # transformers builders (imported lazily: transformers is a zoo-only dependency)
 
 
-def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, n_pos: int) -> tuple[nn.Module, dict[str, Any]]:
+def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, n_pos: int) -> tuple[nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=n_pos,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa")
-    return CausalLMLogits(GPT2LMHeadModel(cfg)), cfg.to_diff_dict()
+                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", use_cache=False)
+    return logits_module(GPT2LMHeadModel(cfg), "input_ids"), cfg
 
 
 def _llama(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int,
-           max_pos: int) -> tuple[nn.Module, dict[str, Any]]:
+           max_pos: int) -> tuple[nn.Module, Any]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter,
                       num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=vocab,
                       max_position_embeddings=max_pos, rope_theta=500000.0, tie_word_embeddings=False,
-                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa")
-    return CausalLMLogits(LlamaForCausalLM(cfg)), cfg.to_diff_dict()
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa", use_cache=False)
+    return logits_module(LlamaForCausalLM(cfg), "input_ids"), cfg
 
 
-def _bert() -> tuple[nn.Module, dict[str, Any]]:
+def _bert() -> tuple[nn.Module, Any]:
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
                      vocab_size=256, max_position_embeddings=64, attn_implementation="sdpa", pad_token_id=0)
-    return EncoderLogits(BertForMaskedLM(cfg), "input_ids"), cfg.to_diff_dict()
+    return logits_module(BertForMaskedLM(cfg), "input_ids"), cfg
 
 
-def _vit() -> tuple[nn.Module, dict[str, Any]]:
+def _vit() -> tuple[nn.Module, Any]:
     from transformers import ViTConfig, ViTForImageClassification
 
     cfg = ViTConfig(image_size=32, patch_size=8, num_channels=3, hidden_size=64, num_hidden_layers=2,
                     num_attention_heads=4, intermediate_size=128, num_labels=10, attn_implementation="sdpa")
-    return EncoderLogits(ViTForImageClassification(cfg), "pixel_values"), cfg.to_diff_dict()
+    return logits_module(ViTForImageClassification(cfg), "pixel_values"), cfg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,7 +131,7 @@ def _vit() -> tuple[nn.Module, dict[str, Any]]:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ZooEntry:
     name: str
-    build: Callable[[], tuple[nn.Module, dict[str, Any]]]
+    build: Callable[[], tuple[nn.Module, Any]]  # the module and its config (a dict or a transformers config)
     input_kind: Literal["tokens", "image", "features"]
     input_dims: tuple[str | int, ...]  # symbolic names become dynamic dims
     example_dims: dict[str, int]  # values used for the export trace
@@ -247,38 +224,10 @@ def _param_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() yields a tied weight once
 
 
-def _declare_shape_only_initializers(path: Path, model: nn.Module) -> None:
-    """Declare every parameter the graph reads as an initializer whose external data is absent."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    g = proto.graph
-    produced = {o for n in g.node for o in n.output} | {i.name for i in g.initializer}
-    read = {i for n in g.node for i in n.input if i and i not in produced}
-    params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = dict(model.named_buffers(remove_duplicate=False))
-    data_file = path.with_suffix(".weights")  # never written: the declarations point at absent data
-    keep_inputs = [i for i in g.input if i.name not in params and i.name not in buffers]
-    del g.input[:]
-    g.input.extend(keep_inputs)
-    for name in sorted(read & (set(params) | set(buffers))):
-        t = params.get(name, buffers.get(name))
-        assert t is not None
-        elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=t.dtype).numpy().dtype)
-        init = onnx.TensorProto(name=name, dims=list(t.shape), data_type=elem)
-        init.data_location = onnx.TensorProto.EXTERNAL
-        for k, v in (("location", data_file.name), ("offset", "0"), ("length", str(t.numel() * t.element_size()))):
-            init.external_data.add(key=k, value=v)
-        g.initializer.append(init)
-        # Declare the kind as the exporter does for initializers it writes itself.
-        vi = onnx.helper.make_tensor_value_info(name, elem, list(t.shape))
-        vi.metadata_props.add(key=_KIND_KEY, value="PARAMETER" if name in params else "BUFFER")
-        g.value_info.append(vi)
-    onnx.save(proto, str(path))
-
-
 def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Path:
-    """Export zoo model `name` to `out_dir/<name>.onnx` (cached by ZOO_VERSION) and return the path."""
+    """Export zoo model `name` to `out_dir/<name>.onnx` (cached by ZOO_VERSION) and return the path.
+    Dynamo exports go through `meshplan export`'s functions (planner/export.py): a module with its
+    weights, or a transformers config shape-only (deep stacks exported at two layers and repeated)."""
     entry = ZOO[name]
     out_dir.mkdir(parents=True, exist_ok=True)
     path, meta_path = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
@@ -294,22 +243,19 @@ def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Pa
         model, config = entry.build()
     model.eval()
     x = _example(entry, device)
-    dyn = {i: torch.export.Dim(d, max=entry.dim_max.get(d, 1 << 20)) for i, d in enumerate(entry.input_dims)
-           if isinstance(d, str)}
     tmp = path.with_suffix(".onnx.tmp")
-    with _quiet():
-        if entry.exporter == "dynamo":
-            prog = torch.onnx.export(model, (x,), dynamo=True, dynamic_shapes=(dyn,), optimize=False)
-            assert prog is not None
-            prog.save(str(tmp), include_initializers=entry.with_weights)
-        else:
-            axes = {i: d for i, d in enumerate(entry.input_dims) if isinstance(d, str)}
-            _randomize_norm_state(model)  # else the exporter merges equal initializers (all-ones γ) into one
+    if entry.exporter == "legacy":
+        axes = {i: d for i, d in enumerate(entry.input_dims) if isinstance(d, str)}
+        _randomize_norm_state(model)  # else the exporter merges equal initializers (all-ones γ) into one
+        with quiet():
             torch.onnx.export(model, (x,), str(tmp), dynamo=False, input_names=["input"], output_names=["output"],
                               dynamic_axes={"input": axes}, opset_version=17, do_constant_folding=False)
-    if not entry.with_weights:
-        _declare_shape_only_initializers(tmp, model)
-    tmp.replace(path)
+        tmp.replace(path)
+    elif entry.with_weights or isinstance(config, dict):
+        names = [tuple(d if isinstance(d, str) else None for d in entry.input_dims)]
+        export_module(model, (x,), path, dynamic=names, weights=entry.with_weights, dim_max=entry.dim_max)
+    else:
+        export_config(config, path)
     meta = {
         "zoo_version": ZOO_VERSION,
         "torch": torch.__version__,
@@ -321,7 +267,7 @@ def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Pa
         "input_dims": list(entry.input_dims),
         "default_dims": entry.default_dims,
         "example_dims": entry.example_dims,
-        "config": config,
+        "config": config if isinstance(config, dict) else config.to_diff_dict(),
         "export_s": round(time.perf_counter() - t0, 2),
     }
     meta_path.write_text(json.dumps(meta, indent=1, default=str))
@@ -330,15 +276,6 @@ def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Pa
 
 def metadata(name: str, out_dir: Path = DEFAULT_DIR) -> dict[str, Any]:
     return json.loads((out_dir / f"{name}.json").read_text())
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
-    """The exporters print progress and warnings on every call; the zoo reports its own."""
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        yield
 
 
 def main(argv: list[str] | None = None) -> None:

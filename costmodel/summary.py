@@ -38,4 +38,5 @@ def graph_summary(graph: OpGraph) -> dict[str, Any]:
              "nodes_per_layer": g.nodes_per_layer}
             for g in graph.layers
         ],
+        "notes": list(graph.notes),  # what the import restored or could not recover
     }

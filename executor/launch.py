@@ -14,7 +14,8 @@ from typing import Any
 from executor.train import RunOptions, worker
 from hwprofiles.ranks import run_ranks
 from planner.errors import MeshplanError
-from planner.graph import load_graph
+from planner.graph import OpGraph, load_graph
+from planner.params import Fold
 from planner.strategy import Strategy, load_strategy
 
 
@@ -53,6 +54,20 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     return dict(out)
 
 
+def check_executable(graph: OpGraph) -> None:
+    """Refuse, before any rank starts, a model the executor cannot train as the torch module would."""
+    from executor.ops import OPS
+
+    missing = sorted({n.op_type for n in graph.nodes if n.op_type not in OPS and n.op_type not in ("Shape", "Size")})
+    if missing:
+        raise RunError(f"the executor cannot run op type(s) {', '.join(missing)} (they plan, replicated or by rule); "
+                       "add them to executor/ops.py, or plan without run")
+    static = [f"{p.name} ← {p.origin}" for p in graph.parameters.values() if p.fold is Fold.STATIC]
+    if static:
+        raise RunError(f"parameter(s) {', '.join(static)} were folded at the export's static shapes: training them "
+                       "would not train the module's tensors; re-export with dynamic_shapes or optimize=False")
+
+
 def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, timeout_s: float = 600.0) -> dict[str, Any]:
     strategy = load_strategy(strategy_path)
     d = strategy.data
@@ -64,6 +79,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         raise RunError(f"{model_path} is not the model the strategy was planned for ({d['model']['name']}, dims "
                        f"{d['model']['dims']}): {e}") from e
     strategy.check_model(graph)
+    check_executable(graph)
     mesh_size = len(d["mesh"]["devices"])
     if nproc != mesh_size:
         raise RunError(f"--nproc {nproc} but the strategy's mesh {'x'.join(map(str, d['mesh']['shape']))} has "

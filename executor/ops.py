@@ -1,8 +1,9 @@
-"""ONNX operators in torch, one function per op type (opsets 17–21), registered by decorator.
+"""ONNX operators in torch, one function per op type (opsets 7–23), registered by decorator.
 
 Each takes the node and its input tensors (None for absent optional inputs) and returns the outputs.
-Only what the zoo's exports contain, plus their obvious neighbours; an op type missing here is a clear
-error naming it.
+This module holds the core (element-wise, matmul, conv, views, gathers); `ops_math` and `ops_vision`
+register the rest. Every op type the planner has a sharding rule for runs here (a test walks both
+tables); `meshplan run` refuses a model with any other op type before starting its ranks.
 """
 
 from __future__ import annotations
@@ -110,9 +111,9 @@ def _where(node: OpNode, x: list[Any]) -> list[Any]:
     return [torch.where(x[0], x[1], x[2])]
 
 
-@op("Identity", "Dropout")
+@op("Identity")
 def _identity(node: OpNode, x: list[Any]) -> list[Any]:
-    return [x[0]]  # Dropout runs in inference form: the exported graph was traced in eval mode
+    return [x[0]]
 
 
 @op("Gelu")
@@ -351,3 +352,7 @@ def _constant(node: OpNode, x: list[Any]) -> list[Any]:
         if key in ("value_float", "value_floats"):
             return [torch.tensor(v, dtype=torch.float32)]
     raise UnsupportedOpError(f"{node.name}: Constant without a supported value attribute")
+
+
+# The other families register into OPS on import (they import `op` from here).
+from executor import ops_math, ops_vision  # noqa: E402, F401

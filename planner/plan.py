@@ -274,7 +274,7 @@ def strategy_document(graph: OpGraph, model_path: str, profile: HardwareProfile,
     return {
         "schema_version": SCHEMA_VERSION,
         "model": {"path": str(Path(model_path).resolve()), "name": graph.name, "fingerprint": graph.fingerprint,
-                  "dims": dict(graph.dims)},
+                  "dims": dict(graph.dims), **({"notes": list(graph.notes)} if graph.notes else {})},
         "profile": {"name": profile.name, "digest": profile.digest},
         "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "devices": list(mesh.devices),
                  "devices_per_node": mesh.devices_per_node},

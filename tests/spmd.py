@@ -95,7 +95,20 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh_shape: tuple[int, ...],
 # Running one ONNX node per rank
 
 
+def _lrn(node: onnx.NodeProto, x: np.ndarray) -> np.ndarray:
+    """LRN as the ONNX spec defines it: onnx.reference's (1.23) sums its window over the batch
+    index instead of the channels (op_lrn.py loops over x.shape[0]), so it is not the reference."""
+    a = {k.name: helper.get_attribute_value(k) for k in node.attribute}
+    size, alpha, beta, bias = int(a["size"]), a.get("alpha", 1e-4), a.get("beta", 0.75), a.get("bias", 1.0)
+    before, after = (size - 1) // 2, size - 1 - (size - 1) // 2
+    sq = np.pad(x.astype(np.float64) ** 2, [(0, 0), (before, after)] + [(0, 0)] * (x.ndim - 2))
+    window = sum(sq[:, i:i + x.shape[1]] for i in range(size))
+    return (x / (bias + alpha / size * window) ** beta).astype(x.dtype)
+
+
 def run_node(node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: int = 20) -> list[np.ndarray]:
+    if node.op_type == "LRN":
+        return [_lrn(node, inputs[0])]  # type: ignore[arg-type]
     names = [n for n in node.input]
     feeds = {n: v for n, v in zip(names, inputs, strict=True) if n and v is not None}
     graph = helper.make_graph(
@@ -104,4 +117,5 @@ def run_node(node: onnx.NodeProto, inputs: Sequence[np.ndarray | None], opset: i
         [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = min(model.ir_version, 10)
     return list(ReferenceEvaluator(model).run(None, feeds))

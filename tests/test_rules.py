@@ -36,6 +36,7 @@ class Case:
     n_out: int = 1
     name: str = ""
     positive: bool = False  # Sqrt, Reciprocal, Pow: keep inputs away from 0
+    opset: int = 20
 
     @property
     def id(self) -> str:
@@ -100,6 +101,39 @@ CASES = [
     Case("Gather", [(4, 8, 4), ("int", (3,), 8)], {"axis": 1}, name="Gather-axis1"),
     Case("GatherElements", [(4, 8), ("int", (4, 8), 8)], {"axis": 1}),
     Case("GatherND", [(4, 6, 8), ("int", (4, 2, 1), 6)], {"batch_dims": 1}),
+    # Opsets 7–23 as found in the wild (the onnx wheel's model-zoo CNNs, newer exporters).
+    Case("Sum", [(4, 8), (8,), (4, 8)], name="Sum-variadic"),
+    Case("Mean", [(4, 8), (4, 8)], name="Mean"),
+    Case("Min", [(4, 8), (4, 1), (4, 8)], name="Min-variadic"),
+    Case("LRN", [(2, 8, 4, 4)], {"size": 3, "alpha": 1e-3, "beta": 0.75, "bias": 1.0}),
+    Case("MaxPool", [(2, 4, 5, 5)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 1, 1]},
+         name="MaxPool-asymmetric-pads"),
+    Case("MaxPool", [(2, 4, 5, 5)], {"kernel_shape": [3, 3], "strides": [2, 2], "ceil_mode": 1}, name="MaxPool-ceil"),
+    Case("AveragePool", [(2, 4, 5, 5)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}, name="AveragePool-pads"),
+    Case("AveragePool", [(2, 4, 5, 5)], {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+         name="AveragePool-count-pad"),
+    Case("AveragePool", [(2, 4, 6, 6)], {"kernel_shape": [3, 3], "strides": [2, 2], "auto_pad": "SAME_UPPER"},
+         name="AveragePool-same-upper"),
+    Case("GlobalMaxPool", [(2, 4, 3, 3)]),
+    Case("Upsample", [(2, 4, 3, 3), c(1.0, 1.0, 2.0, 2.0, dtype=np.float32)], {"mode": "nearest"}, opset=9),
+    Case("Resize", [(2, 4, 3, 3), np.zeros(0, np.float32), c(1.0, 1.0, 2.0, 2.0, dtype=np.float32)],
+         {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"},
+         opset=13, name="Resize-nearest"),
+    Case("Resize", [(2, 4, 3, 3), np.zeros(0, np.float32), c(1.0, 1.0, 2.0, 2.0, dtype=np.float32)],
+         {"mode": "linear"}, name="Resize-linear"),
+    Case("Einsum", [(2, 4, 8), (2, 8, 6)], {"equation": "bij,bjk->bik"}, name="Einsum-bmm"),
+    Case("Einsum", [(2, 3, 4, 8), (2, 3, 5, 8)], {"equation": "bhqd,bhkd->bhqk"}, name="Einsum-scores"),
+    Case("Einsum", [(4, 8), (8,)], {"equation": "ij,j"}, name="Einsum-implicit"),
+    Case("LogSoftmax", [(2, 4, 8)], {"axis": -1}),
+    Case("Clip", [(4, 8), c(-0.5, dtype=np.float32), c(0.5, dtype=np.float32)], name="Clip-inputs"),
+    Case("Clip", [(4, 8)], {"min": -0.5, "max": 0.5}, opset=7, name="Clip-attrs"),
+    Case("LeakyRelu", [(4, 8)], {"alpha": 0.1}),
+    Case("HardSigmoid", [(4, 8)], {"alpha": 0.3, "beta": 0.4}),
+    Case("Dropout", [(4, 8)], {"ratio": 0.3}, opset=7, name="Dropout-ratio-attr"),
+    Case("Dropout", [(4, 8), np.array(0.3, np.float32)], n_out=2, name="Dropout-mask"),
+    Case("Gelu", [(4, 8)], {"approximate": "tanh"}, name="Gelu-tanh"),
+    Case("RMSNormalization", [(2, 4, 8), (8,)], {"axis": -1}, opset=23),
+    Case("Flatten", [(2, 4, 3, 3)], {"axis": 2}, opset=9, name="Flatten-9"),
 ]
 
 
@@ -128,8 +162,9 @@ def build(case: Case) -> tuple[OpGraph, onnx.NodeProto, list[np.ndarray]]:
     model = helper.make_model(
         helper.make_graph([node], "case", graph_inputs, [helper.make_tensor_value_info(o, 0, None) for o in outs],
                           initializer=inits),
-        opset_imports=[helper.make_opsetid("", 20)],
+        opset_imports=[helper.make_opsetid("", case.opset)],
     )
+    model.ir_version = min(model.ir_version, 10)  # what onnx.reference reads at every opset here
     return graph_from_proto(model, {}), node, values
 
 
@@ -157,7 +192,7 @@ def run_strategy(case: Case, graph: OpGraph, node: onnx.NodeProto, values: list[
         if SPLIT_GROUPS in strategy.kernels:  # depthwise conv on a channel slice: one group per local channel
             local_node = helper.make_node("Conv", list(node.input), list(node.output), name="n",
                                           **{**case.attrs, "group": local[0].shape[1]})
-            results[co] = run_node(local_node, local)
+            results[co] = run_node(local_node, local, case.opset)
         elif MASKED_GATHER in strategy.kernels:
             axis = int(case.attrs.get("axis", 0))
             vocab = values[0].shape[axis]
@@ -166,7 +201,7 @@ def run_strategy(case: Case, graph: OpGraph, node: onnx.NodeProto, values: list[
             rows = shard(np.arange(vocab), only_axis, mesh_shape)[co]
             results[co] = [_masked_gather(local[0], local[1], rows, axis)]
         else:
-            results[co] = run_node(node, local)
+            results[co] = run_node(node, local, case.opset)
     return [unshard({co: r[j] for co, r in results.items()}, strategy.output_specs[j], mesh_shape)
             for j in range(case.n_out)]
 
@@ -179,7 +214,7 @@ def test_rule_numerically(case: Case, mesh_shape: tuple[int, ...]) -> None:
     assert has_rule(case.op), f"{case.op} has no rule"
     mesh = DeviceMesh.build(int(np.prod(mesh_shape)), mesh_shape)
     ns = strategies_for(opnode, graph, mesh)
-    expected = run_node(node, values)
+    expected = run_node(node, values, case.opset)
     # More than the replicated strategy, unless no dim is large enough to split.
     assert len(ns.strategies) > 1
     for strategy in ns.strategies:

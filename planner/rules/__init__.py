@@ -242,4 +242,4 @@ def follow(ctx: OpContext, dims_in_to_out: Sequence[tuple[int, int]], *, inputs:
 
 
 # Import every family so that its rules register (order does not matter).
-from planner.rules import conv, elementwise, gather, matmul, norm, reduction, shape  # noqa: E402, F401
+from planner.rules import conv, elementwise, gather, image, matmul, norm, reduction, shape  # noqa: E402, F401

@@ -4,6 +4,7 @@ With broadcasting (numpy rules, right-aligned), an input that lacks a dim or has
 replicated on that split. Partial passes through the ops that are linear in it:
   Add/Sub   P ± P → P            Neg, Identity   P → P
   Mul       P · R → P, R · P     Div             P / R → P
+  Sum/Mean  P, …, P → P          (variadic, any number of inputs)
 Inputs the table marks as "not placed" (Dropout's ratio, CastLike's dtype source, Clip's bounds)
 take no placement and cost nothing.
 """
@@ -22,6 +23,8 @@ BINARY = (
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Mod", "Equal", "Less", "LessOrEqual", "Greater",
     "GreaterOrEqual", "And", "Or", "Xor", "Where", "PRelu", "BitwiseAnd", "BitwiseOr",
 )
+# Variadic: any number of same-role inputs, broadcast together; linear, so partial sums pass through.
+VARIADIC = ("Sum", "Mean")
 # The first input is the data; the others, when present, are parameters of the op, not placed.
 _DATA_ONLY = {"CastLike": 1, "Dropout": 1, "Clip": 1}
 _LINEAR_UNARY = frozenset({"Identity", "Neg"})
@@ -72,4 +75,12 @@ def binary_rule(ctx: OpContext) -> list[AxisStrategy]:
         out.append(AxisStrategy(inputs=(P, other(1)), outputs=(P,)))
     if op == "Mul" and placed[1]:
         out.append(AxisStrategy(inputs=(other(0), P), outputs=(P,)))
+    return out
+
+
+@register_rule(*VARIADIC)
+def variadic_rule(ctx: OpContext) -> list[AxisStrategy]:
+    out = _dims_strategies(ctx, len(ctx.in_shapes))
+    if all(p and not (ctx.constant and ctx.constant[i]) for i, p in enumerate(ctx.placeable)):
+        out.append(AxisStrategy(inputs=(P,) * len(ctx.in_shapes), outputs=(P,)))  # Σ of partials, each rank's share
     return out

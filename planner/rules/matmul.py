@@ -6,6 +6,11 @@ One mesh axis, A[..., M, K] @ B[..., K, N] = Y[..., M, N]:
   N      A R,    B S(N)                         → Y S(N)     (column-parallel weight)
   K      A S(K), B S(K)                         → Y P        (row-parallel weight: partial sums)
 Gemm adds C; with K split, C must be Partial too (added once in the sum), else it follows Y.
+
+Einsum's strategies are generated from its equation, as DTensor does for mm-like ops: an output
+letter splits on every operand that has it (R where an operand lacks it or broadcasts it), a
+contracted letter splits on every operand that has it and leaves the output Partial. Equations with
+an ellipsis or a letter repeated within one operand (a diagonal) get the replicated strategy only.
 """
 
 from __future__ import annotations
@@ -64,3 +69,41 @@ def gemm_rule(ctx: OpContext) -> list[AxisStrategy]:
         AxisStrategy(inputs=(R, Shard(n_b), *c_for(1)), outputs=(Shard(1),)),
         AxisStrategy(inputs=(Shard(k_a), Shard(k_b), *((P,) if has_c else ())), outputs=(P,)),
     ]
+
+
+def parse_einsum(equation: str, n_inputs: int) -> tuple[list[str], str] | None:
+    eq = equation.replace(" ", "")
+    if "." in eq:
+        return None
+    lhs, arrow, out = eq.partition("->")
+    terms = lhs.split(",")
+    if len(terms) != n_inputs:
+        return None
+    if not arrow:  # implicit output: the letters that appear once, in alphabetical order
+        letters = "".join(terms)
+        out = "".join(sorted(ch for ch in set(letters) if letters.count(ch) == 1))
+    if any(len(set(t)) != len(t) for t in (*terms, out)):
+        return None
+    return terms, out
+
+
+@register_rule("Einsum")
+def einsum_rule(ctx: OpContext) -> list[AxisStrategy]:
+    parsed = parse_einsum(str(ctx.node.attr("equation", "")), len(ctx.in_shapes))
+    if parsed is None:
+        return []
+    terms, out = parsed
+    y = ctx.out_shapes[0]
+    strategies: list[AxisStrategy] = []
+    for letter in dict.fromkeys("".join(terms)):
+        ins: list[Placement | None] = []
+        for term, shape in zip(terms, ctx.in_shapes, strict=True):
+            d = term.find(letter)
+            size = y[out.index(letter)] if letter in out else None
+            ins.append(Shard(d) if d >= 0 and (size is None or shape[d] == size) else R)
+        if letter in out:
+            if any(isinstance(p, Shard) for p in ins):
+                strategies.append(AxisStrategy(inputs=tuple(ins), outputs=(Shard(out.index(letter)),)))
+        elif all(isinstance(p, Shard) for p, t in zip(ins, terms, strict=True) if letter in t):
+            strategies.append(AxisStrategy(inputs=tuple(ins), outputs=(P,)))
+    return strategies

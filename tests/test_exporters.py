@@ -1,0 +1,162 @@
+"""The importer on what users export, not only on the zoo's recipe: torch.onnx.export's defaults
+(dynamo, optimize=True), optimize=False, `meshplan export`'s shape-only files, and a shape-only file
+written by another recipe without metadata. The truths checked come from torch, not from meshplan:
+the module's `sum(p.numel())`, and its own forward output and gradients on the same weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import onnx
+import pytest
+import torch
+
+from bench.zoo import ZOO, _example
+from executor.interpreter import OnnxModule
+from executor.launch import RunError, check_executable
+from planner.errors import ModelError
+from planner.export import export as meshplan_export
+from planner.graph import load_graph, load_model_proto
+from planner.params import KIND_KEY, Fold, normalize
+
+pytestmark = pytest.mark.zoo
+MODELS = ["gpt2-tiny", "bert-tiny", "llama-tiny", "vit-tiny", "mlp"]
+WAYS = ["default", "no-optimize", "meshplan-export", "no-metadata"]
+
+
+def _module(name: str, device: str = "cpu") -> tuple[Any, torch.Tensor, dict[str, int]]:
+    entry = ZOO[name]
+    torch.manual_seed(0)
+    with torch.device(device):
+        module, _ = entry.build()
+    module.eval()
+    dims = {d: entry.example_dims[d] for d in entry.input_dims if isinstance(d, str)}
+    return module, _example(entry, device), dims
+
+
+def _dynamic(name: str, x: torch.Tensor) -> tuple[dict[int, Any], ...]:
+    entry = ZOO[name]
+    return ({i: torch.export.Dim(d, max=entry.dim_max.get(d, 1 << 20)) for i, d in enumerate(entry.input_dims)
+             if isinstance(d, str)},)
+
+
+def _write(name: str, way: str, out: Path) -> Path:
+    module, x, _ = _module(name)
+    path = out / f"{name}-{way}.onnx"
+    if way == "default":  # what the torch docs show: the defaults (optimize=True), dynamic batch/seq
+        torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=_dynamic(name, x))
+    elif way == "no-optimize":
+        torch.onnx.export(module, (x,), str(path), dynamo=True, dynamic_shapes=_dynamic(name, x), optimize=False)
+    elif way == "meshplan-export":
+        meta, mx, _ = _module(name, "meta")
+        entry = ZOO[name]
+        meshplan_export(meta, (mx,), path, dynamic=[tuple(d if isinstance(d, str) else None for d in entry.input_dims)],
+                        dim_max=entry.dim_max)
+    else:
+        _no_metadata_recipe(module, x, name, path)
+    return path
+
+
+def _no_metadata_recipe(module: Any, x: torch.Tensor, name: str, path: Path) -> None:
+    """Another team's shape-only recipe: weights saved as graph inputs, turned into initializers whose
+    external data is absent, and every metadata property stripped (no parameter kinds, no fx nodes)."""
+    prog = torch.onnx.export(module, (x,), dynamo=True, dynamic_shapes=_dynamic(name, x), optimize=False)
+    assert prog is not None
+    raw = path.with_suffix(".inputs.onnx")
+    prog.save(str(raw), include_initializers=False)
+    proto = onnx.load(str(raw))
+    g = proto.graph
+    state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
+    weights = [v for v in g.input if v.name in state]
+    keep = [v for v in g.input if v.name not in state]
+    del g.input[:]
+    g.input.extend(keep)
+    for v in weights:
+        t = state[v.name]
+        init = onnx.TensorProto(name=v.name, dims=list(t.shape), data_type=v.type.tensor_type.elem_type)
+        init.data_location = onnx.TensorProto.EXTERNAL
+        for k, val in (("location", "absent.bin"), ("offset", "0"), ("length", str(t.numel() * t.element_size()))):
+            init.external_data.add(key=k, value=val)
+        g.initializer.append(init)
+    for item in (*g.input, *g.value_info, *g.output, *g.node):
+        del item.metadata_props[:]
+    onnx.save(proto, str(path))
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, str], Path]:
+    out = tmp_path_factory.mktemp("exports")
+    cache: dict[tuple[str, str], Path] = {}
+
+    def get(name: str, way: str) -> Path:
+        if (name, way) not in cache:
+            cache[(name, way)] = _write(name, way, out)
+        return cache[(name, way)]
+
+    return get
+
+
+def _torch_count(name: str) -> int:
+    module, _, _ = _module(name, "meta")
+    return sum(p.numel() for p in module.parameters())  # a tied weight once
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("name", MODELS)
+def test_parameter_count_equals_torch(name: str, way: str, exports: Callable[[str, str], Path]) -> None:
+    _, _, dims = _module(name, "meta")
+    g = load_graph(exports(name, way), dims)
+    assert g.num_params == _torch_count(name)
+    assert all(p.fold is not Fold.STATIC for p in g.parameters.values())
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_default_export_trains_the_modules_parameters(name: str, exports: Callable[[str, str], Path]) -> None:
+    """The interpreter on the optimize=True export against the torch module itself: same output, and
+    every parameter's gradient equals the gradient of the torch parameter it stands for — a merged
+    bias trained once for all layers, or a dropped one not trained, would differ here."""
+    module, x, dims = _module(name)
+    path = exports(name, "default")
+    g = load_graph(path, dims)
+    om = OnnxModule(g, load_model_proto(path), base_dir=path.parent)
+    assert sum(p.numel() for p in om.params.values()) == sum(p.numel() for p in module.parameters())
+    y_ref, y = module(x), om(x)
+    assert torch.allclose(y, y_ref, atol=1e-5)
+    y_ref.square().mean().backward()
+    y.square().mean().backward()
+    by_name = {normalize(k): p for k, p in module.named_parameters(remove_duplicate=False)}
+    seen = set()
+    for name_, p in g.parameters.items():
+        ref = by_name[normalize(p.origin)]
+        grad = ref.grad.T if p.fold is Fold.LAYOUT else ref.grad  # a folded transpose of a weight
+        assert torch.allclose(om.parameter(name_).grad, grad, atol=1e-5, rtol=1e-4), name_
+        seen.add(id(ref))
+    assert seen == {id(p) for p in module.parameters()}  # every torch parameter is trained, once
+
+
+def test_static_default_export_names_its_folded_parameter(tmp_path: Path) -> None:
+    """torch.onnx.export(m, (ids,), path, dynamo=True) with no dynamic shapes folds BERT's position
+    table to the rows its static seq reads: planned at that shape, with a note; `run` refuses it."""
+    module, x, dims = _module("bert-tiny")
+    path = tmp_path / "bert-static.onnx"
+    torch.onnx.export(module, (x,), str(path), dynamo=True)
+    g = load_graph(path, {})
+    table = module.model.bert.embeddings.position_embeddings.weight
+    seq, hidden = x.shape[1], table.shape[1]
+    assert g.num_params == _torch_count("bert-tiny") - table.numel() + seq * hidden
+    assert any("position_embeddings" in n and "static shapes" in n for n in g.notes)
+    with pytest.raises(RunError, match="folded at the export's static shapes"):
+        check_executable(g)
+
+
+def test_weight_inputs_without_declarations_are_one_error(tmp_path: Path) -> None:
+    module, x, dims = _module("mlp")
+    prog = torch.onnx.export(module, (x,), dynamo=True, dynamic_shapes=_dynamic("mlp", x))
+    assert prog is not None
+    path = tmp_path / "inputs.onnx"
+    prog.save(str(path), include_initializers=False)
+    assert any(p.key == KIND_KEY for v in onnx.load(str(path)).graph.input for p in v.metadata_props)
+    with pytest.raises(ModelError, match=r"4 weight inputs have no declaration: .*include_initializers"):
+        load_graph(path, dims)
