@@ -22,6 +22,7 @@ from torch import nn
 from costmodel.attention import attention_regions
 from executor.ops import fused_attention, run_op
 from planner.graph import OpGraph, load_graph, load_model_proto, shape_op_value
+from planner.params import Init
 
 
 def _seeded_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -61,9 +62,8 @@ class OnnxModule(nn.Module):
         self.param_names: dict[str, str] = {}
         for name, p in graph.parameters.items():  # a split merged initializer gives its value to each part
             shape = graph.tensors[name].shape
-            src = inits.get(p.source)
-            data = None if src is None else _initializer_value(src, base_dir)
-            if src is None:  # a zero bias the exporter's optimizer removed
+            data = _initializer_value(inits[p.source], base_dir) if p.source in inits else None
+            if p.init is Init.ZEROS:  # a zero bias the exporter's optimizer removed
                 value = torch.zeros(shape)
             elif data is None:  # shape-only: no weights anywhere
                 value = _seeded_init(name, shape, seed)

@@ -107,7 +107,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "collectives_executed": r0["collectives_executed"],
     }
     for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff",
-                "single_process_loss"):
+                "single_process_loss", "trained_parameters"):
         if key in r0:
             result[key] = r0[key]
     return result

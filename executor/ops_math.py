@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor.ops import _axis, _ints, op
+from executor.ops import UnsupportedOpError, _axis, _ints, op
 from planner.graph import OpNode
 
 
@@ -146,5 +146,7 @@ def _lp_pool(node: OpNode, x: list[Any]) -> list[Any]:
     if node.op_type == "GlobalLpPool":
         return [x[0].abs().pow(p).sum(dim=tuple(range(2, x[0].dim())), keepdim=True).pow(1.0 / p)]
     spatial = x[0].dim() - 2
-    fn = {1: F.lp_pool1d, 2: F.lp_pool2d, 3: F.lp_pool3d}[spatial]
-    return [fn(x[0], p, _ints(node.attr("kernel_shape")), stride=_ints(node.attr("strides", [1] * spatial)))]  # type: ignore[operator]
+    if any(_ints(node.attr("pads", [0]))):
+        raise UnsupportedOpError(f"{node.name}: LpPool with pads is not supported")
+    fn: Any = {1: F.lp_pool1d, 2: F.lp_pool2d, 3: F.lp_pool3d}[spatial]
+    return [fn(x[0], p, _ints(node.attr("kernel_shape")), stride=_ints(node.attr("strides", [1] * spatial)))]

@@ -55,12 +55,12 @@ def _pool(node: OpNode, x: list[Any]) -> list[Any]:
     ceil = bool(node.attr("ceil_mode", 0))
     symmetric = pads[:spatial] == pads[spatial:] and all(2 * p <= k for p, k in zip(pads, kernel, strict=False))
     if node.op_type == "MaxPool":
-        fn = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[spatial]
+        fn: Any = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[spatial]
         if not symmetric:
             data, pads = F.pad(data, _torch_pad(pads), value=float("-inf")), [0] * 2 * spatial
         if len(node.outputs) > 1 and node.outputs[1]:
             raise UnsupportedOpError(f"{node.name}: MaxPool's Indices output is not supported")
-        return [fn(data, kernel, strides, pads[:spatial], dilations, ceil_mode=ceil)]  # type: ignore[operator]
+        return [fn(data, kernel, strides, pads[:spatial], dilations, ceil_mode=ceil)]
     if any(d != 1 for d in dilations):
         raise UnsupportedOpError(f"{node.name}: AveragePool with dilations is not supported")
     include = bool(node.attr("count_include_pad", 0))
@@ -69,9 +69,9 @@ def _pool(node: OpNode, x: list[Any]) -> list[Any]:
         if not include:  # the count of the real cells per window: pool a padded map of ones
             ones = F.pad(torch.ones_like(data[:1, :1]), _torch_pad(pads))
             total = fn(F.pad(data, _torch_pad(pads)), kernel, strides, 0, ceil_mode=ceil, count_include_pad=True)
-            return [total / fn(ones, kernel, strides, 0, ceil_mode=ceil, count_include_pad=True)]  # type: ignore[operator]
+            return [total / fn(ones, kernel, strides, 0, ceil_mode=ceil, count_include_pad=True)]
         data, pads = F.pad(data, _torch_pad(pads)), [0] * 2 * spatial
-    return [fn(data, kernel, strides, pads[:spatial], ceil_mode=ceil, count_include_pad=include)]  # type: ignore[operator]
+    return [fn(data, kernel, strides, pads[:spatial], ceil_mode=ceil, count_include_pad=include)]
 
 
 @op("LRN")
@@ -97,7 +97,7 @@ def _resize(node: OpNode, x: list[Any]) -> list[Any]:
     Resize's sizes."""
     data = x[0]
     spatial = data.dim() - 2
-    scales = node.attr("scales")
+    scales: Any = node.attr("scales")
     if node.op_type == "Upsample" and len(x) > 1 and x[1] is not None:
         scales = x[1].tolist()
     elif node.op_type == "Resize":
@@ -108,11 +108,11 @@ def _resize(node: OpNode, x: list[Any]) -> list[Any]:
             scales = [s / d for s, d in zip(sizes, data.shape, strict=True)]
     if scales is None:
         raise UnsupportedOpError(f"{node.name}: {node.op_type} without scales or sizes")
-    scales = [float(s) for s in scales]  # type: ignore[union-attr]
+    scales = [float(s) for s in scales]
     if scales[0] != 1.0 or scales[1] != 1.0:
         raise UnsupportedOpError(f"{node.name}: {node.op_type} over the batch or channel dims is not supported")
     mode = str(node.attr("mode", "nearest"))
-    size = [int(math.floor(data.shape[2 + d] * scales[2 + d])) for d in range(spatial)]
+    size = [math.floor(data.shape[2 + d] * scales[2 + d]) for d in range(spatial)]
     coord = str(node.attr("coordinate_transformation_mode", "asymmetric" if node.op_type == "Upsample" or
                           mode == "nearest" else "half_pixel"))
     if mode == "nearest":

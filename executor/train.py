@@ -187,6 +187,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             phases.append([b - a for a, b in itertools.pairwise(marks)])
     if opts.verify:  # after the timed steps, which it would disturb
         final = {n: runner.full_parameter(n, p.detach()) for n, p in _ordered_params(module)}
+        report["trained_parameters"] = sum(t.numel() for t in final.values())  # what the optimizer stepped, whole
         report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
                                                  float(first_loss), grads, after, final))
     report["loss"] = float(first_loss)

@@ -30,7 +30,7 @@ from onnx import numpy_helper, shape_inference
 
 from planner.errors import DimBindingError, ModelError
 from planner.layers import LayerGroup, find_repeated_layers
-from planner.params import DroppedBias, Parameter, find_parameters
+from planner.params import DroppedBias, Init, Parameter, find_parameters
 
 # Protobuf refuses messages over 2 GiB; above this a model's shapes are inferred on the file.
 _PROTO_LIMIT_BYTES = 2**31 - 1
@@ -267,9 +267,15 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         kind = TensorKind.PARAM if init.name in table.params else TensorKind.CONSTANT
         tensors[init.name] = TensorInfo(init.name, tuple(int(d) for d in init.dims), _dtype_name(init.data_type), kind)
     for p in table.params.values():
-        if p.name not in tensors and p.source:  # a merged initializer split into the parameters it stood for
+        if p.name in tensors:
+            continue
+        if p.source:  # a merged initializer split into the parameters it stood for
             src = tensors[p.source]
             tensors[p.name] = TensorInfo(p.name, src.shape, src.dtype, TensorKind.PARAM)
+        elif p.init is Init.SEEDED:  # a weight declared by ConstantOfShape
+            shape, dtype = infos.get(p.name, (None, "float32"))
+            if shape is not None:
+                tensors[p.name] = TensorInfo(p.name, shape, dtype, TensorKind.PARAM)
 
     nodes = _restore_dropped_biases([_op_node(n, i, table.renamed_inputs) for i, n in enumerate(g.node)],
                                     table.dropped_biases, infos, tensors)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
+import onnx.numpy_helper
 
 from planner.errors import ModelError
 
@@ -53,8 +54,10 @@ NON_DIFFERENTIABLE_INPUTS: dict[str, tuple[int, ...]] = {
     "ReduceMax": (1,), "ReduceMin": (1,), "TopK": (1,), "OneHot": (0, 1), "CastLike": (1,), "Shape": (0,),
     "Size": (0,), "ScatterND": (1,), "ScatterElements": (1,), "Trilu": (1,),
 }
-# Ops a weight passes through unchanged in value (views and casts): its gradient path goes on.
-_PASS_THROUGH = frozenset({"Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze", "Flatten"})
+# Ops a weight passes through as views, casts or selections of itself (a position table gathered at
+# constant positions, a class token expanded over the batch): its gradient path goes on.
+_PASS_THROUGH = frozenset({"Transpose", "Reshape", "Cast", "Identity", "Unsqueeze", "Squeeze", "Flatten", "Expand",
+                           "Tile", "Gather", "Slice", "Concat", "Split"})
 # Exporter value names of ops that select or re-lay out their input (fx names an op's output after
 # it: "slice_1", "embedding_2"), and the integer arithmetic of position indices (arange + offset); a
 # fold through anything else (mul, cos, pow…) computed new values from the state.
@@ -71,14 +74,23 @@ class Fold(enum.Enum):
     STATIC = "static"  # folded at the export's static shapes: only the part the export read is here
 
 
+class Init(enum.Enum):
+    """Where a parameter's initial value comes from, for the executor."""
+
+    SOURCE = "source"  # the `source` initializer's data (seeded where a shape-only file has none)
+    ZEROS = "zeros"  # a zero bias the exporter's optimizer removed
+    SEEDED = "seeded"  # declared by shape only (ConstantOfShape): a seeded init, as shape-only files get
+
+
 @dataclass(frozen=True, slots=True)
 class Parameter:
     """A trainable tensor of the graph and what it stands for in the torch module."""
 
     name: str  # graph tensor name
-    source: str  # the initializer holding its value (another's where a merged one was split; "": zeros, restored)
+    source: str  # the initializer holding its value (another's where a merged one was split); "" if none
     origin: str = ""  # torch's name for it, where the file says ("model.layers.0.mlp.up_proj.weight")
     fold: Fold = Fold.NONE
+    init: Init = Init.SOURCE
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +121,7 @@ def find_parameters(g: onnx.GraphProto) -> ParameterTable:
     inits = {t.name: t for t in g.initializer}
     _reject_undeclared_weights(g, meta, inits)
     consumers = _consumers(g)
+    data = _data_tensors(g, inits)
     exporter_kinds = any(KIND_KEY in meta.get(n, {}) for n in inits)
     fx_params = {_placeholder_key(p) for n in g.node for v in _fx_texts(n) for p in _FX_PARAMS.findall(v)}
     known_params = fx_params | {_placeholder_key(meta[n].get(_ORIGINAL_NAME_KEY, n)) for n in inits
@@ -136,20 +149,41 @@ def find_parameters(g: onnx.GraphProto) -> ParameterTable:
         if exporter_kinds:
             continue  # the exporter declared every parameter it lifted; the rest it made itself
         numel = int(np.prod(init.dims))
-        if numel > 1 and _reaches_gradient(name, consumers):
+        if numel > 1 and _reaches_gradient(name, consumers, data):
             params[name] = Parameter(name, name, "")
+    if not exporter_kinds:
+        for name in _declared_by_shape(g, inits, consumers, data):
+            params[name] = Parameter(name, "", "", init=Init.SEEDED)
 
     renamed, dropped, fx_notes = _match_fx_uses(g, params, meta)
     for (i, j), new in renamed.items():
         params.setdefault(new, Parameter(new, params[g.node[i].input[j]].source, new))
     for d in dropped:
-        params[d.name] = Parameter(d.name, "", d.name)
+        params[d.name] = Parameter(d.name, "", d.name, init=Init.ZEROS)
     notes = list(fx_notes)
     if static:
         notes.append(f"{len(static)} parameter(s) were folded at the export's static shapes ({', '.join(static)}): "
                      "planned at their folded shapes; the torch module's tensors are larger — export with "
                      "dynamic_shapes or optimize=False to plan and train them whole")
     return ParameterTable(params, renamed, tuple(dropped), tuple(notes))
+
+
+def _declared_by_shape(g: onnx.GraphProto, inits: dict[str, onnx.TensorProto],
+                       consumers: dict[str, list[tuple[onnx.NodeProto, int]]], data: set[str]) -> list[str]:
+    """Weights written as `ConstantOfShape(dims)` (the ONNX test data's "light" model-zoo files, a
+    shape-only recipe): a float fill of more than one element that reaches a differentiable input."""
+    out = []
+    for n in g.node:
+        if n.op_type != "ConstantOfShape" or not n.input or n.input[0] not in inits:
+            continue
+        value = next((a.t for a in n.attribute if a.name == "value"), None)
+        if value is not None and value.data_type not in _FLOAT_TYPES:
+            continue
+        dims = onnx.numpy_helper.to_array(inits[n.input[0]]) if inits[n.input[0]].data_location != \
+            onnx.TensorProto.EXTERNAL else np.zeros(0)
+        if dims.size and int(np.prod(dims)) > 1 and _reaches_gradient(n.output[0], consumers, data):
+            out.append(n.output[0])
+    return out
 
 
 def _fx_texts(node: onnx.NodeProto) -> list[str]:
@@ -189,29 +223,48 @@ def _consumers(g: onnx.GraphProto) -> dict[str, list[tuple[onnx.NodeProto, int]]
     return out
 
 
-def _reaches_gradient(name: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]]) -> bool:
+def _data_tensors(g: onnx.GraphProto, inits: dict[str, onnx.TensorProto]) -> set[str]:
+    """Tensors that depend on the data: computed from a graph input other than through Shape/Size
+    (whose values are known once dims are bound)."""
+    data = {v.name for v in g.input if v.name not in inits}
+    for n in g.node:  # topological order
+        if n.op_type not in ("Shape", "Size") and any(t in data for t in n.input):
+            data.update(o for o in n.output if o)
+    return data
+
+
+def _reaches_gradient(name: str, consumers: dict[str, list[tuple[onnx.NodeProto, int]]], data: set[str]) -> bool:
+    """A weight meets the data in a differentiable input of an op, after views, casts and selections
+    only. A float constant first combined with other constants (rotary tables from `inv_freq`, masks
+    from ranges) computes a table: module state, not a trained weight."""
     stack, seen = [name], {name}
     while stack:
         t = stack.pop()
         for node, i in consumers.get(t, []):
             if i in NON_DIFFERENTIABLE_INPUTS.get(node.op_type, ()):
                 continue
-            if node.op_type not in _PASS_THROUGH:
+            if any(u in data for j, u in enumerate(node.input) if j != i):
                 return True
-            for o in node.output:
-                if o and o not in seen:
-                    seen.add(o)
-                    stack.append(o)
+            if node.op_type in _PASS_THROUGH:
+                for o in node.output:
+                    if o and o not in seen:
+                        seen.add(o)
+                        stack.append(o)
     return False
 
 
 def _reject_undeclared_weights(g: onnx.GraphProto, meta: dict[str, dict[str, str]],
                                inits: dict[str, onnx.TensorProto]) -> None:
-    weights = [v.name for v in g.input if v.name not in inits and meta.get(v.name, {}).get(KIND_KEY) in _WEIGHT_KINDS]
+    """Weights saved without their declarations (`ONNXProgram.save(include_initializers=False)`)
+    are names the nodes read that nothing defines, or inputs the exporter marked as weights."""
+    defined = set(inits) | {v.name for v in g.input} | {o for n in g.node for o in n.output}
+    dangling = list(dict.fromkeys(t for n in g.node for t in n.input if t and t not in defined))
+    weights = dangling + [v.name for v in g.input
+                          if v.name not in inits and meta.get(v.name, {}).get(KIND_KEY) in _WEIGHT_KINDS]
     if weights:
         shown = ", ".join(weights[:3]) + (", …" if len(weights) > 3 else "")
         raise ModelError(
-            f"{len(weights)} weight inputs have no declaration: {shown} (saved with include_initializers=False); "
+            f"{len(weights)} weight inputs have no declaration: {shown} (saved with include_initializers=False?); "
             "re-save with include_initializers=True, or write a shape-only file with `meshplan export`")
 
 

@@ -15,11 +15,13 @@ import torch
 
 from bench.zoo import ZOO, _example
 from executor.interpreter import OnnxModule
-from executor.launch import RunError, check_executable
+from executor.launch import RunError, check_executable, run
+from executor.train import RunOptions
 from planner.errors import ModelError
 from planner.export import export as meshplan_export
 from planner.graph import load_graph, load_model_proto
-from planner.params import KIND_KEY, Fold, normalize
+from planner.params import Fold, normalize
+from planner.plan import PlanRequest, make_plan
 
 pytestmark = pytest.mark.zoo
 MODELS = ["gpt2-tiny", "bert-tiny", "llama-tiny", "vit-tiny", "mlp"]
@@ -60,22 +62,21 @@ def _write(name: str, way: str, out: Path) -> Path:
 
 
 def _no_metadata_recipe(module: Any, x: torch.Tensor, name: str, path: Path) -> None:
-    """Another team's shape-only recipe: weights saved as graph inputs, turned into initializers whose
-    external data is absent, and every metadata property stripped (no parameter kinds, no fx nodes)."""
+    """Another team's shape-only recipe: saved without initializers, every weight the graph reads then
+    declared as an initializer whose external data is absent, and every metadata property stripped
+    (no parameter kinds, no fx nodes, no module paths)."""
     prog = torch.onnx.export(module, (x,), dynamo=True, dynamic_shapes=_dynamic(name, x), optimize=False)
     assert prog is not None
-    raw = path.with_suffix(".inputs.onnx")
+    raw = path.with_suffix(".bare.onnx")
     prog.save(str(raw), include_initializers=False)
     proto = onnx.load(str(raw))
     g = proto.graph
     state = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers())}
-    weights = [v for v in g.input if v.name in state]
-    keep = [v for v in g.input if v.name not in state]
-    del g.input[:]
-    g.input.extend(keep)
-    for v in weights:
-        t = state[v.name]
-        init = onnx.TensorProto(name=v.name, dims=list(t.shape), data_type=v.type.tensor_type.elem_type)
+    produced = {o for n in g.node for o in n.output} | {v.name for v in g.input}
+    for t_name in sorted({t for n in g.node for t in n.input if t and t not in produced}):
+        t = state[t_name]
+        elem = onnx.helper.np_dtype_to_tensor_dtype(torch.empty(0, dtype=t.dtype).numpy().dtype)
+        init = onnx.TensorProto(name=t_name, dims=list(t.shape), data_type=elem)
         init.data_location = onnx.TensorProto.EXTERNAL
         for k, val in (("location", "absent.bin"), ("offset", "0"), ("length", str(t.numel() * t.element_size()))):
             init.external_data.add(key=k, value=val)
@@ -155,8 +156,25 @@ def test_weight_inputs_without_declarations_are_one_error(tmp_path: Path) -> Non
     module, x, dims = _module("mlp")
     prog = torch.onnx.export(module, (x,), dynamo=True, dynamic_shapes=_dynamic("mlp", x))
     assert prog is not None
-    path = tmp_path / "inputs.onnx"
-    prog.save(str(path), include_initializers=False)
-    assert any(p.key == KIND_KEY for v in onnx.load(str(path)).graph.input for p in v.metadata_props)
-    with pytest.raises(ModelError, match=r"4 weight inputs have no declaration: .*include_initializers"):
+    path = tmp_path / "bare.onnx"
+    prog.save(str(path), include_initializers=False)  # the weights are read, and declared nowhere
+    assert not onnx.load(str(path)).graph.initializer
+    with pytest.raises(ModelError, match=r"^4 weight inputs have no declaration: fc1\.weight, fc1\.bias, fc2\.weight, …"):
         load_graph(path, dims)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2-tiny", "bert-tiny", "llama-tiny"])
+def test_default_export_runs_distributed_equal_to_one_process(name: str, exports: Callable[[str, str], Path],
+                                                             tmp_path: Path) -> None:
+    """The optimize=True export trained on 2 gloo ranks (the ILP's plan) equals one process, trains
+    exactly torch's parameter count, and runs the collectives it planned."""
+    path = exports(name, "default")
+    dims = {"batch": 8, "seq": 32}
+    strategy, _ = make_plan(PlanRequest(model=str(path), dims=dims, profile="cpu", devices=2, mode="data-parallel"))
+    out = tmp_path / "s.json"
+    strategy.save(out)
+    r = run(str(out), str(path), nproc=2, opts=RunOptions(steps=1, warmup=0, verify=True, optimizer="sgd"))
+    assert r["trained_parameters"] == _torch_count(name)
+    assert r["max_abs_diff"] < 1e-5
+    assert r["collectives_executed"] == r["collectives_planned"]
