@@ -161,7 +161,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
     with err_console.status("exporting"):
         r = export_hf_config(hf_config, out_path, dims=dims)
     note = f", layers repeated ({r.repeated_layers})" if r.repeated_layers else ""
-    console.print(f"wrote {r.path}: {r.num_params:,} parameters, shape-only, {r.seconds:.1f} s{note}")
+    click.echo(f"wrote {r.path}: {r.num_params:,} parameters, shape-only, {r.seconds:.1f} s{note}")
 
 
 def _render_summary(s: dict[str, Any]) -> None:

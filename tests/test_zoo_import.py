@@ -24,8 +24,8 @@ def test_inspect_every_zoo_model(name: str, zoo: Callable[[str], Path], zoo_meta
     s = graph_summary(g)
     for key in ("nodes", "op_types", "parameters", "parameter_bytes", "flops_forward", "inputs", "outputs", "layers"):
         assert key in s
-    # Parameters: torch's sum(p.numel()) with tied weights counted once (the issue allows 1%).
-    assert s["parameters"] == pytest.approx(meta["num_params"], rel=0.01)
+    # Parameters: torch's sum(p.numel()) with tied weights counted once, exactly.
+    assert s["parameters"] == meta["num_params"]
     assert s["flops_forward"] > 0
     if name in TRANSFORMER_LAYERS:
         assert s["layers"][0]["num_layers"] == TRANSFORMER_LAYERS[name]
