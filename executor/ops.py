@@ -161,7 +161,18 @@ def _conv(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("BatchNormalization")
 def _batch_norm(node: OpNode, x: list[Any]) -> list[Any]:
-    return [F.batch_norm(x[0], x[3], x[4], x[1], x[2], training=False, eps=float(node.attr("epsilon", 1e-5)))]  # type: ignore[arg-type]
+    """Inference form (running statistics), or with `training_mode` (opset 14+) batch statistics and
+    the updated running statistics as outputs: running = momentum · running + (1 − momentum) · batch."""
+    eps = float(node.attr("epsilon", 1e-5))  # type: ignore[arg-type]
+    if not node.attr("spatial", 1):
+        raise UnsupportedOpError(f"{node.name}: BatchNormalization-7 with spatial=0 is not supported")
+    if not node.attr("training_mode", 0):
+        return [F.batch_norm(x[0], x[3], x[4], x[1], x[2], training=False, eps=eps)]
+    axes = [d for d in range(x[0].dim()) if d != 1]
+    batch_mean, batch_var = x[0].mean(dim=axes), x[0].var(dim=axes, unbiased=False)  # ONNX: population variance
+    momentum = float(node.attr("momentum", 0.9))  # type: ignore[arg-type]
+    y = F.batch_norm(x[0], None, None, x[1], x[2], training=True, eps=eps)
+    return [y, momentum * x[3] + (1 - momentum) * batch_mean, momentum * x[4] + (1 - momentum) * batch_var]
 
 
 @op("LayerNormalization")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ast
 import enum
 import hashlib
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -26,14 +25,13 @@ from typing import Any
 import networkx as nx
 import numpy as np
 import onnx
-from onnx import numpy_helper, shape_inference
+from onnx import numpy_helper
 
 from planner.errors import DimBindingError, ModelError
 from planner.layers import LayerGroup, find_repeated_layers
 from planner.params import DroppedBias, Init, Parameter, find_parameters
+from planner.shapes import bind_dims, static_shape, with_static_shapes
 
-# Protobuf refuses messages over 2 GiB; above this a model's shapes are inferred on the file.
-_PROTO_LIMIT_BYTES = 2**31 - 1
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
 _SMALL_TENSOR_ELEMS = 64
 
@@ -247,9 +245,9 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     g = model.graph
     init_names = {t.name for t in g.initializer}
     user_inputs = [v for v in g.input if v.name not in init_names]
-    bound = _bind_dims(user_inputs, dims)
+    bound = bind_dims(user_inputs, dims)
     table = find_parameters(g)  # before inference, which drops value_info metadata
-    model = _with_static_shapes(model, bound)
+    model = with_static_shapes(model, bound)
     g = model.graph
 
     infos: dict[str, tuple[tuple[int, ...] | None, str]] = {}
@@ -257,7 +255,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     for v in (*g.input, *g.value_info, *g.output):
         if v.type.HasField("sequence_type"):
             sequences.add(v.name)
-        infos[v.name] = (_static_shape(v.type), _dtype_name(v.type.tensor_type.elem_type))
+        infos[v.name] = (static_shape(v.type), _dtype_name(v.type.tensor_type.elem_type))
 
     tensors: dict[str, TensorInfo] = {}
     for v in user_inputs:
@@ -439,104 +437,6 @@ def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, protos: Mapping[s
 
 
 # ---------------------------------------------------------------------------------------------
-# Symbolic dims
-
-
-def _bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -> dict[str, int]:
-    needed: list[str] = []
-    for v in user_inputs:
-        for d in v.type.tensor_type.shape.dim:
-            if d.dim_param and d.dim_param not in needed:
-                needed.append(d.dim_param)
-            elif not d.dim_param and not d.HasField("dim_value"):
-                raise DimBindingError(
-                    f"input {v.name!r} has an unnamed dynamic dim; re-export with named dynamic dims "
-                    "(torch.export.Dim) or static shapes"
-                )
-    unknown = sorted(set(dims) - set(needed))
-    if unknown:
-        hint = ", ".join(needed) if needed else "none: every input shape is static"
-        raise DimBindingError(f"--dim names {', '.join(unknown)} not in the model; its symbolic dims: {hint}")
-    unbound = [d for d in needed if d not in dims]
-    if unbound:
-        flags = " ".join(f"--dim {d}=N" for d in unbound)
-        raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}")
-    for k, size in dims.items():
-        if size <= 0:
-            raise DimBindingError(f"--dim {k}={size}: a dimension must be a positive integer")
-    return {d: int(dims[d]) for d in needed}
-
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
-
-
-def _eval_dim(expr: str, bound: Mapping[str, int]) -> int | None:
-    """Evaluate an exporter's dim expression such as "2*seq" or "s0 + 1" with the bound dims."""
-
-    def ev(node: ast.AST) -> int:
-        if isinstance(node, ast.Constant) and isinstance(node.value, int):
-            return node.value
-        if isinstance(node, ast.Name) and node.id in bound:
-            return bound[node.id]
-        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -ev(node.operand)
-        raise ValueError(expr)
-
-    try:
-        return ev(ast.parse(expr, mode="eval").body)
-    except (ValueError, SyntaxError, ZeroDivisionError):
-        return None
-
-
-def _with_static_shapes(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto:
-    """Copy the model with bound dims substituted everywhere and the remaining shapes inferred."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    for v in m.graph.input:
-        for d in v.type.tensor_type.shape.dim:
-            if d.dim_param in bound:
-                d.dim_value = bound[d.dim_param]
-    # The dynamo exporter declares every intermediate shape with expressions ("batch*seq"): make them
-    # static too, so that inference need not rediscover what the exporter knew.
-    for v in (*m.graph.value_info, *m.graph.output):
-        for d in v.type.tensor_type.shape.dim:
-            if d.dim_param:
-                val = _eval_dim(d.dim_param, bound)
-                d.Clear()
-                if val is not None:
-                    d.dim_value = val
-    try:
-        if m.ByteSize() < _PROTO_LIMIT_BYTES:
-            return shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
-        import tempfile
-
-        with tempfile.TemporaryDirectory() as tmp:
-            src, dst = f"{tmp}/in.onnx", f"{tmp}/out.onnx"
-            onnx.save(m, src, save_as_external_data=True)
-            shape_inference.infer_shapes_path(src, dst, strict_mode=False, data_prop=True)
-            return onnx.load(dst, load_external_data=False)
-    except (onnx.shape_inference.InferenceError, ValueError) as e:
-        raise ModelError(
-            f"ONNX shape inference failed: {str(e).splitlines()[0]}; check the --dim values"
-        ) from e
-
-
-def _static_shape(tp: onnx.TypeProto) -> tuple[int, ...] | None:
-    tt = tp.tensor_type
-    if not tp.HasField("tensor_type") or not tt.HasField("shape"):
-        return None
-    out: list[int] = []
-    for d in tt.shape.dim:
-        if not d.HasField("dim_value"):
-            return None
-        out.append(int(d.dim_value))
-    return tuple(out)
-
-
-# ---------------------------------------------------------------------------------------------
 # Nodes
 
 
@@ -557,7 +457,9 @@ def _attr_value(a: onnx.AttributeProto) -> object:
     return v
 
 
-def _module_path(n: onnx.NodeProto) -> str:
+def module_path(n: onnx.NodeProto) -> str:
+    """The torch module that emitted node `n` (the dynamo exporter's name scopes, or the legacy
+    exporter's `/a/b/Op` node name), e.g. "model.layers.0.mlp.up_proj"; "" if unknown."""
     for p in n.metadata_props:
         if p.key == _SCOPES_KEY:
             try:
@@ -583,7 +485,7 @@ def _op_node(n: onnx.NodeProto, index: int, renamed: Mapping[tuple[int, int], st
         outputs=tuple(n.output),
         attrs=tuple((a.name, _attr_value(a)) for a in n.attribute),
         domain=n.domain,
-        module_path=_module_path(n),
+        module_path=module_path(n),
     )
 
 

@@ -14,24 +14,12 @@ layers of the same structure; anything else is refused.
 
 from __future__ import annotations
 
-import ast
-
 import onnx
 
 from planner.errors import ModelError
+from planner.graph import module_path
 
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-
-
-def _scope_path(node: onnx.NodeProto) -> str:
-    for p in node.metadata_props:
-        if p.key == _SCOPES_KEY:
-            try:
-                scopes = ast.literal_eval(p.value)
-            except (ValueError, SyntaxError):
-                return ""
-            return str(scopes[-2]) if len(scopes) >= 2 else ""
-    return ""
 
 
 def _layer_of(path: str, prefix: str) -> int | None:
@@ -52,7 +40,7 @@ def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int) -> on
     """`model` with layers `{prefix}.0` and `{prefix}.1`, deepened to `num_layers` layers."""
     g = model.graph
     # Constant nodes are shared between layers (the exporter emits each value once): not repeated.
-    layer = [None if n.op_type == "Constant" else _layer_of(_scope_path(n), prefix) for n in g.node]
+    layer = [None if n.op_type == "Constant" else _layer_of(module_path(n), prefix) for n in g.node]
     l0 = [i for i, k in enumerate(layer) if k == 0]
     l1 = [i for i, k in enumerate(layer) if k == 1]
     if not l0 or [g.node[i].op_type for i in l0] != [g.node[i].op_type for i in l1] \

@@ -12,8 +12,10 @@ from typing import Any
 import onnx
 import pytest
 import torch
+from click.testing import CliRunner
 
 from bench.zoo import ZOO, _example
+from cli import main
 from executor.interpreter import OnnxModule
 from executor.launch import RunError, check_executable, run
 from executor.train import RunOptions
@@ -161,6 +163,8 @@ def test_weight_inputs_without_declarations_are_one_error(tmp_path: Path) -> Non
     assert not onnx.load(str(path)).graph.initializer
     with pytest.raises(ModelError, match=r"^4 weight inputs have no declaration: fc1\.weight, fc1\.bias, fc2\.weight, …"):
         load_graph(path, dims)
+    r = CliRunner().invoke(main, ["inspect", str(path), "--dim", "batch=4"])
+    assert r.exit_code == 2 and len(r.output.strip().splitlines()) == 1 and "include_initializers" in r.output
 
 
 @pytest.mark.slow

@@ -131,6 +131,8 @@ CASES = [
     Case("HardSigmoid", [(4, 8)], {"alpha": 0.3, "beta": 0.4}),
     Case("Dropout", [(4, 8)], {"ratio": 0.3}, opset=7, name="Dropout-ratio-attr"),
     Case("Dropout", [(4, 8), np.array(0.3, np.float32)], n_out=2, name="Dropout-mask"),
+    Case("BatchNormalization", [(2, 4, 3, 3), (4,), (4,), (4,), (4,)], {"training_mode": 1}, n_out=3,
+         positive=True, opset=15, name="BatchNorm-training"),
     Case("Gelu", [(4, 8)], {"approximate": "tanh"}, name="Gelu-tanh"),
     Case("RMSNormalization", [(2, 4, 8), (8,)], {"axis": -1}, opset=23),
     Case("Flatten", [(2, 4, 3, 3)], {"axis": 2}, opset=9, name="Flatten-9"),
