@@ -65,6 +65,8 @@ _SELECTION_OPS = frozenset({"add", "sub", "slice", "select", "embedding", "index
                             "permute", "t", "unsqueeze", "squeeze", "clone", "contiguous", "alias", "detach",
                             "_to_copy", "to", "arange", "_unsafe_view", "flatten", "lift_fresh_copy"})
 _VAL_NAME = re.compile(r"^val_\d+$")
+# Ops the TorchScript exporter folds BatchNormalization into, writing the result as `onnx::Conv_NN`.
+_FUSED_INTO = frozenset({"Conv", "ConvTranspose"})
 _FX_PARAMS = re.compile(r"%(p_\w+)")
 
 
@@ -161,6 +163,12 @@ def find_parameters(g: onnx.GraphProto) -> ParameterTable:
     for d in dropped:
         params[d.name] = Parameter(d.name, "", d.name, init=Init.ZEROS)
     notes = list(fx_notes)
+    rewritten = sorted(n for n in params if n.startswith("onnx::") and n[6:].split("_")[0] in _FUSED_INTO)
+    if rewritten and not exporter_kinds:
+        notes.append(f"{len(rewritten)} weight(s) were rewritten by the TorchScript exporter's constant folding "
+                     f"({', '.join(rewritten[:3])}{', …' if len(rewritten) > 3 else ''}: BatchNormalization folded into "
+                     "Conv in eval mode): the module's normalisation parameters are not in the file — export "
+                     "with do_constant_folding=False or training=torch.onnx.TrainingMode.TRAINING to plan them")
     if static:
         notes.append(f"{len(static)} parameter(s) were folded at the export's static shapes ({', '.join(static)}): "
                      "planned at their folded shapes; the torch module's tensors are larger — export with "

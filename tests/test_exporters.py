@@ -5,6 +5,7 @@ the module's `sum(p.numel())`, and its own forward output and gradients on the s
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -182,3 +183,22 @@ def test_default_export_runs_distributed_equal_to_one_process(name: str, exports
     assert r["trained_parameters"] == _torch_count(name)
     assert r["max_abs_diff"] < 1e-5
     assert r["collectives_executed"] == r["collectives_planned"]
+
+
+def test_legacy_default_export_says_batchnorm_was_folded(tmp_path: Path) -> None:
+    """The TorchScript exporter's defaults (eval mode, constant folding) fold BatchNormalization into
+    the Conv weights (renamed onnx::Conv_NN): the normalisation parameters are gone from the file,
+    and the import says so instead of silently counting fewer parameters."""
+    from bench.zoo import ConvNet, _randomize_norm_state
+
+    module = ConvNet().eval()
+    _randomize_norm_state(module)  # a fresh BatchNorm fuses to equal (zero) biases, which this exporter merges
+    path = tmp_path / "legacy.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (torch.randn(2, 3, 32, 32),), str(path), dynamo=False)
+    g = load_graph(path, {})
+    bn = sum(p.numel() for m in module.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters())
+    fused_biases = sum(m.out_channels for m in module.modules() if isinstance(m, torch.nn.Conv2d))
+    assert g.num_params == sum(p.numel() for p in module.parameters()) - bn + fused_biases
+    assert any("BatchNormalization folded into Conv" in n for n in g.notes)
