@@ -20,8 +20,8 @@ from cli import main
 from executor.interpreter import OnnxModule
 from executor.launch import RunError, check_executable, run
 from executor.train import RunOptions
-from planner.errors import ModelError
 from meshplan import export as meshplan_export
+from planner.errors import ModelError
 from planner.graph import load_graph, load_model_proto
 from planner.params import Fold, normalize
 from planner.plan import PlanRequest, make_plan
