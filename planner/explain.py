@@ -12,20 +12,36 @@ import base64
 import html
 import io
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import load_profile
-from planner.errors import MeshplanError
+from hwprofiles.profile import HardwareProfile, load_profile
+from planner.errors import MeshplanError, ProfileError
 from planner.graph import OpGraph, load_graph
 from planner.layers import numbered_levels
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec
 from planner.plan import data_parallel_pins, propagate
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
-from planner.strategy import load_strategy
+from planner.strategy import StrategyError, load_strategy
+
+
+def _planned_profile(path: str, planned: Mapping[str, Any]) -> HardwareProfile:
+    """The profile the plan was priced with, found again by its source (a preset or a file; strategies
+    written before the source was recorded name a preset) and refused if it changed since."""
+    source = planned.get("source", planned["name"])
+    try:
+        profile = load_profile(source)
+    except ProfileError as e:
+        raise StrategyError(f"{path}: the profile it was planned with cannot be loaded ({e}); re-plan with "
+                            "meshplan plan") from e
+    if profile.digest != planned["digest"]:
+        raise StrategyError(f"{path}: the profile {source} changed since planning (digest {planned['digest']}, now "
+                            f"{profile.digest}); re-plan with meshplan plan --profile {source}")
+    return profile
 
 
 def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
@@ -36,7 +52,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
         raise MeshplanError(f"{path}: its model {model_path} is gone; re-plan with meshplan plan")
     graph = load_graph(model_path, d["model"]["dims"])
     strategy.check_model(graph)
-    profile = load_profile(d["profile"]["name"])
+    profile = _planned_profile(path, d["profile"])
     m = d["mesh"]
     mesh = DeviceMesh(shape=tuple(m["shape"]), axis_names=tuple(m["axis_names"]), devices=tuple(m["devices"]),
                       devices_per_node=m["devices_per_node"])

@@ -23,7 +23,7 @@ from typing import Any
 
 from costmodel.memory import PRECISIONS
 from costmodel.step import CommEvent, CostModel, StepCost
-from hwprofiles.profile import HardwareProfile, load_profile
+from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.mesh import DeviceMesh
@@ -145,6 +145,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         "pins": dict(req.pins), "batch": _batch(graph), "loss": cm.loss,
     }
     data = strategy_document(graph, req.model, profile, mesh, rules, choice, param_specs, cost, stats, settings)
+    data["profile"]["source"] = profile_source(req.profile)
     data["candidates"] = [
         {"mesh": list(c.mesh.shape), "axis_names": list(c.mesh.axis_names),
          "step_time_s": c.cost.step_time_s if c.cost else None,
@@ -153,6 +154,11 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         for c in candidates
     ]
     return from_dict(data, "plan"), candidates
+
+
+def profile_source(name_or_path: str) -> str:
+    """How `explain` finds the profile again: a preset's name, or the file's absolute path."""
+    return name_or_path if name_or_path in list_presets() else str(Path(name_or_path).resolve())
 
 
 def _batch(graph: OpGraph) -> int | None:
