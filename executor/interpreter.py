@@ -100,6 +100,14 @@ class OnnxModule(nn.Module):
         dtype = getattr(torch, info.dtype) if hasattr(torch, info.dtype) else torch.float32
         return torch.empty(info.shape, dtype=dtype, device="meta")
 
+    def to_device(self, device: torch.device) -> OnnxModule:
+        """Parameters and folded constants on `device` (a rank's GPU under nccl); constants are folded
+        on the CPU at construction, from the static shapes."""
+        self.to(device)
+        self.values = {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v
+                       for k, v in self.values.items()}
+        return self
+
     def parameter(self, name: str) -> nn.Parameter:
         return self.params[self.param_names[name]]
 

@@ -20,6 +20,7 @@ import resource
 import statistics
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,15 +110,26 @@ def _ordered_params(module: OnnxModule) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, module.params[key]) for name, key in module.param_names.items()]
 
 
+def rank_device(backend: str, env: Mapping[str, str]) -> torch.device:
+    """Where a rank computes: its local GPU (torchrun's LOCAL_RANK) under nccl, else the CPU (gloo)."""
+    if backend == "nccl":
+        return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
 def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str, Any]:
     """Runs on every rank of an initialised process group; returns this rank's report."""
     d = strategy.data
     torch.manual_seed(opts.seed)
-    mesh = init_device_mesh("cpu", tuple(d["mesh"]["shape"]), mesh_dim_names=tuple(d["mesh"]["axis_names"]))
-    module = load_module(model_path, d["model"]["dims"], seed=opts.seed)
+    device = rank_device(str(dist.get_backend()), os.environ)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(device.type, tuple(d["mesh"]["shape"]), mesh_dim_names=tuple(d["mesh"]["axis_names"]))
+    module = load_module(model_path, d["model"]["dims"], seed=opts.seed).to_device(device)
     graph = module.graph
     strategy.check_model(graph)
-    batch = make_batch(graph, opts.seed)
+    cpu_batch = make_batch(graph, opts.seed)  # the one-process reference runs on the CPU
+    batch = [b.to(device) for b in cpu_batch]
     loss_of = Loss(graph, loss_kind(graph, d["settings"].get("loss", "auto") if opts.loss == "auto" else opts.loss),
                    opts.seed)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -130,7 +142,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
     need = runner.normalize(placements_of(str(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)),
                                                           len(graph.tensors[out_name].shape)))))
-    labels = None if loss_of.labels is None else local_shard(loss_of.labels, need, mesh)  # no class dim split
+    labels = None if loss_of.labels is None else local_shard(loss_of.labels.to(device), need, mesh)  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
     local_batch = runner.shard_inputs(batch)  # once, as a data loader hands each rank its shard
@@ -167,10 +179,10 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     peak_saved = sum(saved.values())
     if opts.verify:
         # Copies: a replicated value's full tensor is the local one, which later steps update in place.
-        grads = {n: runner.full_parameter(n, _full(p.grad)).clone() for n, p in _ordered_params(module)}
+        grads = {n: runner.full_parameter(n, _full(p.grad)).cpu().clone() for n, p in _ordered_params(module)}
     optim.step()
     if opts.verify:
-        after = {n: runner.full_parameter(n, p.detach()).clone() for n, p in _ordered_params(module)}
+        after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in _ordered_params(module)}
     times, phases = [], []
     for i in range(opts.warmup + opts.steps):
         warm = i < opts.warmup
@@ -186,9 +198,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             marks = [t0, *ends, t1]
             phases.append([b - a for a, b in itertools.pairwise(marks)])
     if opts.verify:  # after the timed steps, which it would disturb
-        final = {n: runner.full_parameter(n, p.detach()) for n, p in _ordered_params(module)}
+        final = {n: runner.full_parameter(n, p.detach()).cpu() for n, p in _ordered_params(module)}
         report["trained_parameters"] = sum(t.numel() for t in final.values())  # what the optimizer stepped, whole
-        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, batch, loss_of,
+        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, cpu_batch, loss_of,
                                                  float(first_loss), grads, after, final))
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None

@@ -53,3 +53,25 @@ def test_attention_runs_fused_and_keeps_no_scores(name: str, layers: int, zoo: C
         y = module(*x)
     assert y.requires_grad
     assert not [s for s in saved if len(s) == 4 and s[-1] == s[-2] and s[-1] in seq and s[1] > 1]
+
+
+def test_rank_device_follows_the_backend() -> None:
+    """torchrun with nccl: each rank computes on its LOCAL_RANK's GPU; gloo: on the CPU. (No GPU on
+    this machine: the selection is tested here, the GPU run is not.)"""
+    import torch
+
+    from executor.train import rank_device
+
+    assert rank_device("nccl", {"LOCAL_RANK": "3"}) == torch.device("cuda", 3)
+    assert rank_device("nccl", {}) == torch.device("cuda", 0)
+    assert rank_device("gloo", {"LOCAL_RANK": "3"}) == torch.device("cpu")
+
+
+def test_module_moves_parameters_and_constants(zoo: Callable[[str], Path]) -> None:
+    import torch
+
+    from executor.interpreter import load_module
+
+    m = load_module(zoo("gpt2-tiny"), {"batch": 2, "seq": 8}).to_device(torch.device("meta"))
+    assert all(p.device.type == "meta" for p in m.parameters())
+    assert all(v.device.type == "meta" for v in m.values.values() if isinstance(v, torch.Tensor))
