@@ -2,7 +2,7 @@
 
 A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its step costs
 - compute: every node's forward and backward time on its local shard (`compute.py`);
-- communication, every collective listed with its phase and reason, all of it on edges (a tensor
+- communication, every collective listed with its phase and purpose, all of it on edges (a tensor
   from the spec it is produced in to the spec a consumer requires):
   * forward: the reshard (`reshard.plan_reshard`);
   * backward, per mesh axis: if the consumer is *split* on the axis (some input or output of its
@@ -28,6 +28,7 @@ overlap assumed) + the executor's fixed cost per step, where the profile has one
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -59,6 +60,16 @@ OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
 
 
+class Purpose(enum.Enum):
+    """Why a collective runs (the strategy file writes the value)."""
+
+    RESHARD = "reshard"  # a tensor moved to the placement its consumer needs, or its gradient back
+    GRAD_SYNC = "grad sync"  # a gradient left partial, all-reduced
+    GRAD_REDUCE_SCATTER = "grad reduce-scatter"  # a gradient reduced onto the shards of a gathered tensor
+    REGATHER = "re-gather"  # ZeRO-3/FSDP: a freed parameter gathered again for backward
+    LOSS = "loss"  # the output brought to where the loss reads it
+
+
 @dataclass(frozen=True, slots=True)
 class CommEvent:
     kind: Collective
@@ -66,7 +77,8 @@ class CommEvent:
     size_bytes: float
     time_s: float
     backward: bool
-    reason: str  # "reshard <tensor>" or "grad sync <tensor>"
+    purpose: Purpose
+    tensor: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +177,7 @@ class CostModel:
         t = self.loss_tensor
         info = self.graph.tensors[t]
         need = loss_input_spec(self.loss, spec, len(info.shape))
-        events = tuple(replace(e, reason=f"loss {t}") for e in self.edge_events(t, spec, need, frozenset()))
+        events = tuple(replace(e, purpose=Purpose.LOSS) for e in self.edge_events(t, spec, need, frozenset()))
         numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
         itemsize = 4 if self.loss == "cross-entropy" else self.precision.activation_bytes  # logits upcast to fp32
         dev = self.profile.device
@@ -200,8 +212,7 @@ class CostModel:
         hit = self._edge_cache.get(key)
         if hit is None:
             hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split)
-        return tuple(CommEvent(e.kind, e.axes, e.size_bytes, e.time_s, e.backward, e.reason.rsplit(" ", 1)[0] + " " + tensor)
-                     for e in hit)
+        return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
 
     def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> float:
         """Seconds of `edge_events` (what the solver needs, cached by shape and specs)."""
@@ -219,9 +230,9 @@ class CostModel:
                     self.precision.activation_bytes if info.is_float else info.itemsize_bytes)
         events: list[CommEvent] = []
 
-        def add(kind: Collective, axis: int, size: float, backward: bool, reason: str) -> None:
+        def add(kind: Collective, axis: int, size: float, backward: bool, purpose: Purpose) -> None:
             t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
-            if is_param and backward and not reason.startswith("reshard"):
+            if is_param and backward and purpose is not Purpose.RESHARD:
                 # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency. (The
                 # backward of a parameter's own reshard, e.g. R → P, runs alone: full latency.)
                 one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
@@ -229,12 +240,12 @@ class CostModel:
                 t -= latency * (1.0 - min(1.0, size / self.grad_bucket_fill))
             else:  # issued on its own by the executor (a redistribute): its host cost too
                 t += self.profile.device.reshard_overhead_s or 0.0
-            events.append(CommEvent(kind, (axis,), size, t, backward, reason))
+            events.append(CommEvent(kind, (axis,), size, t, backward, purpose, tensor))
 
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
         for step in plan.collectives:
             assert step.collective is not None
-            add(step.collective, step.axis, step.size_bytes, False, f"reshard {tensor}")
+            add(step.collective, step.axis, step.size_bytes, False, Purpose.RESHARD)
         if tensor not in self.needs_grad:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
         grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
@@ -245,19 +256,19 @@ class CostModel:
             if is_param and st is not None and st.collective is Collective.ALL_GATHER:
                 # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
                 # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
-                add(Collective.ALL_GATHER, a, st.size_bytes, True, f"re-gather {tensor}")
+                add(Collective.ALL_GATHER, a, st.size_bytes, True, Purpose.REGATHER)
             if a in consumer_split and isinstance(dst.placements[a], Replicate):
                 if st is not None and st.collective is Collective.ALL_GATHER:
-                    add(Collective.REDUCE_SCATTER, a, grad_local, True, f"grad reduce-scatter {tensor}")
+                    add(Collective.REDUCE_SCATTER, a, grad_local, True, Purpose.GRAD_REDUCE_SCATTER)
                 else:
-                    add(Collective.ALL_REDUCE, a, grad_local, True, f"grad sync {tensor}")
+                    add(Collective.ALL_REDUCE, a, grad_local, True, Purpose.GRAD_SYNC)
             elif st is not None:
                 back = conjugate(st)
                 if back is not None:
                     # A slice's gradient is gathered back to the source's size (its local size × k).
                     size = st.size_bytes * self.mesh.shape[a] if st.collective is None and isinstance(st.dst, Shard) \
                         else st.size_bytes
-                    add(back, a, size * grad_item / itemsize, True, f"reshard {tensor}")
+                    add(back, a, size * grad_item / itemsize, True, Purpose.RESHARD)
         return tuple(events)
 
     # -- a whole plan ----------------------------------------------------------------------------
@@ -327,8 +338,8 @@ class CostModel:
         resharded = {t for t, *_ in cost.reshards}
         syncs: dict[str, list[CommEvent]] = {}
         for e in cost.events:
-            t = e.reason.rsplit(" ", 1)[-1]
-            if (e.reason.startswith("grad sync") and e.kind is Collective.ALL_REDUCE and t in self.param_owner
+            t = e.tensor
+            if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and t in self.param_owner
                     and t not in resharded):
                 syncs.setdefault(t, []).append(e)
         grads = {t: (tuple(sorted({a for e in evs for a in e.axes})), evs[0].size_bytes) for t, evs in syncs.items()}
@@ -349,9 +360,9 @@ class CostModel:
 def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
     """A tensor read by several consumers sums their partial gradients first and reduces once per
     axis (autograd accumulates, then one all-reduce): later consumers' reductions are the same one."""
-    if not e.reason.startswith(("grad sync", "grad reduce-scatter")):
+    if e.purpose not in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER):
         return False
-    key = (e.reason.rsplit(" ", 1)[-1], e.axes)
+    key = (e.tensor, e.axes)
     if key in reduced:
         return True
     reduced.add(key)

@@ -163,7 +163,7 @@ def find_parameters(g: onnx.GraphProto) -> ParameterTable:
     for d in dropped:
         params[d.name] = Parameter(d.name, "", d.name, init=Init.ZEROS)
     notes = list(fx_notes)
-    rewritten = sorted(n for n in params if n.startswith("onnx::") and n[6:].split("_")[0] in _FUSED_INTO)
+    rewritten = sorted(n for n in params if n.startswith("onnx::") and n.removeprefix("onnx::").split("_")[0] in _FUSED_INTO)
     if rewritten and not exporter_kinds:
         notes.append(f"{len(rewritten)} weight(s) were rewritten by the TorchScript exporter's constant folding "
                      f"({', '.join(rewritten[:3])}{', …' if len(rewritten) > 3 else ''}: BatchNormalization folded into "

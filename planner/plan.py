@@ -254,7 +254,7 @@ def _respects(inputs: tuple[str, ...], outputs: tuple[str, ...], s: OpStrategy, 
 def _collectives(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> list[dict[str, Any]]:
     return [{"kind": e.kind.value, "axes": [mesh.axis_names[a] for a in e.axes], "bytes": e.size_bytes,
              "time_s": e.time_s, "phase": "backward" if e.backward else "forward",
-             "tensor": e.reason.rsplit(" ", 1)[-1], "reason": e.reason.rsplit(" ", 1)[0]} for e in events]
+             "tensor": e.tensor, "reason": e.purpose.value} for e in events]
 
 
 def strategy_document(graph: OpGraph, model_path: str, profile: HardwareProfile, mesh: DeviceMesh, rules: RuleSet,

@@ -100,11 +100,34 @@ class Solution:
     constraints_by_family: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class NodeDecision:
+    """The strategy of a representative node, and of the nodes tied to it or following it."""
+
+    node: str
+
+    def __str__(self) -> str:
+        return self.node
+
+
+@dataclass(frozen=True, slots=True)
+class ParamDecision:
+    """The stored spec of a representative parameter (and of the parameters tied to it)."""
+
+    param: str
+
+    def __str__(self) -> str:
+        return f"param:{self.param}"
+
+
+Decision = NodeDecision | ParamDecision
+
+
 @dataclass
 class _Edge:
     tensor: str  # a representative tensor: its cost matrix stands for all tied ones
-    producer: str  # decision ("param:<name>" for a parameter)
-    consumer: str  # decision
+    producer: Decision
+    consumer: Decision
     producer_node: str | None  # graph node producing the tensor (None for a parameter)
     consumer_node: str
     in_index: int
@@ -187,30 +210,32 @@ class ShardingILP:
     def _assign_decisions(self, follow: bool) -> None:
         """σ: every representative node → (decision, choice → its strategy index)."""
         g = self.graph
-        self.sigma: dict[str, tuple[str, list[int]]] = {}
+        self.sigma: dict[Decision, tuple[Decision, list[int]]] = {}
         for n in g.compute_nodes:  # topological: producers are assigned before followers
             if self.rep[n.name] != n.name:
                 continue
             source = self._follow_source(n.name) if follow else None
             if source is None:
-                self.sigma[n.name] = (n.name, list(range(len(self._strategies(n.name)))))
+                own = NodeDecision(n.name)
+                self.sigma[own] = (own, list(range(len(self._strategies(n.name)))))
                 continue
             src, out_index, in_index = source
-            d, src_map = self.sigma[self.rep[src]]
+            d, src_map = self.sigma[NodeDecision(self.rep[src])]
             src_strats = self._strategies(self.rep[src])
             mine = self._strategies(n.name)
             by_input = {st.input_specs[in_index]: j for j, st in enumerate(mine)}
             fallback = next(j for j, st in enumerate(mine) if st.is_replicated)
-            self.sigma[n.name] = (d, [by_input.get(src_strats[k].output_specs[out_index], fallback) for k in src_map])
+            self.sigma[NodeDecision(n.name)] = (d, [by_input.get(src_strats[k].output_specs[out_index], fallback)
+                                                    for k in src_map])
         for p in self.params:
-            self.sigma["param:" + p] = ("param:" + p, list(range(len(self.param_specs[p]))))
-        self.decisions: dict[str, int] = {}
+            self.sigma[ParamDecision(p)] = (ParamDecision(p), list(range(len(self.param_specs[p]))))
+        self.decisions: dict[Decision, int] = {}
         for d, m in self.sigma.values():
             self.decisions[d] = len(m)
 
     def _collect_edges(self) -> None:
         g = self.graph
-        edges: dict[tuple[str, str, int, int, str], _Edge] = {}
+        edges: dict[tuple[Decision, str, int, int], _Edge] = {}
         for n in g.compute_nodes:
             v = self.rep[n.name]
             strat = self._strategies(v)[0]
@@ -220,15 +245,16 @@ class ShardingILP:
                 info = g.tensors[t]
                 if info.kind is TensorKind.INPUT:
                     continue  # delivered in the spec required, no gradient
+                u: Decision
                 if info.kind is TensorKind.PARAM:
-                    u, out_index, prod = "param:" + self.param_rep[t], 0, None
+                    u, out_index, prod = ParamDecision(self.param_rep[t]), 0, None
                 else:
                     src = g.producer.get(t)
                     if src is None or src not in self.rep:
                         continue
-                    u, out_index, prod = self.rep[src], g.node_by_name[src].outputs.index(t), self.rep[src]
-                key = (u, v, i, out_index, "")
-                e = edges.setdefault(key, _Edge(tensor=t, producer=self.sigma[u][0], consumer=self.sigma[v][0],
+                    u, out_index, prod = NodeDecision(self.rep[src]), g.node_by_name[src].outputs.index(t), self.rep[src]
+                key = (u, v, i, out_index)
+                e = edges.setdefault(key, _Edge(tensor=t, producer=self.sigma[u][0], consumer=self.sigma[NodeDecision(v)][0],
                                                 producer_node=prod, consumer_node=v, in_index=i, out_index=out_index))
                 e.multiplicity += 1
         self.edges = list(edges.values())
@@ -240,12 +266,13 @@ class ShardingILP:
 
     def _node_strategy(self, node: str, choice: int) -> OpStrategy:
         """The strategy of representative `node` when its decision takes `choice`."""
-        _, m = self.sigma[node]
+        _, m = self.sigma[NodeDecision(node)]
         return self._strategies(node)[m[choice]]
 
     def _producer_spec(self, e: _Edge, choice: int) -> Spec:
-        if e.producer_node is None:
-            return self.param_specs[e.producer[6:]][choice]
+        if isinstance(e.producer, ParamDecision):
+            return self.param_specs[e.producer.param][choice]
+        assert e.producer_node is not None
         return self._node_strategy(e.producer_node, choice).output_specs[e.out_index]
 
     def _consumer_class(self, e: _Edge, choice: int) -> tuple[Spec, frozenset[int]]:
@@ -313,7 +340,7 @@ class ShardingILP:
                 self.constraint_counts["edge_consumer"] += 1
         return terms
 
-    def _costs_and_memory(self) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    def _costs_and_memory(self) -> tuple[dict[Decision, list[float]], dict[Decision, list[float]]]:
         """Per choice of every decision: seconds (compute of its nodes, inner edges) and bytes
         (saved activations; parameter states), each node counted once per layer it stands for."""
         mult: dict[str, int] = defaultdict(int)
@@ -324,13 +351,14 @@ class ShardingILP:
             pmult[r] += 1
         costs = {d: list(c) for d, c in self.inner_cost.items()}
         mem = {d: [0.0] * k for d, k in self.decisions.items()}
-        for node, (d, m) in self.sigma.items():
-            if node.startswith("param:"):
-                p = node[6:]
+        for owner, (d, m) in self.sigma.items():
+            if isinstance(owner, ParamDecision):
+                p = owner.param
                 mem[d] = [self.cost.param_state_bytes(p, spec) * pmult[p] for spec in self.param_specs[p]]
                 costs[d] = [c + self.cost.optimizer_s(p, spec) * pmult[p] for c, spec in zip(costs[d], self.param_specs[p],
                                                                                              strict=True)]
                 continue
+            node = owner.node
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
@@ -338,7 +366,7 @@ class ShardingILP:
                 mem[d][c] += priced[j].activation_bytes * mult[node]
         return costs, mem
 
-    def add_memory(self, mem: dict[str, list[float]]) -> None:
+    def add_memory(self, mem: dict[Decision, list[float]]) -> None:
         if self.memory_limit_bytes is None:
             return
         floor = self.min_memory_bytes(mem)
@@ -352,7 +380,7 @@ class ShardingILP:
         self.constraint_counts["memory"] += 1
 
     @staticmethod
-    def min_memory_bytes(mem: dict[str, list[float]]) -> float:
+    def min_memory_bytes(mem: dict[Decision, list[float]]) -> float:
         return sum(min(bs) for bs in mem.values() if bs)
 
     def add_pins(self) -> None:
@@ -381,7 +409,7 @@ class ShardingILP:
 
     def _forbid(self, node: str, keep: Callable[[OpStrategy], bool], name: str) -> bool:
         v = self.rep.get(node, node)
-        d, m = self.sigma[v]
+        d, m = self.sigma[NodeDecision(v)]
         ok = [keep(self._strategies(v)[j]) for j in m]
         for i, (flag, var) in enumerate(zip(ok, self.x[d], strict=True)):
             if not flag:  # names must be unique: CBC aborts the process on a duplicate
@@ -391,10 +419,10 @@ class ShardingILP:
 
     def _hint_replicated(self) -> None:
         for d, xs in self.x.items():
-            if d.startswith("param:"):
-                best = next((i for i, s in enumerate(self.param_specs[d[6:]]) if s.is_replicated), 0)
+            if isinstance(d, ParamDecision):
+                best = next((i for i, s in enumerate(self.param_specs[d.param]) if s.is_replicated), 0)
             else:
-                best = next((i for i in range(len(xs)) if self._node_strategy(d, i).is_replicated), 0)
+                best = next((i for i in range(len(xs)) if self._node_strategy(d.node, i).is_replicated), 0)
             for i, var in enumerate(xs):
                 self.model.hints[var] = i == best
 
@@ -426,10 +454,9 @@ class ShardingILP:
         picked = {d: next(i for i, x in enumerate(xs) if result.values[x]) for d, xs in self.x.items()}
         choice: dict[str, OpStrategy] = {}
         for n in self.graph.compute_nodes:
-            v = self.rep[n.name]
-            d, m = self.sigma[v]
+            d, m = self.sigma[NodeDecision(self.rep[n.name])]
             choice[n.name] = self.rules.by_node[n.name].strategies[m[picked[d]]]
-        param_specs = {t: self.param_specs[r][picked["param:" + r]] for t, r in self.param_rep.items()}
+        param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         obj, bound = result.objective / NS_PER_S, result.bound / NS_PER_S
         stats = SolverStats(
             status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,

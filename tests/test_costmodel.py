@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 from costmodel.buckets import pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
-from costmodel.step import CostModel
+from costmodel.step import CostModel, Purpose
 from hwprofiles.profile import Collective, LinkLevel, load_profile
 from planner.graph import OpGraph, graph_from_proto, load_graph
 from planner.mesh import DeviceMesh
@@ -128,7 +128,7 @@ def test_data_parallel_gradient_volume(zoo: Callable[[str], Path]) -> None:
 
     plan = {n.name: next(filter(data_parallel, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
     cost = CostModel(g, mesh, H100, BF16).price(plan)
-    syncs = [e for e in cost.events if e.reason.startswith("grad sync")]
+    syncs = [e for e in cost.events if e.purpose is Purpose.GRAD_SYNC]
     assert all(e.kind is Collective.ALL_REDUCE and e.axes == (0,) and e.backward for e in syncs)
     assert sum(e.size_bytes for e in syncs) == g.num_params * BF16.grad_bytes
     assert len(cost.events) == len(syncs)
@@ -208,8 +208,8 @@ def test_gradient_sync_is_bucketed(zoo: Callable[[str], Path]) -> None:
     plan = {n.name: next(s for s in strategies_for(n, g, mesh).strategies if str(s.input_specs[0]) == "S(0)")
             for n in g.compute_nodes}
     cost = cm.price(plan)
-    syncs = [e for e in cost.events if e.reason.startswith("grad sync")]
-    assert {e.reason.split()[-1] for e in syncs} == {p.name for p in g.params}
+    syncs = [e for e in cost.events if e.purpose is Purpose.GRAD_SYNC]
+    assert {e.tensor for e in syncs} == {p.name for p in g.params}
     assert sum(e.time_s for e in syncs) == pytest.approx(2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * total / 370e9)
     assert cost.comm_s == pytest.approx(sum(e.time_s for e in cost.events))
     # With 4 KiB buckets every bucket pays its own latency.
@@ -362,8 +362,8 @@ def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
     assert cm.loss == "cross-entropy"
     partial = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(1)] [S(0)] → [P]")).loss
     assert partial is not None
-    assert [(e.kind, e.size_bytes, e.backward, e.reason) for e in partial.events] == \
-        [(Collective.ALL_REDUCE, t * h * 2, False, "loss y")]
+    assert [(e.kind, e.size_bytes, e.backward, e.purpose, e.tensor) for e in partial.events] == \
+        [(Collective.ALL_REDUCE, t * h * 2, False, Purpose.LOSS, "y")]
     assert partial.saved_bytes == t * h * 4
     rows = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(0)] [R] → [S(0)]")).loss
     assert rows is not None and rows.events == () and rows.saved_bytes == t // 2 * h * 4
