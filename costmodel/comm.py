@@ -10,7 +10,8 @@ and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level
 
 from __future__ import annotations
 
-from hwprofiles.profile import Collective, HardwareProfile, LinkLevel
+from costmodel.collectives import Collective, LinkLevel
+from hwprofiles.profile import HardwareProfile
 from planner.mesh import DeviceMesh
 
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
+from costmodel.collectives import Collective
 from costmodel.comm import collective_time_s
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
@@ -45,7 +46,7 @@ from costmodel.compute import (
 )
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import Precision, attention_score_tensors, saved_tensors
-from hwprofiles.profile import Collective, HardwareProfile
+from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
 from planner.placement import Replicate, Shard, Spec

@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from costmodel.collectives import Collective, LinkLevel
 from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_alpha_beta, fit_efficiency
 from hwprofiles.profile import (
-    Collective,
     HardwareProfile,
-    LinkLevel,
     load_profile,
     profile_from_json,
     profile_to_json,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hwprofiles.profile import Collective
+from costmodel.collectives import Collective
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,7 +20,6 @@ log-log and made monotonic.
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import json
 from collections.abc import Mapping
@@ -34,44 +33,11 @@ from typing import Any
 import jsonschema
 import numpy as np
 
+from costmodel.collectives import Collective, LinkLevel, alpha_beta_time_s
 from planner.errors import ProfileError
 
 SCHEMA_VERSION = 1
 PRESETS_PACKAGE = "hwprofiles.presets"
-
-
-class LinkLevel(enum.Enum):
-    INTRA_NODE = "intra_node"
-    INTER_NODE = "inter_node"
-
-
-class Collective(enum.Enum):
-    ALL_REDUCE = "all_reduce"
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    BROADCAST = "broadcast"
-    SEND_RECV = "send_recv"
-
-    def steps(self, n: int) -> int:
-        """Latency terms of the ring algorithm on n ranks."""
-        if n <= 1:
-            return 0
-        if self is Collective.ALL_REDUCE:
-            return 2 * (n - 1)
-        if self is Collective.SEND_RECV:
-            return 1
-        return n - 1
-
-    def bus_factor(self, n: int) -> float:
-        """Bytes each rank moves over its link per byte of message (nccl-tests' bus-bandwidth factor)."""
-        if n <= 1:
-            return 0.0
-        if self is Collective.ALL_REDUCE:
-            return 2 * (n - 1) / n
-        if self in (Collective.BROADCAST, Collective.SEND_RECV):
-            return 1.0
-        return (n - 1) / n
 
 
 def _positive(obj: object, field_name: str, *, allow_zero: bool = False) -> None:
@@ -100,7 +66,7 @@ class CollectiveModel:
         _positive(self, "bus_bandwidth_bytes_per_s")
 
     def alpha_beta_time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
-        return kind.steps(num_ranks) * self.alpha_s + kind.bus_factor(num_ranks) * size_bytes / self.bus_bandwidth_bytes_per_s
+        return alpha_beta_time_s(kind, size_bytes, num_ranks, self.alpha_s, self.bus_bandwidth_bytes_per_s)
 
     def time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
         if num_ranks <= 1 or size_bytes <= 0:

@@ -14,7 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hwprofiles.profile import LinkLevel
+from costmodel.collectives import LinkLevel
 from planner.errors import MeshplanError
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hwprofiles.profile import Collective
+from costmodel.collectives import Collective
 from planner.placement import Partial, Placement, R, Replicate, Shard, Spec
 
 

@@ -61,6 +61,15 @@ def test_no_stage_imports_a_later_one() -> None:
     assert violations() == []
 
 
+def test_the_collective_vocabulary_is_a_leaf() -> None:
+    """Meshes, reshards, the cost model and the profiles all speak costmodel/collectives.py; it speaks
+    no other module of meshplan, and the planner's mesh and reshard plans need no profile."""
+    own = ("planner", "costmodel", "hwprofiles", "executor", "cli", "bench", "meshplan")
+    assert [m for m in _imports(ROOT / "costmodel" / "collectives.py") if m.split(".")[0] in own] == []
+    for f in ("planner/mesh.py", "planner/reshard.py"):
+        assert not [m for m in _imports(ROOT / f) if m.startswith("hwprofiles")], f
+
+
 def test_the_walk_catches_a_new_import(tmp_path: Path) -> None:
     """The check itself: a planning module that imports torch is reported."""
     for pkg in BANNED:

@@ -9,7 +9,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from hwprofiles.profile import Collective, LinkLevel, load_profile
+from costmodel.collectives import Collective, LinkLevel
+from hwprofiles.profile import load_profile
 
 
 @pytest.mark.slow
@@ -51,7 +52,7 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
                                   "-o", str(plan_out)])
     assert r.exit_code == 0, r.output
     planned = json.loads(plan_out.read_text())
-    assert planned["profile"] == {"name": "here", "digest": p.digest}
+    assert planned["profile"] == {"name": "here", "digest": p.digest, "source": str(out.resolve())}
 
 
 def test_shipped_cpu_preset_is_calibrated() -> None:

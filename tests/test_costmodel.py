@@ -12,10 +12,11 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from costmodel.buckets import pack_buckets
+from costmodel.collectives import Collective, LinkLevel
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel, Purpose
-from hwprofiles.profile import Collective, LinkLevel, load_profile
+from hwprofiles.profile import load_profile
 from planner.graph import OpGraph, graph_from_proto, load_graph
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec, parse_spec

@@ -14,9 +14,10 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from cli import main
+from costmodel.collectives import Collective, LinkLevel
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import Collective, LinkLevel, load_profile
+from hwprofiles.profile import load_profile
 from planner.graph import graph_from_proto
 from planner.mesh import DeviceMesh
 from planner.plan import PlanRequest, make_plan

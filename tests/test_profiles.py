@@ -13,12 +13,11 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from costmodel.collectives import Collective, LinkLevel
 from hwprofiles.fit import fit_alpha_beta, fit_efficiency
 from hwprofiles.profile import (
-    Collective,
     CollectiveModel,
     EfficiencyCurve,
-    LinkLevel,
     TablePoint,
     list_presets,
     load_profile,

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hwprofiles.profile import Collective
+from costmodel.collectives import Collective
 from planner.placement import P, Partial, Placement, R, Shard, Spec, parse_spec
 from planner.reshard import ReshardStep, conjugate, plan_reshard
 from tests.spmd import Locals, chunk_bounds, coords, shard, unshard
