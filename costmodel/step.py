@@ -195,14 +195,14 @@ class CostModel:
     def optimizer_s(self, tensor: str, spec: Spec) -> float:
         """Time of the optimizer step for one parameter's local shard: as calibrated (per tensor and
         per parameter) where the profile has it, else memory-bound plus launches."""
-        local = float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh)
+        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
         dev = self.profile.device
         if dev.optimizer_step is not None:
             return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
         return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
 
     def param_state_bytes(self, tensor: str, spec: Spec) -> float:
-        return float(self.graph.tensors[tensor].numel) / _shards(spec, self.mesh) * self.precision.model_state_bytes
+        return float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.model_state_bytes
 
     # -- one edge --------------------------------------------------------------------------------
 
@@ -378,11 +378,3 @@ def _gradient_tensors(graph: OpGraph) -> frozenset[str]:
             out.update(t for t in n.outputs if t in graph.tensors and
                        (graph.tensors[t].is_float or graph.tensors[t].dtype == "sequence"))
     return frozenset(out)
-
-
-def _shards(spec: Spec, mesh: DeviceMesh) -> int:
-    n = 1
-    for a, pl in enumerate(spec.placements):
-        if isinstance(pl, Shard):
-            n *= mesh.shape[a]
-    return n

@@ -24,6 +24,7 @@ from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
 from planner.graph import OpNode
+from planner.placement import chunk
 from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
 from planner.rules.gather import MASKED_GATHER
 from planner.strategy import Strategy
@@ -94,13 +95,6 @@ def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch
     return out
 
 
-def _chunk(n: int, k: int, i: int) -> tuple[int, int]:
-    """Start and length of chunk i of n split k ways, as torch.chunk (and DTensor's Shard) cut it."""
-    c = -(-n // k)
-    start = min(i * c, n)
-    return start, max(0, min((i + 1) * c, n) - start)
-
-
 def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
@@ -138,7 +132,7 @@ def local_shard(full: torch.Tensor, placements: Sequence[Placement], mesh: Devic
     local = full
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            local = local.narrow(p.dim, *_chunk(local.shape[p.dim], *_coords(mesh)[a]))
+            local = local.narrow(p.dim, *chunk(local.shape[p.dim], *_coords(mesh)[a]))
         elif isinstance(p, Partial):
             raise ValueError("a whole tensor is not partial")
     if local.untyped_storage().nbytes() > local.numel() * local.element_size():
@@ -150,7 +144,7 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: De
     out = list(shape)
     for a, p in enumerate(placements):
         if isinstance(p, Shard):
-            out[p.dim] = _chunk(out[p.dim], *_coords(mesh)[a])[1]
+            out[p.dim] = chunk(out[p.dim], *_coords(mesh)[a])[1]
     return out
 
 
@@ -410,7 +404,7 @@ class SpmdRunner:
         lo, n = 0, full
         for a, kernel in enumerate(kernels):
             if kernel == MASKED_GATHER:
-                start, n = _chunk(n, *_coords(self.mesh)[a])
+                start, n = chunk(n, *_coords(self.mesh)[a])
                 lo += start
         local = idx - lo
         inside = (local >= 0) & (local < n)

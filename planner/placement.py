@@ -93,7 +93,11 @@ class Spec:
 
     def local_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The largest local shard (rank 0's under torch.chunk), the one that bounds time and memory."""
-        return tuple(-(-size // self.num_shards(d, mesh_shape)) for d, size in enumerate(shape))
+        return tuple(chunk(size, self.num_shards(d, mesh_shape), 0)[1] if size else 0 for d, size in enumerate(shape))
+
+    def shard_count(self, mesh_shape: tuple[int, ...]) -> int:
+        """Into how many pieces the tensor is cut (the product of the sizes of the axes that split it)."""
+        return math.prod(mesh_shape[a] for a, p in enumerate(self.placements) if isinstance(p, Shard))
 
     def validate(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...], what: str = "tensor") -> None:
         if len(self.placements) != len(mesh_shape):
@@ -103,6 +107,15 @@ class Spec:
             if isinstance(p, Shard) and not 0 <= p.dim < len(shape):
                 raise PlacementError(f"{what}: {p} names dim {p.dim} but the tensor has {len(shape)} dims "
                                      f"(shape {list(shape)})")
+
+
+def chunk(n: int, k: int, i: int) -> tuple[int, int]:
+    """Start and length of chunk i of n split k ways, as torch.chunk (and DTensor's Shard) cut it: chunks
+    of ⌈n/k⌉, the last ones shorter or empty. The one place this arithmetic lives (planner, cost model
+    and executor all use it)."""
+    c = -(-n // k)
+    start = min(i * c, n)
+    return start, max(0, min((i + 1) * c, n) - start)
 
 
 _TOKEN = re.compile(r"^(?:S\((-?\d+)\)|R|P(?:\((sum|avg|max)\))?)$")
