@@ -49,7 +49,7 @@ from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
-from planner.placement import Replicate, Shard, Spec
+from planner.placement import Partial, Shard, Spec, gradient_spec, split_axes
 from planner.reshard import conjugate, plan_reshard
 from planner.rules import OpStrategy
 
@@ -188,9 +188,7 @@ class CostModel:
 
     def split_axes(self, strategy: OpStrategy) -> frozenset[int]:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
-        return frozenset(a for a in range(self.mesh.ndim) if self.mesh.shape[a] > 1 and any(
-            s is not None and not isinstance(s.placements[a], Replicate)
-            for s in (*strategy.input_specs, *strategy.output_specs)))
+        return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
     def optimizer_s(self, tensor: str, spec: Spec) -> float:
         """Time of the optimizer step for one parameter's local shard: as calibrated (per tensor and
@@ -252,13 +250,14 @@ class CostModel:
         grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
         grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
+        grad = gradient_spec(dst, consumer_split)  # as the executor receives it (planner/placement.py)
         for a in range(self.mesh.ndim):
             st = by_axis.get(a)
             if is_param and st is not None and st.collective is Collective.ALL_GATHER:
                 # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
                 # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
                 add(Collective.ALL_GATHER, a, st.size_bytes, True, Purpose.REGATHER)
-            if a in consumer_split and isinstance(dst.placements[a], Replicate):
+            if isinstance(grad.placements[a], Partial):  # the op is split here, the input replicated
                 if st is not None and st.collective is Collective.ALL_GATHER:
                     add(Collective.REDUCE_SCATTER, a, grad_local, True, Purpose.GRAD_REDUCE_SCATTER)
                 else:

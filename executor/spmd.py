@@ -23,28 +23,24 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
+from planner import placement as mp
 from planner.graph import OpNode
-from planner.placement import chunk
+from planner.placement import Spec, chunk, gradient_spec, parse_spec, split_axes
 from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
 from planner.rules.gather import MASKED_GATHER
 from planner.strategy import Strategy
 
 
-def placements_of(text: Sequence[str] | str) -> list[Placement]:
-    items = text.split(",") if isinstance(text, str) else list(text)
+def to_dtensor(spec: Spec) -> list[Placement]:
+    """meshplan's placements → DTensor's, one to one (the same vocabulary: S(d), R, P(op))."""
     out: list[Placement] = []
-    for t in items:
-        t = t.strip()
-        if t == "R":
-            out.append(Replicate())
-        elif t.startswith("S("):
-            out.append(Shard(int(t[2:-1])))
-        elif t == "P":
-            out.append(Partial("sum"))
-        elif t.startswith("P("):
-            out.append(Partial(t[2:-1]))
+    for p in spec.placements:
+        if isinstance(p, mp.Shard):
+            out.append(Shard(p.dim))
+        elif isinstance(p, mp.Partial):
+            out.append(Partial(p.reduce_op))
         else:
-            raise ValueError(f"placement {t!r}")
+            out.append(Replicate())
     return out
 
 
@@ -52,25 +48,6 @@ def placements_of(text: Sequence[str] | str) -> list[Placement]:
 def _coords(mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
     """(size, this rank's index) per mesh axis: asked for on every op, fixed for a run."""
     return tuple((mesh.size(a), mesh.get_local_rank(a)) for a in range(mesh.ndim))
-
-
-def _split_axes(specs: Sequence[Sequence[Placement] | None], ndim: int, mesh: DeviceMesh) -> set[int]:
-    return {a for a in range(ndim) if mesh.size(a) > 1 and any(
-        s is not None and not isinstance(s[a], Replicate) for s in specs)}
-
-
-def _grad_placements(want: Sequence[Placement], split: set[int]) -> list[Placement]:
-    """The gradient arriving at a local input: partial where the op is split and the input
-    replicated; replicated where the input is partial (d(sum)/d(addend) is the same everywhere)."""
-    out: list[Placement] = []
-    for a, p in enumerate(want):
-        if isinstance(p, Replicate) and a in split:
-            out.append(Partial("sum"))
-        elif isinstance(p, Partial):
-            out.append(Replicate())
-        else:
-            out.append(p)
-    return out
 
 
 class _GradAsPartial(torch.autograd.Function):
@@ -153,6 +130,7 @@ class SpmdRunner:
 
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
+        self.mesh_shape = tuple(int(x) for x in mesh.shape)
         self.graph = module.graph
         self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
         # Parameters are plain local shards (fast to update); their placements are kept here.
@@ -168,11 +146,13 @@ class SpmdRunner:
         self._shape_operand: dict[str, torch.Tensor] = {}  # Reshape/Expand: the local output shape
         for n in self.graph.compute_nodes:
             plan = strategy.data["nodes"][n.name]
-            want_in = [self.normalize(placements_of(x)) if x is not None else None for x in plan["inputs"]]
-            want_out = [self.normalize(placements_of(x)) for x in plan["outputs"]]
-            split = _split_axes([*want_in, *want_out], mesh.ndim, mesh)
-            self._plans[n.name] = (want_in, want_out, split, plan["kernels"])
-            grads = [_grad_placements(w, split) if w is not None else None for w in want_in]
+            in_specs = [parse_spec(x).normalized(self.mesh_shape) if x is not None else None for x in plan["inputs"]]
+            out_specs = [parse_spec(x).normalized(self.mesh_shape) for x in plan["outputs"]]
+            divided = split_axes([*in_specs, *out_specs], self.mesh_shape)  # as the cost model priced it
+            want_in = [to_dtensor(sp) if sp is not None else None for sp in in_specs]
+            want_out = [to_dtensor(sp) for sp in out_specs]
+            self._plans[n.name] = (want_in, want_out, set(divided), plan["kernels"])
+            grads = [to_dtensor(gradient_spec(sp, divided)) if sp is not None else None for sp in in_specs]
             self._grads[n.name] = [(gp, any(isinstance(p, Partial) for p in gp)) if gp is not None else None
                                    for gp in grads]
             if n.op_type in ("Reshape", "Expand"):
@@ -238,11 +218,11 @@ class SpmdRunner:
     def placements(self, tensor: str) -> list[Placement]:
         """Where the plan stores a parameter or feeds an input (replicated when it does not say)."""
         entry = self.strategy.data["tensors"].get(tensor)
-        return self.normalize(placements_of(entry["placements"]) if entry else [Replicate()] * self.mesh.ndim)
+        return self.dtensor(parse_spec(",".join(entry["placements"])) if entry else Spec.replicated(self.mesh.ndim))
 
-    def normalize(self, placements: list[Placement]) -> list[Placement]:
-        """On a mesh axis of one device every placement holds the same data: call it replicated."""
-        return [Replicate() if self.mesh.size(a) == 1 else p for a, p in enumerate(placements)]
+    def dtensor(self, spec: Spec) -> list[Placement]:
+        """A planned spec as DTensor placements on this mesh (an axis of one device: replicated)."""
+        return to_dtensor(spec.normalized(self.mesh_shape))
 
     def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
         """Activations stay local tensors with known placements; DTensor is entered only where the
@@ -267,7 +247,9 @@ class SpmdRunner:
                 return None
             if t in params:
                 assert want is not None
-                return self._param(t, params[t], want, split, wrapped)
+                grad_info = self._grads[node_name][i]
+                assert grad_info is not None
+                return self._param(t, params[t], want, split, grad_info[0], wrapped)
             if t not in spec:  # a constant, whole on every rank: its placement is a local slice
                 return self._constant(t, local.get(t), want)
             if want is None:  # read for its dtype or shape only
@@ -307,8 +289,8 @@ class SpmdRunner:
                                grad_placements=[Replicate() if isinstance(p, Partial) else p for p in have])
         return redistribute(y, want).to_local(grad_placements=want)
 
-    def _param(self, name: str, p: torch.Tensor, want: list[Placement], split: set[int], wrapped: dict[str, DTensor]
-               ) -> torch.Tensor:
+    def _param(self, name: str, p: torch.Tensor, want: list[Placement], split: set[int], grad: list[Placement],
+               wrapped: dict[str, DTensor]) -> torch.Tensor:
         """A parameter's local value as a node needs it. Stored as required: the local shard itself,
         its gradient left partial on the split axes for the bucketed reduction (`reduce_gradients`).
         Otherwise through DTensor, which runs the planned reshard and its backward."""
@@ -323,7 +305,7 @@ class SpmdRunner:
             source = _grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=_contiguous_stride(shape), grad_placements=stored)
-        return redistribute(wrapped[name], want).to_local(grad_placements=_grad_placements(want, split))
+        return redistribute(wrapped[name], want).to_local(grad_placements=grad)
 
     def reduce_gradients(self) -> int:
         """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count.

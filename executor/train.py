@@ -32,7 +32,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
-from executor.spmd import SpmdRunner, local_shard, placements_of
+from executor.spmd import SpmdRunner, local_shard
 from planner.graph import OpGraph
 from planner.placement import parse_spec
 from planner.strategy import Strategy
@@ -140,8 +140,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     # the class dim gathered; the labels are split like the output's rows.
     out_name = graph.outputs[0]
     out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
-    need = runner.normalize(placements_of(str(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)),
-                                                          len(graph.tensors[out_name].shape)))))
+    need = runner.dtensor(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)), len(graph.tensors[out_name].shape)))
     labels = None if loss_of.labels is None else local_shard(loss_of.labels.to(device), need, mesh)  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 

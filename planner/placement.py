@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from planner.errors import MeshplanError
@@ -95,6 +96,10 @@ class Spec:
         """The largest local shard (rank 0's under torch.chunk), the one that bounds time and memory."""
         return tuple(chunk(size, self.num_shards(d, mesh_shape), 0)[1] if size else 0 for d, size in enumerate(shape))
 
+    def normalized(self, mesh_shape: tuple[int, ...]) -> Spec:
+        """On a mesh axis of one device every placement holds the same data: call it replicated."""
+        return Spec(tuple(R if mesh_shape[a] == 1 else p for a, p in enumerate(self.placements)))
+
     def shard_count(self, mesh_shape: tuple[int, ...]) -> int:
         """Into how many pieces the tensor is cut (the product of the sizes of the axes that split it)."""
         return math.prod(mesh_shape[a] for a, p in enumerate(self.placements) if isinstance(p, Shard))
@@ -116,6 +121,22 @@ def chunk(n: int, k: int, i: int) -> tuple[int, int]:
     c = -(-n // k)
     start = min(i * c, n)
     return start, max(0, min((i + 1) * c, n) - start)
+
+
+def split_axes(specs: Iterable[Spec | None], mesh_shape: tuple[int, ...]) -> frozenset[int]:
+    """Mesh axes along which an op divides its work: some input or output is not replicated there.
+    The one definition the cost model (which gradients come out partial) and the executor share."""
+    placed = [s for s in specs if s is not None]
+    return frozenset(a for a in range(len(mesh_shape)) if mesh_shape[a] > 1 and any(
+        not isinstance(s.placements[a], Replicate) for s in placed))
+
+
+def gradient_spec(want: Spec, split: frozenset[int]) -> Spec:
+    """The gradient arriving at an input an op reads at `want`: partial where the op is split and the
+    input replicated (each rank's addend), replicated where the input is partial (d(sum)/d(addend) is
+    the same everywhere), else placed as the input."""
+    return Spec(tuple(Partial("sum") if isinstance(p, Replicate) and a in split else R if isinstance(p, Partial)
+                      else p for a, p in enumerate(want.placements)))
 
 
 _TOKEN = re.compile(r"^(?:S\((-?\d+)\)|R|P(?:\((sum|avg|max)\))?)$")
