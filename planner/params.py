@@ -214,7 +214,7 @@ def _folded_parameter(name: str, folded: list[str], known_params: set[str]) -> P
     if not state:
         return None
     ops = {re.sub(r"_\d+$", "", n) for n in folded if "." not in n and not _VAL_NAME.match(n)}
-    if len(folded) == 1 and _placeholder_key(state[0]) in known_params | {_placeholder_key(state[0])}:
+    if len(folded) == 1:  # one piece of module state, nothing else: a re-layout of one weight
         return Parameter(name, name, state[0], Fold.LAYOUT)  # one weight, re-laid out (a transpose)
     if ops <= _SELECTION_OPS:
         trained = [s for s in state if _placeholder_key(s) in known_params] or state
