@@ -10,17 +10,28 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
-from rich.console import Console
 from rich.table import Table
 
+from meshplan.render import (
+    console,
+    err_console,
+    fmt_bytes,
+    render_calibration,
+    render_diff,
+    render_explain,
+    render_plan,
+    render_run,
+    render_summary,
+)
 from planner.errors import MeshplanError
 
+if TYPE_CHECKING:
+    pass
+
 F = TypeVar("F", bound=Callable[..., Any])
-console = Console()
-err_console = Console(stderr=True)
 
 
 def _parse_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int]:
@@ -81,24 +92,6 @@ def _precision(dtype: str | None, profile: Any) -> Any:
     return PRECISIONS[dtype]
 
 
-def _fmt_count(x: float) -> str:
-    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f}"
-
-
-def _fmt_ms(x: float) -> str:
-    return f"{x * 1e3:.3f} ms"
-
-
-def _fmt_bytes(x: float) -> str:
-    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(x) >= div:
-            return f"{x / div:.2f} {unit}"
-    return f"{x:.0f} B"
-
-
 def _one_line_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -131,7 +124,7 @@ def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(summary, indent=1))
         return
-    _render_summary(summary)
+    render_summary(summary)
     for note in summary["notes"]:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 
@@ -162,44 +155,6 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
         r = export_hf_config(hf_config, out_path, dims=dims)
     note = f", layers repeated ({r.repeated_layers})" if r.repeated_layers else ""
     click.echo(f"wrote {r.path}: {r.num_params:,} parameters, shape-only, {r.seconds:.1f} s{note}")
-
-
-def _render_summary(s: dict[str, Any]) -> None:
-    head = Table(title=f"{s['model']}  (opset {s['opset']}, fingerprint {s['fingerprint']})", show_header=False)
-    head.add_column(style="bold")
-    head.add_column(justify="right")
-    head.add_row("nodes (compute / constant)", f"{s['nodes']} ({s['compute_nodes']} / {s['constant_nodes']})")
-    head.add_row("parameters", f"{s['parameters']:,} in {s['parameter_tensors']} tensors")
-    head.add_row("parameter bytes", _fmt_bytes(s["parameter_bytes"]))
-    head.add_row("forward FLOPs (matmul-class)", _fmt_count(s["flops_forward"]))
-    head.add_row("forward FLOPs (other ops)", _fmt_count(s["flops_forward_other"]))
-    head.add_row("bound dims", ", ".join(f"{k}={v}" for k, v in s["dims"].items()) or "none (static)")
-    console.print(head)
-
-    io = Table(title="inputs and outputs")
-    for col in ("", "name", "shape", "dtype"):
-        io.add_column(col)
-    for kind in ("inputs", "outputs"):
-        for t in s[kind]:
-            io.add_row(kind[:-1], t["name"], "×".join(map(str, t["shape"])) or "scalar", t["dtype"])
-    console.print(io)
-
-    ops = Table(title="compute ops")
-    ops.add_column("op type")
-    ops.add_column("count", justify="right")
-    for op, n in s["op_types"].items():
-        ops.add_row(op, str(n))
-    console.print(ops)
-
-    layers = Table(title="repeated layers (tied by the solver)")
-    for col in ("prefix", "layers", "ops per layer"):
-        layers.add_column(col)
-    for g in s["layers"]:
-        idx = g["indices"]
-        layers.add_row(g["prefix"], f"{g['num_layers']} ({min(idx)}..{max(idx)})", str(g["nodes_per_layer"]))
-    if not s["layers"]:
-        layers.add_row("none found", "", "")
-    console.print(layers)
 
 
 def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
@@ -268,38 +223,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     if as_json:
         click.echo(strategy.to_json())
         return
-    _render_plan(dict(strategy.data), candidates, out)
-
-
-def _render_plan(d: dict[str, Any], candidates: list[Any], out: Any) -> None:
-    c, sv, m = d["cost"], d["solver"], d["mesh"]
-    head = Table(title=f"plan for {d['model']['name']} on {d['profile']['name']}", show_header=False)
-    head.add_column(style="bold")
-    head.add_column()
-    head.add_row("mesh", " × ".join(f"{n}={s}" for n, s in zip(m["axis_names"], m["shape"], strict=True)))
-    head.add_row("mode", f"{d['settings']['mode']} ({d['settings']['search']}, {d['settings']['dtype']})")
-    overhead = f" + per-step overhead {c['overhead_s'] * 1e3:.2f} ms" if c.get("overhead_s") else ""
-    head.add_row("step time", f"{c['step_time_s'] * 1e3:.2f} ms = compute {c['compute_s'] * 1e3:.2f} ms "
-                 f"+ optimizer {c.get('optimizer_s', 0.0) * 1e3:.2f} ms + communication {c['comm_s'] * 1e3:.2f} ms{overhead}")
-    head.add_row("memory per device", f"{_fmt_bytes(c['memory_bytes_per_device'])} ("
-                 + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in c["memory"].items()) + ")")
-    head.add_row("solver", f"{sv['status']} in {sv['time_s']:.2f} s, objective {sv['objective']:.6g} s, gap "
-                 f"{sv['gap']:.2%}, {sv['num_variables']} variables, {sv['num_constraints']} constraints")
-    fb = sorted({f["op_type"] for f in d["fallback_ops"]})
-    head.add_row("fallbacks", ", ".join(fb) if fb else "none")
-    head.add_row("written", str(out))
-    console.print(head)
-    for note in d["model"].get("notes", []):
-        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
-    if len(candidates) > 1:
-        t = Table(title="mesh candidates")
-        for col in ("mesh", "step time", "memory", "status"):
-            t.add_column(col)
-        for cand in candidates:
-            t.add_row(str(cand.mesh), f"{cand.cost.step_time_s * 1e3:.2f} ms" if cand.cost else "—",
-                      _fmt_bytes(cand.cost.memory_bytes) if cand.cost else "—",
-                      cand.stats.status if cand.stats else cand.error[:60])
-        console.print(t)
+    render_plan(strategy, candidates, out)
 
 
 @main.command()
@@ -318,37 +242,7 @@ def explain(strategy_path: str, top: int, as_json: bool, report: str | None) -> 
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return
-    _render_explain(data, report)
-
-
-def _render_explain(e: dict[str, Any], report: str | None) -> None:
-    t = Table(title=f"{e['model']} — plan and baselines, priced by one cost model")
-    for col in ("plan", "mesh", "step time", "compute", "comm", "memory/device", "fits"):
-        t.add_column(col)
-    for b in e["baselines"]:
-        if b["step_time_s"] is None:
-            t.add_row(b["name"], b["mesh"], "n/a", "", "", "", b.get("note", ""))
-            continue
-        t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms", f"{b['compute_s'] * 1e3:.2f} ms",
-                  f"{b['comm_s'] * 1e3:.2f} ms", _fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
-    console.print(t)
-    ops = Table(title="most expensive ops (compute + their collectives)")
-    for col in ("node", "op", "module", "strategy", "time"):
-        ops.add_column(col, overflow="fold")
-    for o in e["top_ops"]:
-        ops.add_row(o["node"], o["op_type"], o["module"], o["strategy"], f"{o['time_s'] * 1e6:.1f} µs")
-    console.print(ops)
-    colls = Table(title="collectives per step")
-    for name in ("kind", "axes", "phase", "count", "bytes", "time"):
-        colls.add_column(name)
-    for c in e["collectives"]:
-        colls.add_row(c["kind"], ",".join(c["axes"]), c["phase"], str(c["count"]), _fmt_bytes(c["bytes"]),
-                      f"{c['time_s'] * 1e3:.3f} ms")
-    console.print(colls)
-    console.print("memory: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in e["memory"].items())
-                  + f"; fallbacks: {', '.join(e['fallback_op_types']) or 'none'}")
-    if report:
-        console.print(f"report written to {report}")
+    render_explain(data, report)
 
 
 @main.command()
@@ -365,23 +259,7 @@ def diff(a: str, b: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(d, indent=1))
         return
-    if not d["same_model"]:
-        console.print("[bold]different models[/bold] (fingerprints differ)")
-    if d["mesh"]:
-        console.print(f"mesh: {d['mesh']['from']['shape']} → {d['mesh']['to']['shape']}")
-    table = Table(title="predicted cost")
-    for col in ("", "A", "B", "change"):
-        table.add_column(col)
-    for k, v in d["cost"].items():
-        f, to = v["from"], v["to"]
-        fmt = _fmt_bytes if "memory" in k else _fmt_ms
-        table.add_row(k, fmt(f), fmt(to), f"{(to - f) / f:+.1%}" if f else "")
-    console.print(table)
-    console.print(f"{len(d['nodes'])} node strategies and {len(d['tensors'])} tensor placements differ")
-    for n, v in list(d["nodes"].items())[:20]:
-        console.print(f"  {n}: {v['from']}  →  {v['to']}", markup=False)
-    for k, v in d["collective_bytes"].items():
-        console.print(f"  {k}: {_fmt_bytes(v['from'])} → {_fmt_bytes(v['to'])} per step")
+    render_diff(d)
 
 
 @main.command()
@@ -424,7 +302,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
     for col in ("op", "axis", "placement", "bytes", "time"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["op"], r["axis"], f"{r['from']} → {r['to']}", _fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.1f} µs")
+        table.add_row(r["op"], r["axis"], f"{r['from']} → {r['to']}", fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.1f} µs")
     if not rows:
         table.add_row("none", "", "already there", "", "")
     console.print(table)
@@ -482,7 +360,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
             table.add_column(col)
         for r in entry["strategies"]:
             table.add_row(r["strategy"], f"{r['compute_s'] * 1e6:.1f} µs", f"{r['comm_s'] * 1e6:.1f} µs",
-                          _fmt_bytes(r["param_bytes"]), _fmt_bytes(r["activation_bytes"]))
+                          fmt_bytes(r["param_bytes"]), fmt_bytes(r["activation_bytes"]))
         console.print(table)
     console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
 
@@ -513,26 +391,7 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
-    t = Table(title=f"run of {strategy_path} on {nproc} ranks", show_header=False)
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("loss", f"{result['loss']:.6f}")
-    if "max_abs_diff" in result:
-        t.add_row("vs one process", f"max |diff| {result['max_abs_diff']:.2e} (loss {result['loss_abs_diff']:.1e}, "
-                  f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e}, "
-                  f"after {1 + warmup + steps} steps {result['final_param_max_abs_diff']:.1e})")
-    ms, ps = result["measured_step_s"], result["predicted_step_s"]
-    t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
-    mp, pp = result["measured_phases_s"], result["predicted_phases_s"]
-    t.add_row("  measured", ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in mp.items()) + " ms")
-    t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, "
-              f"optimizer {pp['optimizer_s'] * 1e3:.2f}, per-step overhead {pp.get('overhead_s', 0.0) * 1e3:.2f} ms")
-    mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
-    t.add_row("memory per rank", f"measured {_fmt_bytes(mm)} (model states + saved activations), "
-              f"predicted {_fmt_bytes(pm)}")
-    t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
-    t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
-    console.print(t)
+    render_run(result, strategy_path, nproc, 1 + warmup + steps)
 
 
 @main.group()
@@ -602,8 +461,10 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from hwprofiles.calibrate import CalibrationConfig, calibrate, dump_report, plot_report
+    from executor.calibrate import calibrate
+    from hwprofiles.calibrate import CalibrationConfig
     from hwprofiles.profile import load_profile, save_profile
+    from hwprofiles.report import dump_report, plot_report
 
     cfg = CalibrationConfig(nproc=nproc, backend=backend, quick=quick, base=base, name=name, compute_only=compute_only)
     if base:
@@ -625,29 +486,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
         plot_report(report, prof, out.with_suffix(".png"))
     dump_report(report, out.with_suffix(".report.json"))
 
-    table = Table(title=f"calibration ({report.elapsed_s:.0f} s, {nproc} ranks, {backend})")
-    for col in ("measured", "fit", "median |fit − measured| / measured"):
-        table.add_column(col)
-    assert report.efficiency is not None
-    e = report.efficiency
-    table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
-                  f"{e.median_rel_error:.1%}")
-    if report.conv_efficiency is not None:
-        c = report.conv_efficiency
-        table.add_row("3×3 conv sweep", f"P·d/(d + d½) by channels d: P = {c.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, "
-                      f"d½ = {c.half_flops:.0f}", f"{c.median_rel_error:.1%}")
-    table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
-    table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
-    table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
-                  f"({report.bare_op_s * 1e6:.2f} µs bare), {report.step_overhead_s * 1e6:.0f} µs per step", "")
-    table.add_row("optimizer step (AdamW)", f"{report.optimizer_fixed_s * 1e6:.0f} µs + {report.optimizer_tensor_s * 1e6:.1f} µs "
-                  f"per tensor + {report.optimizer_param_s * 1e9:.2f} ns per parameter", "")
-    if report.reshard_overhead_s > 0:
-        table.add_row("reshard overhead", f"{report.reshard_overhead_s * 1e6:.0f} µs per DTensor redistribute", "")
-    for k, fit in report.fits.items():
-        table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
-                      f"{fit.median_rel_error:.1%}")
-    console.print(table)
+    render_calibration(report, nproc, backend)
     plot = f"{out.with_suffix('.png')}, " if report.collectives else ""
     console.print(f"wrote {out}, {plot}{out.with_suffix('.report.json')}")
 

@@ -117,9 +117,10 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
     `--profile cpu` starts from the stored preset instead. Each model runs `rounds` times (about 3 s
     of timed steps each, rounds interleaved across models, each run planned on compute re-measured just
     before it); the median round (by error) is reported."""
+    from executor.calibrate import calibrate
     from executor.launch import run
     from executor.train import RunOptions
-    from hwprofiles.calibrate import CalibrationConfig, calibrate
+    from hwprofiles.calibrate import CalibrationConfig
     from hwprofiles.profile import load_profile, save_profile
     from planner.plan import PlanRequest, make_plan
 

@@ -1,4 +1,5 @@
-"""One training step under a plan: per-node and per-edge costs, kept split, and their totals.
+"""Pricing one training step under a plan: per-node and per-edge items, kept split (`PricedStep`);
+`compose.py` adds them up into the step's time and memory under a policy.
 
 A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its step costs
 - compute: every node's forward and backward time on its local shard (`compute.py`);
@@ -22,21 +23,22 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
 Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
-need no gradient; constants cost nothing. Step time = compute + optimizer step + communication (no
-overlap assumed) + the executor's fixed cost per step, where the profile has one.
+need no gradient; constants cost nothing. Every collective carries its phase, purpose and cadence
+(per micro-batch, or per step for a parameter's gradient reduction); how the items add up into a step
+(today the plain sum, `serial`) is the composer's (`compose.py`).
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
-from costmodel.collectives import Collective
+from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
+from costmodel.compose import StepCost, compose
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
     ComputeCost,
@@ -61,25 +63,16 @@ OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
 
 
-class Purpose(enum.Enum):
-    """Why a collective runs (the strategy file writes the value)."""
-
-    RESHARD = "reshard"  # a tensor moved to the placement its consumer needs, or its gradient back
-    GRAD_SYNC = "grad sync"  # a gradient left partial, all-reduced
-    GRAD_REDUCE_SCATTER = "grad reduce-scatter"  # a gradient reduced onto the shards of a gathered tensor
-    REGATHER = "re-gather"  # ZeRO-3/FSDP: a freed parameter gathered again for backward
-    LOSS = "loss"  # the output brought to where the loss reads it
-
-
 @dataclass(frozen=True, slots=True)
 class CommEvent:
     kind: Collective
     axes: tuple[int, ...]
     size_bytes: float
     time_s: float
-    backward: bool
+    phase: Phase
     purpose: Purpose
     tensor: str
+    cadence: Cadence = Cadence.MICRO_BATCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,28 +100,19 @@ class NodeCost:
 
 
 @dataclass
-class StepCost:
-    compute_s: float = 0.0  # forward + backward of every op; the optimizer step is counted apart
-    comm_s: float = 0.0
-    optimizer_s: float = 0.0
-    overhead_s: float = 0.0  # the executor's fixed host cost per step (the profile's step_overhead_s)
-    memory: dict[str, float] = field(default_factory=dict)
-    events: list[CommEvent] = field(default_factory=list)
+class PricedStep:
+    """What one step's work costs, item by item, before composition (`compose.py` adds it up)."""
+
+    node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
+    events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
+    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
+    optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
+    optimizer_fixed_s: float = 0.0  # per step (a calibrated optimizer's fixed cost)
+    overhead_s: float = 0.0  # the executor's fixed host cost per step
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # category → owner → bytes per device
     flops_matmul: float = 0.0  # per device, forward + backward
-    # What a strategy file lists: per node, its compute time and the collectives on its inputs; where
-    # every tensor lives; every reshard (tensor, consumer, from, to, its events).
-    node_compute_s: dict[str, float] = field(default_factory=dict)
-    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)
-    placed: dict[str, Spec] = field(default_factory=dict)
+    placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
     reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
-
-    @property
-    def step_time_s(self) -> float:
-        return self.compute_s + self.optimizer_s + self.comm_s + self.overhead_s
-
-    @property
-    def memory_bytes(self) -> float:
-        return sum(self.memory.values())
 
 
 class CostModel:
@@ -229,9 +213,9 @@ class CostModel:
                     self.precision.activation_bytes if info.is_float else info.itemsize_bytes)
         events: list[CommEvent] = []
 
-        def add(kind: Collective, axis: int, size: float, backward: bool, purpose: Purpose) -> None:
+        def add(kind: Collective, axis: int, size: float, phase: Phase, purpose: Purpose) -> None:
             t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
-            if is_param and backward and purpose is not Purpose.RESHARD:
+            if is_param and phase is Phase.BACKWARD and purpose is not Purpose.RESHARD:
                 # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency. (The
                 # backward of a parameter's own reshard, e.g. R → P, runs alone: full latency.)
                 one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
@@ -239,12 +223,12 @@ class CostModel:
                 t -= latency * (1.0 - min(1.0, size / self.grad_bucket_fill))
             else:  # issued on its own by the executor (a redistribute): its host cost too
                 t += self.profile.device.reshard_overhead_s or 0.0
-            events.append(CommEvent(kind, (axis,), size, t, backward, purpose, tensor))
+            events.append(CommEvent(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
 
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
         for step in plan.collectives:
             assert step.collective is not None
-            add(step.collective, step.axis, step.size_bytes, False, Purpose.RESHARD)
+            add(step.collective, step.axis, step.size_bytes, Phase.FORWARD, Purpose.RESHARD)
         if tensor not in self.needs_grad:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
         grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
@@ -256,44 +240,50 @@ class CostModel:
             if is_param and st is not None and st.collective is Collective.ALL_GATHER:
                 # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
                 # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
-                add(Collective.ALL_GATHER, a, st.size_bytes, True, Purpose.REGATHER)
+                add(Collective.ALL_GATHER, a, st.size_bytes, Phase.BACKWARD, Purpose.REGATHER)
             if isinstance(grad.placements[a], Partial):  # the op is split here, the input replicated
                 if st is not None and st.collective is Collective.ALL_GATHER:
-                    add(Collective.REDUCE_SCATTER, a, grad_local, True, Purpose.GRAD_REDUCE_SCATTER)
+                    add(Collective.REDUCE_SCATTER, a, grad_local, Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER)
                 else:
-                    add(Collective.ALL_REDUCE, a, grad_local, True, Purpose.GRAD_SYNC)
+                    add(Collective.ALL_REDUCE, a, grad_local, Phase.BACKWARD, Purpose.GRAD_SYNC)
             elif st is not None:
                 back = conjugate(st)
                 if back is not None:
                     # A slice's gradient is gathered back to the source's size (its local size × k).
                     size = st.size_bytes * self.mesh.shape[a] if st.collective is None and isinstance(st.dst, Shard) \
                         else st.size_bytes
-                    add(back, a, size * grad_item / itemsize, True, Purpose.RESHARD)
+                    add(back, a, size * grad_item / itemsize, Phase.BACKWARD, Purpose.RESHARD)
         return tuple(events)
 
     # -- a whole plan ----------------------------------------------------------------------------
 
     def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
-              buckets: bool = True) -> StepCost:
-        """Cost of a plan: a strategy per compute node; parameters at `param_specs`, by default at the
-        spec their first consumer requires. `buckets=False`: gradient all-reduces priced edge by edge,
-        as the ILP sees them (each its share of one full bucket's latency), instead of packed."""
+              buckets: bool = True, policy: str = "serial") -> StepCost:
+        """The step under a plan: its items priced (`price_items`), then composed under `policy`."""
+        return compose(self.price_items(choice, param_specs, buckets=buckets), policy)
+
+    def price_items(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
+                    buckets: bool = True) -> PricedStep:
+        """Every item of a plan's step, priced alone: a strategy per compute node; parameters at
+        `param_specs`, by default at the spec their first consumer requires. `buckets=False`: gradient
+        all-reduces priced edge by edge, as the ILP sees them (each its share of one full bucket's
+        latency), instead of packed."""
         g, p = self.graph, self.precision
-        cost = StepCost()
-        placed: dict[str, Spec] = dict(param_specs or {})  # tensor → the spec it is produced (or stored) in
-        mem = {"parameters": 0.0, "gradients": 0.0, "optimizer": 0.0, "activations": 0.0}
+        priced = PricedStep()
+        placed = priced.placed
+        placed.update(param_specs or {})  # tensor → the spec it is produced (or stored) in
+        mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
+        acts = mem["activations"]
         reduced: set[tuple[str, tuple[int, ...]]] = set()  # (tensor, axes) whose partial gradient is reduced
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
-            node_s = nc.compute.total_s + (nc.loss.compute_s if nc.loss is not None else 0.0)
-            cost.compute_s += node_s
-            cost.node_compute_s[node.name] = node_s
-            cost.flops_matmul += nc.compute.fwd_matmul_flops + nc.compute.bwd_matmul_flops
+            priced.node_compute_s[node.name] = nc.compute.total_s + (nc.loss.compute_s if nc.loss is not None else 0.0)
+            priced.flops_matmul += nc.compute.fwd_matmul_flops + nc.compute.bwd_matmul_flops
             split = self.split_axes(strategy)
-            mine = cost.node_events.setdefault(node.name, [])
+            mine = priced.node_events.setdefault(node.name, [])
             if nc.loss is not None:
-                cost.events.extend(nc.loss.events)
+                priced.events.extend(nc.loss.events)
                 mine.extend(nc.loss.events)
             for t, need in zip(node.inputs, strategy.input_specs, strict=True):
                 if need is None or not t:
@@ -302,36 +292,34 @@ class CostModel:
                 if t not in placed:
                     placed[t] = need.storable() if info.kind is TensorKind.PARAM else need
                     if info.kind is TensorKind.INPUT and t in self.saved:
-                        mem["activations"] += tensor_bytes(info, need.local_shape(info.shape, self.mesh.shape), p)
+                        acts[t] = acts.get(t, 0.0) + tensor_bytes(info, need.local_shape(info.shape, self.mesh.shape), p)
                 if info.kind is TensorKind.CONSTANT:
                     continue  # every rank holds constants whole: any placement is a local slice
                 have = need if info.kind is TensorKind.INPUT else placed[t]
                 events = tuple(e for e in self.edge_events(t, have, need, split) if not _seen_reduction(e, reduced))
-                cost.events.extend(events)
+                priced.events.extend(events)
                 mine.extend(events)
                 if have != need:
-                    cost.reshards.append((t, node.name, have, need, events))
+                    priced.reshards.append((t, node.name, have, need, events))
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
-            mem["activations"] += nc.activation_bytes
+            acts[node.name] = acts.get(node.name, 0.0) + nc.activation_bytes
         dev = self.profile.device
         if self.param_owner and dev.optimizer_step is not None:
-            cost.optimizer_s += dev.optimizer_step.fixed_s
-        cost.overhead_s = dev.step_overhead_s or 0.0
+            priced.optimizer_fixed_s = dev.optimizer_step.fixed_s
+        priced.overhead_s = dev.step_overhead_s or 0.0
         for t in self.param_owner:
-            cost.optimizer_s += self.optimizer_s(t, placed[t])
+            priced.optimizer_s[t] = self.optimizer_s(t, placed[t])
             states = self.param_state_bytes(t, placed[t])
-            mem["parameters"] += states * p.weight_bytes / p.model_state_bytes
-            mem["gradients"] += states * p.grad_bytes / p.model_state_bytes
-            mem["optimizer"] += states * p.optimizer_bytes / p.model_state_bytes
+            mem["parameters"][t] = states * p.weight_bytes / p.model_state_bytes
+            mem["gradients"][t] = states * p.grad_bytes / p.model_state_bytes
+            mem["optimizer"][t] = states * p.optimizer_bytes / p.model_state_bytes
+        priced.memory = mem
         if buckets:
-            self._price_buckets(cost)
-        cost.comm_s = sum(e.time_s for e in cost.events)
-        cost.memory = mem
-        cost.placed = placed
-        return cost
+            self._price_buckets(priced)
+        return priced
 
-    def _price_buckets(self, cost: StepCost) -> None:
+    def _price_buckets(self, cost: PricedStep) -> None:
         """The data-parallel gradient all-reduces as they run: a parameter used where it is stored has
         its gradient packed with the others reduced over the same axes (`buckets.py`), one all-reduce
         per bucket and axis; each gradient's event carries its bytes' share of that all-reduce's time."""

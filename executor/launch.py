@@ -11,8 +11,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from costmodel.collectives import Collective, Purpose
+from executor.ranks import run_ranks
 from executor.train import RunOptions, worker
-from hwprofiles.ranks import run_ranks
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, load_graph
 from planner.params import Fold
@@ -30,27 +31,25 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     performed (gathered parameters stay resident), so it is left out."""
     from costmodel.buckets import pack_buckets
 
-    d = strategy.data
-    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"}
-    resharded = {r["tensor"] for r in d["reshards"]}
-    axis_index = {n: i for i, n in enumerate(d["mesh"]["axis_names"])}
+    params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
+    resharded = {r.tensor for r in strategy.reshards}
+    axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
     out: Counter[str] = Counter()
     bucketed: dict[str, tuple[set[int], float]] = {}
-    for node in d["nodes"].values():
-        for c in node["collectives"]:
-            if c.get("reason") == "re-gather":
+    for node in strategy.nodes.values():
+        for c in node.collectives:
+            if c.purpose is Purpose.REGATHER:
                 continue
-            t = c.get("tensor", "")
-            if c.get("reason") == "grad sync" and t in params and t not in resharded:
-                axes, nbytes = bucketed.get(t, (set(), c["bytes"]))
-                bucketed[t] = (axes | {axis_index[a] for a in c["axes"]}, nbytes)
+            if c.purpose is Purpose.GRAD_SYNC and c.tensor in params and c.tensor not in resharded:
+                axes, nbytes = bucketed.get(c.tensor, (set(), c.bytes))
+                bucketed[c.tensor] = (axes | {axis_index[a] for a in c.axes}, nbytes)
                 continue
-            kind = c["kind"]
-            if kind == "all_to_all" and backend == "gloo":
-                kind = "all_gather"
-            out[kind] += 1
+            kind = c.kind
+            if kind is Collective.ALL_TO_ALL and backend == "gloo":
+                kind = Collective.ALL_GATHER
+            out[kind.value] += 1
     for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
-        out["all_reduce"] += len(axes)
+        out[Collective.ALL_REDUCE.value] += len(axes)
     return dict(out)
 
 
@@ -70,19 +69,18 @@ def check_executable(graph: OpGraph) -> None:
 
 def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, timeout_s: float = 600.0) -> dict[str, Any]:
     strategy = load_strategy(strategy_path)
-    d = strategy.data
     if not Path(model_path).exists():
         raise RunError(f"{model_path}: no such model; pass the .onnx file the strategy was planned for")
     try:
-        graph = load_graph(model_path, d["model"]["dims"])
+        graph = load_graph(model_path, strategy.model.dims)
     except MeshplanError as e:
-        raise RunError(f"{model_path} is not the model the strategy was planned for ({d['model']['name']}, dims "
-                       f"{d['model']['dims']}): {e}") from e
+        raise RunError(f"{model_path} is not the model the strategy was planned for ({strategy.model.name}, dims "
+                       f"{dict(strategy.model.dims)}): {e}") from e
     strategy.check_model(graph)
     check_executable(graph)
-    mesh_size = len(d["mesh"]["devices"])
+    mesh_size = strategy.mesh.num_devices
     if nproc != mesh_size:
-        raise RunError(f"--nproc {nproc} but the strategy's mesh {'x'.join(map(str, d['mesh']['shape']))} has "
+        raise RunError(f"--nproc {nproc} but the strategy's mesh {strategy.mesh.describe_shape()} has "
                        f"{mesh_size} devices; run with --nproc {mesh_size}")
     reports: dict[int, dict[str, Any]] = {}
 
@@ -95,13 +93,14 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     r0 = reports[0]
     result = {
         "strategy": str(strategy_path), "nproc": nproc, "loss": r0["loss"],
-        "predicted_step_s": d["cost"]["step_time_s"],
+        "predicted_step_s": strategy.step_time_s,
         "measured_step_s": max(r["measured_step_s"] for r in reports.values()),
         "measured_step_s_by_rank": [reports[r]["measured_step_s"] for r in sorted(reports)],
         "measured_phases_s": max((r["measured_phases_s"] for r in reports.values()),
                                  key=lambda p: sum(p.values())),  # the slowest rank's
-        "predicted_phases_s": {k: d["cost"].get(k, 0.0) for k in ("compute_s", "comm_s", "optimizer_s", "overhead_s")},
-        "predicted_memory_bytes": d["cost"]["memory_bytes_per_device"],
+        "predicted_phases_s": {"compute_s": strategy.cost.compute_s, "comm_s": strategy.cost.comm_s,
+                               "optimizer_s": strategy.cost.optimizer_s, "overhead_s": strategy.cost.overhead_s},
+        "predicted_memory_bytes": strategy.cost.memory_bytes_per_device,
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy),
         "collectives_executed": r0["collectives_executed"],

@@ -25,7 +25,7 @@ from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
 from planner import placement as mp
 from planner.graph import OpNode
-from planner.placement import Spec, chunk, gradient_spec, parse_spec, split_axes
+from planner.placement import Spec, chunk, gradient_spec, split_axes
 from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
 from planner.rules.gather import MASKED_GATHER
 from planner.strategy import Strategy
@@ -145,13 +145,13 @@ class SpmdRunner:
         self._grads: dict[str, list[tuple[list[Placement], bool] | None]] = {}  # per input: placements, any partial
         self._shape_operand: dict[str, torch.Tensor] = {}  # Reshape/Expand: the local output shape
         for n in self.graph.compute_nodes:
-            plan = strategy.data["nodes"][n.name]
-            in_specs = [parse_spec(x).normalized(self.mesh_shape) if x is not None else None for x in plan["inputs"]]
-            out_specs = [parse_spec(x).normalized(self.mesh_shape) for x in plan["outputs"]]
+            plan = strategy.nodes[n.name]
+            in_specs = [x.normalized(self.mesh_shape) if x is not None else None for x in plan.inputs]
+            out_specs = [x.normalized(self.mesh_shape) for x in plan.outputs]
             divided = split_axes([*in_specs, *out_specs], self.mesh_shape)  # as the cost model priced it
             want_in = [to_dtensor(sp) if sp is not None else None for sp in in_specs]
             want_out = [to_dtensor(sp) for sp in out_specs]
-            self._plans[n.name] = (want_in, want_out, set(divided), plan["kernels"])
+            self._plans[n.name] = (want_in, want_out, set(divided), list(plan.kernels))
             grads = [to_dtensor(gradient_spec(sp, divided)) if sp is not None else None for sp in in_specs]
             self._grads[n.name] = [(gp, any(isinstance(p, Partial) for p in gp)) if gp is not None else None
                                    for gp in grads]
@@ -217,8 +217,8 @@ class SpmdRunner:
 
     def placements(self, tensor: str) -> list[Placement]:
         """Where the plan stores a parameter or feeds an input (replicated when it does not say)."""
-        entry = self.strategy.data["tensors"].get(tensor)
-        return self.dtensor(parse_spec(",".join(entry["placements"])) if entry else Spec.replicated(self.mesh.ndim))
+        spec = self.strategy.spec_of(tensor)
+        return self.dtensor(spec if spec is not None else Spec.replicated(self.mesh.ndim))
 
     def dtensor(self, spec: Spec) -> list[Placement]:
         """A planned spec as DTensor placements on this mesh (an axis of one device: replicated)."""

@@ -34,7 +34,7 @@ from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
 from executor.spmd import SpmdRunner, local_shard
 from planner.graph import OpGraph
-from planner.placement import parse_spec
+from planner.placement import Spec
 from planner.strategy import Strategy
 
 # Functional collectives DTensor issues → our collective kinds.
@@ -119,18 +119,17 @@ def rank_device(backend: str, env: Mapping[str, str]) -> torch.device:
 
 def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str, Any]:
     """Runs on every rank of an initialised process group; returns this rank's report."""
-    d = strategy.data
     torch.manual_seed(opts.seed)
     device = rank_device(str(dist.get_backend()), os.environ)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    mesh = init_device_mesh(device.type, tuple(d["mesh"]["shape"]), mesh_dim_names=tuple(d["mesh"]["axis_names"]))
-    module = load_module(model_path, d["model"]["dims"], seed=opts.seed).to_device(device)
+    mesh = init_device_mesh(device.type, strategy.mesh.shape, mesh_dim_names=strategy.mesh.axis_names)
+    module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
     graph = module.graph
     strategy.check_model(graph)
     cpu_batch = make_batch(graph, opts.seed)  # the one-process reference runs on the CPU
     batch = [b.to(device) for b in cpu_batch]
-    loss_of = Loss(graph, loss_kind(graph, d["settings"].get("loss", "auto") if opts.loss == "auto" else opts.loss),
+    loss_of = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == "auto" else opts.loss),
                    opts.seed)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
@@ -139,8 +138,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)
     # the class dim gathered; the labels are split like the output's rows.
     out_name = graph.outputs[0]
-    out_spec = d["tensors"][out_name]["placements"] if out_name in d["tensors"] else ["R"] * mesh.ndim
-    need = runner.dtensor(loss_input_spec(loss_of.kind, parse_spec(",".join(out_spec)), len(graph.tensors[out_name].shape)))
+    out_spec = strategy.spec_of(out_name) or Spec.replicated(mesh.ndim)
+    need = runner.dtensor(loss_input_spec(loss_of.kind, out_spec, len(graph.tensors[out_name].shape)))
     labels = None if loss_of.labels is None else local_shard(loss_of.labels.to(device), need, mesh)  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
@@ -199,7 +198,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.verify:  # after the timed steps, which it would disturb
         final = {n: runner.full_parameter(n, p.detach()).cpu() for n, p in _ordered_params(module)}
         report["trained_parameters"] = sum(t.numel() for t in final.values())  # what the optimizer stepped, whole
-        report.update(verify_against_one_process(model_path, d["model"]["dims"], opts, cpu_batch, loss_of,
+        report.update(verify_against_one_process(model_path, strategy.model.dims, opts, cpu_batch, loss_of,
                                                  float(first_loss), grads, after, final))
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
@@ -258,17 +257,16 @@ def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunO
 
 def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str, opts: RunOptions, out: Any) -> None:
     """Entry point of a spawned rank: one thread, gloo on loopback, report to the parent."""
-    import json
     import warnings
 
-    from planner.strategy import from_dict
+    from planner.strategy import from_json
 
     warnings.filterwarnings("ignore")
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        report = run_rank(from_dict(json.loads(strategy_json)), model_path, opts)
+        report = run_rank(from_json(strategy_json), model_path, opts)
         out.put(("report", rank, report))
         dist.barrier()
         dist.destroy_process_group()

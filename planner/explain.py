@@ -12,10 +12,10 @@ import base64
 import html
 import io
 from collections import defaultdict
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile, load_profile
@@ -26,72 +26,73 @@ from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec
 from planner.plan import data_parallel_pins, propagate
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
-from planner.strategy import StrategyError, load_strategy
+from planner.strategy import NodePlan, ProfileRef, StrategyError, load_strategy
 
 
-def _planned_profile(path: str, planned: Mapping[str, Any]) -> HardwareProfile:
-    """The profile the plan was priced with, found again by its source (a preset or a file; strategies
-    written before the source was recorded name a preset) and refused if it changed since."""
-    source = planned.get("source", planned["name"])
+def _planned_profile(path: str, planned: ProfileRef) -> HardwareProfile:
+    """The profile the plan was priced with, found again by its source (a preset or a file) and refused
+    if it changed since."""
+    source = planned.source or planned.name
     try:
         profile = load_profile(source)
     except ProfileError as e:
         raise StrategyError(f"{path}: the profile it was planned with cannot be loaded ({e}); re-plan with "
                             "meshplan plan") from e
-    if profile.digest != planned["digest"]:
-        raise StrategyError(f"{path}: the profile {source} changed since planning (digest {planned['digest']}, now "
+    if profile.digest != planned.digest:
+        raise StrategyError(f"{path}: the profile {source} changed since planning (digest {planned.digest}, now "
                             f"{profile.digest}); re-plan with meshplan plan --profile {source}")
     return profile
 
 
 def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     strategy = load_strategy(path)
-    d = strategy.data
-    model_path = d["model"]["path"]
+    model_path = strategy.model.path
     if not Path(model_path).exists():
         raise MeshplanError(f"{path}: its model {model_path} is gone; re-plan with meshplan plan")
-    graph = load_graph(model_path, d["model"]["dims"])
+    graph = load_graph(model_path, strategy.model.dims)
     strategy.check_model(graph)
-    profile = _planned_profile(path, d["profile"])
-    m = d["mesh"]
-    mesh = DeviceMesh(shape=tuple(m["shape"]), axis_names=tuple(m["axis_names"]), devices=tuple(m["devices"]),
-                      devices_per_node=m["devices_per_node"])
-    cm = CostModel(graph, mesh, profile, PRECISIONS[d["settings"]["dtype"]], loss=d["settings"].get("loss", "auto"))
-    limit = d["settings"]["memory_limit_bytes"]
-    baselines = [_row("plan (" + d["settings"]["mode"] + ")", d["cost"], mesh, limit)]
+    profile = _planned_profile(path, strategy.profile)
+    mesh, settings = strategy.mesh, strategy.settings
+    cm = CostModel(graph, mesh, profile, PRECISIONS[settings.dtype], loss=settings.loss)
+    limit = settings.memory_limit_bytes
+    c = strategy.cost
+    baselines = [{"name": f"plan ({settings.mode})", "mesh": mesh.describe_shape(), "step_time_s": c.step_time_s,
+                  "compute_s": c.compute_s, "comm_s": c.comm_s, "memory_bytes_per_device": c.memory_bytes_per_device,
+                  "fits": limit is None or c.memory_bytes_per_device <= limit}]
     for name, price in _baselines(graph, mesh, cm).items():
         baselines.append(_row(name, price, mesh, limit) if not isinstance(price, str) else
                          {"name": name, "mesh": mesh.describe_shape(), "step_time_s": None, "compute_s": None,
                           "comm_s": None, "memory_bytes_per_device": None, "fits": False, "note": price})
 
-    ops = []
-    for name, node in d["nodes"].items():
-        t = node.get("compute_s", 0.0) + sum(c.get("time_s", 0.0) for c in node["collectives"])
-        ops.append({"node": name, "op_type": node["op_type"], "module": node["module"], "strategy": node["strategy"],
-                    "time_s": t})
+    def node_time(node: NodePlan) -> float:
+        return node.compute_s + sum(x.time_s for x in node.collectives)
+
+    ops = [{"node": name, "op_type": node.op_type, "module": node.module, "strategy": node.strategy,
+            "time_s": node_time(node)} for name, node in strategy.nodes.items()]
     ops.sort(key=lambda o: -o["time_s"])
     agg: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
-    for node in d["nodes"].values():
-        for c in node["collectives"]:
-            key = (c["kind"], tuple(c["axes"]), c.get("phase", ""))
+    for node in strategy.nodes.values():
+        for x in node.collectives:
+            key = (x.kind.value, x.axes, x.phase.value)
             a = agg.setdefault(key, {"kind": key[0], "axes": list(key[1]), "phase": key[2], "count": 0, "bytes": 0.0,
                                      "time_s": 0.0})
             a["count"] += 1
-            a["bytes"] += c["bytes"]
-            a["time_s"] += c.get("time_s", 0.0)
+            a["bytes"] += x.bytes
+            a["time_s"] += x.time_s
     by_layer: dict[str, float] = defaultdict(float)
-    for node in d["nodes"].values():
-        levels = numbered_levels(node["module"])
-        layer = f"{levels[0][0]}.{levels[0][1]}" if levels else (node["module"].split(".")[0] or "(top)")
-        by_layer[layer] += node.get("compute_s", 0.0) + sum(c.get("time_s", 0.0) for c in node["collectives"])
+    for node in strategy.nodes.values():
+        levels = numbered_levels(node.module)
+        layer = f"{levels[0][0]}.{levels[0][1]}" if levels else (node.module.split(".")[0] or "(top)")
+        by_layer[layer] += node_time(node)
+    document = strategy.to_dict()
     return {
-        "model": d["model"]["name"], "profile": d["profile"]["name"], "mesh": list(mesh.shape),
-        "axis_names": list(mesh.axis_names), "cost": d["cost"], "memory": d["cost"]["memory"],
+        "model": strategy.model.name, "profile": strategy.profile.name, "mesh": list(mesh.shape),
+        "axis_names": list(mesh.axis_names), "cost": document["cost"], "memory": dict(c.memory),
         "baselines": baselines, "top_ops": ops[:top],
         "collectives": sorted(agg.values(), key=lambda a: -a["time_s"]),
         "cost_by_layer": dict(by_layer),
-        "fallback_op_types": sorted({f["op_type"] for f in d["fallback_ops"]}),
-        "solver": d["solver"],
+        "fallback_op_types": sorted({f.op_type for f in strategy.fallbacks}),
+        "solver": document["solver"],
     }
 
 
@@ -113,13 +114,10 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
     return out
 
 
-def _row(name: str, cost: Any, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:
-    if isinstance(cost, dict):
-        step, comp, comm, mem = cost["step_time_s"], cost["compute_s"], cost["comm_s"], cost["memory_bytes_per_device"]
-    else:
-        step, comp, comm, mem = cost.step_time_s, cost.compute_s, cost.comm_s, cost.memory_bytes
-    return {"name": name, "mesh": mesh.describe_shape(), "step_time_s": step, "compute_s": comp, "comm_s": comm,
-            "memory_bytes_per_device": mem, "fits": limit is None or mem <= limit}
+def _row(name: str, cost: StepCost, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:
+    return {"name": name, "mesh": mesh.describe_shape(), "step_time_s": cost.step_time_s, "compute_s": cost.compute_s,
+            "comm_s": cost.comm_s, "memory_bytes_per_device": cost.memory_bytes,
+            "fits": limit is None or cost.memory_bytes <= limit}
 
 
 def write_html_report(e: dict[str, Any], path: str) -> None:

@@ -19,18 +19,33 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from costmodel.collectives import Phase
+from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
-from costmodel.step import CommEvent, CostModel, StepCost
-from hwprofiles.profile import HardwareProfile, list_presets, load_profile
+from costmodel.step import CommEvent, CostModel
+from hwprofiles.profile import list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
-from planner.solve import PinError, ShardingILP, SolverOptions, SolverStats
-from planner.strategy import SCHEMA_VERSION, Strategy, from_dict
+from planner.solve import PinError, ShardingILP, SolverOptions
+from planner.strategy import (
+    CandidateRecord,
+    CollectiveRecord,
+    Fallback,
+    ModelRef,
+    NodePlan,
+    PlanSettings,
+    PredictedCost,
+    ProfileRef,
+    Reshard,
+    SolverStats,
+    Strategy,
+    TensorPlacement,
+    TrainingSettings,
+)
 
 MODES = ("auto", "semi", "data-parallel", "stand-alone")
 SEARCHES = ("ilp", "propagation")
@@ -139,21 +154,19 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     if best is None:
         raise errors[0]
     _, mesh, rules, cm, choice, param_specs, cost, stats = best
-    settings = {
-        "mode": req.mode, "search": req.search if req.mode in ("auto", "semi") else "propagation",
-        "dtype": precision.name, "memory_limit_bytes": limit, "solver": req.solver, "follow": req.follow,
-        "pins": dict(req.pins), "batch": _batch(graph), "loss": cm.loss,
-    }
-    data = strategy_document(graph, req.model, profile, mesh, rules, choice, param_specs, cost, stats, settings)
-    data["profile"]["source"] = profile_source(req.profile)
-    data["candidates"] = [
-        {"mesh": list(c.mesh.shape), "axis_names": list(c.mesh.axis_names),
-         "step_time_s": c.cost.step_time_s if c.cost else None,
-         "memory_bytes_per_device": c.cost.memory_bytes if c.cost else None,
-         "solver_status": c.stats.status if c.stats else None, "error": c.error}
-        for c in candidates
-    ]
-    return from_dict(data, "plan"), candidates
+    settings = PlanSettings(
+        mode=req.mode, search=req.search if req.mode in ("auto", "semi") else "propagation",
+        dtype=precision.name, memory_limit_bytes=limit, solver=req.solver, follow=req.follow,
+        pins=dict(req.pins), batch=_batch(graph), loss=cm.loss)
+    records = tuple(
+        CandidateRecord(mesh=c.mesh.shape, axis_names=c.mesh.axis_names,
+                        step_time_s=c.cost.step_time_s if c.cost else None,
+                        memory_bytes_per_device=c.cost.memory_bytes if c.cost else None,
+                        solver_status=c.stats.status if c.stats else None, error=c.error)
+        for c in candidates)
+    ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
+    strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records)
+    return strategy, candidates
 
 
 def profile_source(name_or_path: str) -> str:
@@ -248,56 +261,42 @@ def _respects(inputs: tuple[str, ...], outputs: tuple[str, ...], s: OpStrategy, 
 
 
 # ---------------------------------------------------------------------------------------------------
-# The strategy document
+# The strategy
 
 
-def _collectives(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> list[dict[str, Any]]:
-    return [{"kind": e.kind.value, "axes": [mesh.axis_names[a] for a in e.axes], "bytes": e.size_bytes,
-             "time_s": e.time_s, "phase": "backward" if e.backward else "forward",
-             "tensor": e.tensor, "reason": e.purpose.value} for e in events]
+def _collectives(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> tuple[CollectiveRecord, ...]:
+    return tuple(CollectiveRecord(kind=e.kind, axes=tuple(mesh.axis_names[a] for a in e.axes), bytes=e.size_bytes,
+                                  time_s=e.time_s, phase=e.phase, purpose=e.purpose, tensor=e.tensor, cadence=e.cadence)
+                 for e in events)
 
 
-def strategy_document(graph: OpGraph, model_path: str, profile: HardwareProfile, mesh: DeviceMesh, rules: RuleSet,
-                      choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec], cost: StepCost,
-                      stats: SolverStats, settings: Mapping[str, Any]) -> dict[str, Any]:
-    tensors: dict[str, Any] = {}
+def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: DeviceMesh, rules: RuleSet,
+                   choice: Mapping[str, OpStrategy], cost: StepCost, stats: SolverStats, settings: PlanSettings,
+                   candidates: tuple[CandidateRecord, ...] = ()) -> Strategy:
+    tensors = {}
     for t, spec in cost.placed.items():
         info = graph.tensors[t]
         if info.kind is TensorKind.CONSTANT or info.dtype == "sequence":
             continue
-        tensors[t] = {"kind": info.kind.value, "shape": list(info.shape), "placements": [str(p) for p in spec.placements],
-                      "dims_mapping": spec.dims_mapping(len(info.shape))}
+        tensors[t] = TensorPlacement(kind=info.kind.value, shape=tuple(info.shape), spec=spec)
     nodes = {}
     for n in graph.compute_nodes:
         s = choice[n.name]
-        nodes[n.name] = {
-            "op_type": n.op_type, "module": n.module_path, "strategy": s.name,
-            "inputs": [str(sp) if sp is not None else None for sp in s.input_specs],
-            "outputs": [str(sp) for sp in s.output_specs],
-            "kernels": list(s.kernels), "compute_s": cost.node_compute_s.get(n.name, 0.0),
-            "collectives": _collectives(cost.node_events.get(n.name, []), mesh),
-        }
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "model": {"path": str(Path(model_path).resolve()), "name": graph.name, "fingerprint": graph.fingerprint,
-                  "dims": dict(graph.dims), **({"notes": list(graph.notes)} if graph.notes else {})},
-        "profile": {"name": profile.name, "digest": profile.digest},
-        "mesh": {"shape": list(mesh.shape), "axis_names": list(mesh.axis_names), "devices": list(mesh.devices),
-                 "devices_per_node": mesh.devices_per_node},
-        "settings": dict(settings),
-        "tensors": tensors,
-        "nodes": nodes,
-        "reshards": [{"tensor": t, "consumer": c, "from": str(a), "to": str(b),
-                      "collectives": _collectives([e for e in ev if not e.backward], mesh)}
-                     for t, c, a, b, ev in cost.reshards],
-        "fallback_ops": [{"node": n.name, "op_type": n.op_type} for n in rules.fallbacks],
-        "cost": {"step_time_s": cost.step_time_s, "compute_s": cost.compute_s, "optimizer_s": cost.optimizer_s,
-                 "overhead_s": cost.overhead_s,
-                 "comm_s": cost.comm_s,
-                 "memory_bytes_per_device": cost.memory_bytes, "memory": dict(cost.memory),
-                 "flops_per_device": cost.flops_matmul},
-        "solver": {"status": stats.status, "objective": stats.objective, "bound": stats.bound, "gap": stats.gap,
-                   "time_s": stats.time_s, "num_variables": stats.num_variables,
-                   "num_constraints": stats.num_constraints, "num_decisions": stats.num_decision_nodes,
-                   "num_edges": stats.num_edges},
-    }
+        nodes[n.name] = NodePlan(op_type=n.op_type, module=n.module_path, strategy=s.name, inputs=tuple(s.input_specs),
+                                 outputs=tuple(s.output_specs), kernels=tuple(s.kernels),
+                                 compute_s=cost.node_compute_s.get(n.name, 0.0),
+                                 collectives=_collectives(cost.node_events.get(n.name, []), mesh))
+    return Strategy(
+        model=ModelRef(path=str(Path(model_path).resolve()), name=graph.name, fingerprint=graph.fingerprint,
+                       dims=dict(graph.dims), notes=tuple(graph.notes)),
+        profile=profile, mesh=mesh, settings=settings, training=TrainingSettings(),
+        tensors=tensors, nodes=nodes,
+        reshards=tuple(Reshard(tensor=t, consumer=c, src=a, dst=b,
+                               collectives=_collectives([e for e in ev if e.phase is Phase.FORWARD], mesh))
+                       for t, c, a, b, ev in cost.reshards),
+        fallbacks=tuple(Fallback(node=n.name, op_type=n.op_type) for n in rules.fallbacks),
+        cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
+                           overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
+                           flops_per_device=cost.flops_matmul, composer=cost.policy),
+        solver=stats, candidates=candidates,
+    )

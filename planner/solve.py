@@ -54,6 +54,7 @@ from planner.graph import OpGraph, TensorKind
 from planner.milp import LinearModel
 from planner.placement import Replicate, Spec
 from planner.rules import OpStrategy, RuleSet
+from planner.strategy import SolverStats
 
 NS_PER_S = 1e9
 KIB = 1024
@@ -77,19 +78,6 @@ class SolverOptions:
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
             raise MeshplanError(f"--time-limit {self.time_limit_s}: must be positive seconds")
-
-
-@dataclass
-class SolverStats:
-    status: str
-    objective: float  # seconds
-    bound: float  # seconds
-    gap: float
-    time_s: float
-    num_variables: int
-    num_constraints: int
-    num_decision_nodes: int
-    num_edges: int
 
 
 @dataclass

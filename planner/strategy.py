@@ -1,17 +1,20 @@
-"""The strategy file: what `meshplan plan` decides, as versioned JSON (schema `strategy.schema.json`).
+"""The strategy: what `meshplan plan` decides, typed, and its versioned JSON (`strategy.schema.json`).
 
-It names the model (path, fingerprint of structure and shapes, bound dims), the profile (name,
-digest), the mesh, the settings, every tensor's placements, every node's strategy (input and output
-specs, local kernels) and the collectives charged to it, the reshards on edges, the fallback ops, the
-predicted costs and the solver statistics. The loader is strict: JSON Schema first, then the model's
-fingerprint must match the graph it is applied to.
+A `Strategy` names the model (path, fingerprint of structure and shapes, bound dims), the profile
+(name, digest, where it was loaded from), the mesh, the plan's settings and the training step's
+(micro-batches, ZeRO stage, recomputation per layer group), the pipeline stages, every tensor's
+placements (`Spec`), every node's strategy (input and output `Spec`s, local kernels) and the
+collectives charged to it, the reshards on edges, the fallback ops, the predicted cost (and the
+composer policy that summed it) and the solver statistics. Everything is a frozen dataclass; JSON is
+only the file format: `to_json` writes schema version 2, `from_json` validates (JSON Schema), migrates
+version-1 files on read and builds the objects. The executor reads `Spec`s, never strings.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -19,63 +22,375 @@ from typing import Any
 
 import jsonschema
 
+from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from planner.errors import MeshplanError
 from planner.graph import OpGraph
+from planner.mesh import DeviceMesh
+from planner.placement import Spec, parse_spec
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 class StrategyError(MeshplanError):
     """A strategy file that is broken, of another schema version, or for another model."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class ModelRef:
+    path: str
+    name: str
+    fingerprint: str
+    dims: Mapping[str, int]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileRef:
+    name: str
+    digest: str
+    source: str = ""  # a preset's name or the file's absolute path (`explain` loads it again)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    mode: str
+    search: str
+    dtype: str
+    memory_limit_bytes: float | None
+    solver: str
+    follow: bool
+    pins: Mapping[str, str]
+    batch: int | None
+    loss: str = "auto"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSettings:
+    """The training step's levers: today one micro-batch, no ZeRO stage beyond what the placements say,
+    no recomputation (per layer group: group → policy)."""
+    micro_batches: int = 1
+    zero_stage: int = 0
+    recompute: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PipelineStage:
+    first_node: str  # the stage runs the compute nodes first_node..last_node in topological order
+    last_node: str
+    devices: tuple[int, ...]  # its sub-mesh, row-major over the strategy's mesh shape without the pipeline axis
+
+
+@dataclass(frozen=True, kw_only=True)
+class TensorPlacement:
+    kind: str  # input | param | activation
+    shape: tuple[int, ...]
+    spec: Spec
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollectiveRecord:
+    kind: Collective
+    axes: tuple[str, ...]  # mesh axis names
+    bytes: float
+    time_s: float
+    phase: Phase
+    purpose: Purpose
+    tensor: str
+    cadence: Cadence
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodePlan:
+    op_type: str
+    module: str
+    strategy: str
+    inputs: tuple[Spec | None, ...]
+    outputs: tuple[Spec, ...]
+    kernels: tuple[str, ...]
+    compute_s: float
+    collectives: tuple[CollectiveRecord, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reshard:
+    tensor: str
+    consumer: str
+    src: Spec
+    dst: Spec
+    collectives: tuple[CollectiveRecord, ...]  # the forward ones (the backward are on the consumer)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fallback:
+    node: str
+    op_type: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PredictedCost:
+    step_time_s: float
+    compute_s: float
+    optimizer_s: float
+    overhead_s: float
+    comm_s: float
+    memory: Mapping[str, float]  # bytes per device by category
+    flops_per_device: float
+    composer: str = "serial"  # the step composer's policy (costmodel/compose.py)
+
+    @property
+    def memory_bytes_per_device(self) -> float:
+        return sum(self.memory.values())
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverStats:
+    status: str
+    objective: float  # seconds
+    bound: float  # seconds
+    gap: float
+    time_s: float
+    num_variables: int
+    num_constraints: int
+    num_decision_nodes: int
+    num_edges: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class CandidateRecord:
+    mesh: tuple[int, ...]
+    axis_names: tuple[str, ...]
+    step_time_s: float | None
+    memory_bytes_per_device: float | None
+    solver_status: str | None
+    error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Strategy:
-    data: Mapping[str, Any]  # the JSON document, validated
+    model: ModelRef
+    profile: ProfileRef
+    mesh: DeviceMesh
+    settings: PlanSettings
+    training: TrainingSettings
+    tensors: Mapping[str, TensorPlacement]
+    nodes: Mapping[str, NodePlan]
+    reshards: tuple[Reshard, ...]
+    fallbacks: tuple[Fallback, ...]
+    cost: PredictedCost
+    solver: SolverStats
+    pipeline: tuple[PipelineStage, ...] = ()
+    candidates: tuple[CandidateRecord, ...] = ()
 
     @property
     def fingerprint(self) -> str:
-        return str(self.data["model"]["fingerprint"])
+        return self.model.fingerprint
 
     @property
     def step_time_s(self) -> float:
-        return float(self.data["cost"]["step_time_s"])
+        return self.cost.step_time_s
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(self.data["mesh"]["shape"])
+        return self.mesh.shape
+
+    def spec_of(self, tensor: str) -> Spec | None:
+        """Where the plan stores a parameter or feeds an input (None: it does not say)."""
+        entry = self.tensors.get(tensor)
+        return entry.spec if entry is not None else None
 
     def check_model(self, graph: OpGraph) -> None:
         if graph.fingerprint != self.fingerprint:
             raise StrategyError(
                 f"the strategy was planned for model fingerprint {self.fingerprint} "
-                f"({self.data['model']['name']}, dims {self.data['model']['dims']}) but this model is "
+                f"({self.model.name}, dims {dict(self.model.dims)}) but this model is "
                 f"{graph.fingerprint} ({graph.name}, dims {graph.dims}); re-plan it with meshplan plan")
 
+    def to_dict(self) -> dict[str, Any]:
+        return _document(self)
+
     def to_json(self) -> str:
-        return json.dumps(self.data, indent=1)
+        return json.dumps(self.to_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
 
+# ---------------------------------------------------------------------------------------------------
+# JSON: write (schema 2)
+
+
+def _collective_doc(c: CollectiveRecord) -> dict[str, Any]:
+    return {"kind": c.kind.value, "axes": list(c.axes), "bytes": c.bytes, "time_s": c.time_s, "phase": c.phase.value,
+            "purpose": c.purpose.value, "tensor": c.tensor, "cadence": c.cadence.value}
+
+
+def _document(s: Strategy) -> dict[str, Any]:
+    m = s.model
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "model": {"path": m.path, "name": m.name, "fingerprint": m.fingerprint, "dims": dict(m.dims),
+                  **({"notes": list(m.notes)} if m.notes else {})},
+        "profile": {"name": s.profile.name, "digest": s.profile.digest, "source": s.profile.source},
+        "mesh": {"shape": list(s.mesh.shape), "axis_names": list(s.mesh.axis_names), "devices": list(s.mesh.devices),
+                 "devices_per_node": s.mesh.devices_per_node},
+        "settings": {"mode": s.settings.mode, "search": s.settings.search, "dtype": s.settings.dtype,
+                     "memory_limit_bytes": s.settings.memory_limit_bytes, "solver": s.settings.solver,
+                     "follow": s.settings.follow, "pins": dict(s.settings.pins), "batch": s.settings.batch,
+                     "loss": s.settings.loss},
+        "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
+                     "recompute": dict(s.training.recompute)},
+        "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
+                                for st in s.pipeline]},
+        "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
+                        "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
+        "nodes": {n: {"op_type": p.op_type, "module": p.module, "strategy": p.strategy,
+                      "inputs": [str(x) if x is not None else None for x in p.inputs],
+                      "outputs": [str(x) for x in p.outputs], "kernels": list(p.kernels), "compute_s": p.compute_s,
+                      "collectives": [_collective_doc(c) for c in p.collectives]} for n, p in s.nodes.items()},
+        "reshards": [{"tensor": r.tensor, "consumer": r.consumer, "from": str(r.src), "to": str(r.dst),
+                      "collectives": [_collective_doc(c) for c in r.collectives]} for r in s.reshards],
+        "fallback_ops": [{"node": f.node, "op_type": f.op_type} for f in s.fallbacks],
+        "cost": {"composer": s.cost.composer, "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
+                 "optimizer_s": s.cost.optimizer_s, "overhead_s": s.cost.overhead_s, "comm_s": s.cost.comm_s,
+                 "memory_bytes_per_device": s.cost.memory_bytes_per_device, "memory": dict(s.cost.memory),
+                 "flops_per_device": s.cost.flops_per_device},
+        "solver": {"status": s.solver.status, "objective": s.solver.objective, "bound": s.solver.bound,
+                   "gap": s.solver.gap, "time_s": s.solver.time_s, "num_variables": s.solver.num_variables,
+                   "num_constraints": s.solver.num_constraints, "num_decisions": s.solver.num_decision_nodes,
+                   "num_edges": s.solver.num_edges},
+        "candidates": [{"mesh": list(c.mesh), "axis_names": list(c.axis_names), "step_time_s": c.step_time_s,
+                        "memory_bytes_per_device": c.memory_bytes_per_device, "solver_status": c.solver_status,
+                        "error": c.error} for c in s.candidates],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------
+# JSON: read (schema 2; schema 1 migrated)
+
+
 @cache
-def schema() -> dict[str, Any]:
-    return json.loads(resources.files("planner").joinpath("strategy.schema.json").read_text())
+def schema(version: int = SCHEMA_VERSION) -> dict[str, Any]:
+    name = "strategy.schema.json" if version == SCHEMA_VERSION else f"strategy.v{version}.schema.json"
+    return json.loads(resources.files("planner").joinpath(name).read_text())
+
+
+def _validate(data: Mapping[str, Any], version: int, origin: str) -> None:
+    try:
+        jsonschema.validate(data, schema(version))
+    except jsonschema.ValidationError as e:
+        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
+        raise StrategyError(f"{origin}: field {where}: {e.message}; re-plan with meshplan plan") from e
+
+
+def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A schema-1 document as schema 2: collectives' `reason` becomes `purpose` (same words) and gains
+    its cadence (a parameter's gradient reduction per step, the rest per micro-batch); one micro-batch,
+    no ZeRO stage or recomputation beyond the placements, no pipeline; the profile's source defaults to
+    its name (files of that time named a preset); the cost was the plain sum ("serial")."""
+    d = json.loads(json.dumps(data))  # a deep copy
+    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"}
+
+    def collective(c: dict[str, Any]) -> dict[str, Any]:
+        purpose = Purpose(c.pop("reason", Purpose.RESHARD.value))
+        tensor = c.get("tensor", "")
+        return {**c, "time_s": c.get("time_s", 0.0), "phase": c.get("phase", Phase.FORWARD.value),
+                "tensor": tensor, "purpose": purpose.value, "cadence": cadence_of(purpose, tensor in params).value}
+
+    for node in d["nodes"].values():
+        node["collectives"] = [collective(c) for c in node["collectives"]]
+        node.setdefault("compute_s", 0.0)
+    for r in d["reshards"]:
+        r["collectives"] = [collective(c) for c in r["collectives"]]
+    d["schema_version"] = SCHEMA_VERSION
+    d["profile"].setdefault("source", d["profile"]["name"])
+    d["settings"].setdefault("loss", "auto")
+    d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}}
+    d["pipeline"] = {"stages": []}
+    d["cost"] = {"composer": "serial", "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
+    d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
+    d["candidates"] = [{"error": "", **c} for c in d.get("candidates", [])]
+    return d
+
+
+MIGRATIONS = {1: migrate_v1}
 
 
 def from_dict(data: Mapping[str, Any], origin: str = "strategy") -> Strategy:
     if not isinstance(data, Mapping):
         raise StrategyError(f"{origin}: not a strategy (a JSON object is expected); write one with meshplan plan -o")
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise StrategyError(f"{origin}: schema_version {version!r} is not {SCHEMA_VERSION}; re-plan with this meshplan")
+    if version in MIGRATIONS:
+        _validate(data, version, origin)
+        data = MIGRATIONS[version](data)
+    elif version != SCHEMA_VERSION:
+        raise StrategyError(f"{origin}: schema_version {version!r} is not one this meshplan reads (1 or "
+                            f"{SCHEMA_VERSION}); re-plan with this meshplan")
+    _validate(data, SCHEMA_VERSION, origin)
     try:
-        jsonschema.validate(data, schema())
-    except jsonschema.ValidationError as e:
-        where = ".".join(str(p) for p in e.absolute_path) or "(top level)"
-        raise StrategyError(f"{origin}: field {where}: {e.message}; re-plan with meshplan plan") from e
-    return Strategy(data)
+        return _build(data)
+    except MeshplanError as e:  # a placement or mesh the schema admits but that does not hold together
+        raise StrategyError(f"{origin}: {e}; re-plan with meshplan plan") from e
+
+
+def _collective(c: Mapping[str, Any]) -> CollectiveRecord:
+    return CollectiveRecord(kind=Collective(c["kind"]), axes=tuple(c["axes"]), bytes=float(c["bytes"]),
+                            time_s=float(c["time_s"]), phase=Phase(c["phase"]), purpose=Purpose(c["purpose"]),
+                            tensor=c["tensor"], cadence=Cadence(c["cadence"]))
+
+
+def _build(d: Mapping[str, Any]) -> Strategy:
+    m, p, me, st, tr, c, sv = (d[k] for k in ("model", "profile", "mesh", "settings", "training", "cost", "solver"))
+    mesh = DeviceMesh(shape=tuple(me["shape"]), axis_names=tuple(me["axis_names"]), devices=tuple(me["devices"]),
+                      devices_per_node=me["devices_per_node"])
+    for name, t in d["tensors"].items():
+        spec = parse_spec(",".join(t["placements"]), len(t["shape"]))
+        spec.validate(tuple(t["shape"]), mesh.shape, f"tensor {name}")
+    return Strategy(
+        model=ModelRef(path=m["path"], name=m["name"], fingerprint=m["fingerprint"], dims=dict(m["dims"]),
+                       notes=tuple(m.get("notes", ()))),
+        profile=ProfileRef(name=p["name"], digest=p["digest"], source=p["source"]),
+        mesh=mesh,
+        settings=PlanSettings(mode=st["mode"], search=st["search"], dtype=st["dtype"],
+                              memory_limit_bytes=st["memory_limit_bytes"], solver=st["solver"], follow=st["follow"],
+                              pins=dict(st["pins"]), batch=st["batch"], loss=st["loss"]),
+        training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
+                                  recompute=dict(tr["recompute"])),
+        pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
+                       for s in d["pipeline"]["stages"]),
+        tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),
+                                       spec=parse_spec(",".join(t["placements"]), len(t["shape"])))
+                 for name, t in d["tensors"].items()},
+        nodes={name: NodePlan(op_type=n["op_type"], module=n["module"], strategy=n["strategy"],
+                              inputs=tuple(parse_spec(x) if x is not None else None for x in n["inputs"]),
+                              outputs=tuple(parse_spec(x) for x in n["outputs"]), kernels=tuple(n["kernels"]),
+                              compute_s=float(n["compute_s"]),
+                              collectives=tuple(_collective(x) for x in n["collectives"]))
+               for name, n in d["nodes"].items()},
+        reshards=tuple(Reshard(tensor=r["tensor"], consumer=r["consumer"], src=parse_spec(r["from"]),
+                               dst=parse_spec(r["to"]), collectives=tuple(_collective(x) for x in r["collectives"]))
+                       for r in d["reshards"]),
+        fallbacks=tuple(Fallback(node=f["node"], op_type=f["op_type"]) for f in d["fallback_ops"]),
+        cost=PredictedCost(step_time_s=c["step_time_s"], compute_s=c["compute_s"], optimizer_s=c["optimizer_s"],
+                           overhead_s=c["overhead_s"], comm_s=c["comm_s"], memory=dict(c["memory"]),
+                           flops_per_device=c["flops_per_device"], composer=c["composer"]),
+        solver=SolverStats(status=sv["status"], objective=sv["objective"], bound=sv["bound"], gap=sv["gap"],
+                           time_s=sv["time_s"], num_variables=sv["num_variables"],
+                           num_constraints=sv["num_constraints"], num_decision_nodes=sv["num_decisions"],
+                           num_edges=sv["num_edges"]),
+        candidates=tuple(CandidateRecord(mesh=tuple(x["mesh"]), axis_names=tuple(x["axis_names"]),
+                                         step_time_s=x["step_time_s"],
+                                         memory_bytes_per_device=x["memory_bytes_per_device"],
+                                         solver_status=x["solver_status"], error=x["error"])
+                         for x in d["candidates"]),
+    )
+
+
+def from_json(text: str, origin: str = "strategy") -> Strategy:
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StrategyError(f"{origin}: not JSON ({e}); write a strategy with meshplan plan -o") from e
+    return from_dict(data, origin)
 
 
 def load_strategy(path: str | Path) -> Strategy:
@@ -83,35 +398,38 @@ def load_strategy(path: str | Path) -> Strategy:
     if not p.is_file():
         raise StrategyError(f"{p}: no such strategy file; write one with meshplan plan -o {p}")
     try:
-        data = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        text = p.read_text()
+    except UnicodeDecodeError as e:
         raise StrategyError(f"{p}: not JSON ({e}); write a strategy with meshplan plan -o") from e
-    return from_dict(data, str(p))
+    return from_json(text, str(p))
 
 
 def diff(a: Strategy, b: Strategy) -> dict[str, Any]:
     """What changed from `a` to `b`: mesh, placements, node strategies, collectives, predicted cost."""
-    da, db = a.data, b.data
-    tensors = {t: (da["tensors"].get(t, {}).get("placements"), db["tensors"].get(t, {}).get("placements"))
-               for t in sorted(set(da["tensors"]) | set(db["tensors"]))}
-    nodes = {n: (da["nodes"].get(n, {}).get("strategy"), db["nodes"].get(n, {}).get("strategy"))
-             for n in sorted(set(da["nodes"]) | set(db["nodes"]))}
+    tensors = {t: (str(a.spec_of(t)) if t in a.tensors else None, str(b.spec_of(t)) if t in b.tensors else None)
+               for t in sorted(set(a.tensors) | set(b.tensors))}
+    nodes = {n: (a.nodes[n].strategy if n in a.nodes else None, b.nodes[n].strategy if n in b.nodes else None)
+             for n in sorted(set(a.nodes) | set(b.nodes))}
 
-    def collective_totals(d: Mapping[str, Any]) -> dict[str, float]:
+    def collective_totals(s: Strategy) -> dict[str, float]:
         out: dict[str, float] = {}
-        for node in d["nodes"].values():
-            for c in node["collectives"]:
-                out[c["kind"]] = out.get(c["kind"], 0.0) + c["bytes"]
+        for node in s.nodes.values():
+            for c in node.collectives:
+                out[c.kind.value] = out.get(c.kind.value, 0.0) + c.bytes
         return out
 
-    ca, cb = collective_totals(da), collective_totals(db)
+    def mesh(s: Strategy) -> dict[str, Any]:
+        return {"shape": list(s.mesh.shape), "axis_names": list(s.mesh.axis_names)}
+
+    ca, cb = collective_totals(a), collective_totals(b)
+    costs = {"step_time_s": lambda s: s.cost.step_time_s, "compute_s": lambda s: s.cost.compute_s,
+             "comm_s": lambda s: s.cost.comm_s, "memory_bytes_per_device": lambda s: s.cost.memory_bytes_per_device}
     return {
         "same_model": a.fingerprint == b.fingerprint,
-        "mesh": None if da["mesh"] == db["mesh"] else {"from": da["mesh"], "to": db["mesh"]},
+        "mesh": None if a.mesh == b.mesh else {"from": mesh(a), "to": mesh(b)},
         "tensors": {t: {"from": x, "to": y} for t, (x, y) in tensors.items() if x != y},
         "nodes": {n: {"from": x, "to": y} for n, (x, y) in nodes.items() if x != y},
         "collective_bytes": {k: {"from": ca.get(k, 0.0), "to": cb.get(k, 0.0)} for k in sorted(set(ca) | set(cb))
                              if ca.get(k, 0.0) != cb.get(k, 0.0)},
-        "cost": {k: {"from": da["cost"][k], "to": db["cost"][k]}
-                 for k in ("step_time_s", "compute_s", "comm_s", "memory_bytes_per_device")},
+        "cost": {k: {"from": f(a), "to": f(b)} for k, f in costs.items()},
     }

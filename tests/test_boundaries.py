@@ -23,14 +23,8 @@ BANNED = {
 # Every stage may import the error hierarchy, the root of the flow.
 ALLOWED = ("planner.errors",)
 # Lazy imports that are part of the design: the exporter drives torch (planner/export.py, DESIGN.md).
-# Known violations, each to be removed by the work named: calibrate measures the executor's costs
-# through the executor and the ILP; that measurement moves to executor/ (issue 14).
 EXCEPTIONS = {
     ("planner/export.py", "torch"),
-    ("hwprofiles/calibrate.py", "executor.interpreter"),
-    ("hwprofiles/calibrate.py", "executor.spmd"),
-    ("hwprofiles/calibrate.py", "planner.graph"),
-    ("hwprofiles/calibrate.py", "planner.plan"),
 }
 
 

@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from costmodel.buckets import pack_buckets
-from costmodel.collectives import Collective, LinkLevel
+from costmodel.collectives import Cadence, Collective, LinkLevel, Phase
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel, Purpose
@@ -109,7 +109,7 @@ def test_megatron_tensor_parallel_volume(t: int) -> None:
         plan[f"relu{blk}"] = pick(g, mesh, f"relu{blk}", "[S(1)] → [S(1)]")
         plan[f"row{blk}"] = pick(g, mesh, f"row{blk}", "[S(1)] [S(0)] → [P]")
     cost = CostModel(g, mesh, H100, BF16).price(plan)
-    kinds = sorted((e.kind.value, e.backward, e.size_bytes) for e in cost.events)
+    kinds = sorted((e.kind.value, e.phase is Phase.BACKWARD, e.size_bytes) for e in cost.events)
     msg = bs * h * BF16.activation_bytes
     assert kinds == [("all_reduce", False, msg)] * 2 + [("all_reduce", True, msg)] * 2
     per = 2 * (t - 1) * 1e-6 + 2 * (t - 1) / t * msg / 370e9
@@ -130,7 +130,7 @@ def test_data_parallel_gradient_volume(zoo: Callable[[str], Path]) -> None:
     plan = {n.name: next(filter(data_parallel, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
     cost = CostModel(g, mesh, H100, BF16).price(plan)
     syncs = [e for e in cost.events if e.purpose is Purpose.GRAD_SYNC]
-    assert all(e.kind is Collective.ALL_REDUCE and e.axes == (0,) and e.backward for e in syncs)
+    assert all(e.kind is Collective.ALL_REDUCE and e.axes == (0,) and e.phase is Phase.BACKWARD and e.cadence is Cadence.STEP for e in syncs)
     assert sum(e.size_bytes for e in syncs) == g.num_params * BF16.grad_bytes
     assert len(cost.events) == len(syncs)
     # Model states replicated: (2 + 2 + 12) bytes per parameter on every device.
@@ -176,8 +176,8 @@ def test_sharded_parameters_gathered_then_reduce_scattered(zoo: Callable[[str], 
     plan = {n.name: next(filter(data_parallel, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
     stored = {p.name: Spec((Shard(0),)) for p in g.params}
     cost = CostModel(g, mesh, H100, BF16).price(plan, stored)
-    fwd = [e for e in cost.events if not e.backward]
-    bwd = [e for e in cost.events if e.backward]
+    fwd = [e for e in cost.events if e.phase is Phase.FORWARD]
+    bwd = [e for e in cost.events if e.phase is Phase.BACKWARD]
     assert {e.kind for e in fwd} == {Collective.ALL_GATHER}
     assert {e.kind for e in bwd} == {Collective.ALL_GATHER, Collective.REDUCE_SCATTER}
     assert sum(e.size_bytes for e in fwd) == g.num_params * BF16.weight_bytes
@@ -228,7 +228,7 @@ def test_a_parameters_own_reshard_is_not_bucketed(zoo: Callable[[str], Path]) ->
     cm = CostModel(g, mesh, H100, BF16)
     b = "fc2.bias"
     (ev,) = cm.edge_events(b, Spec.replicated(1), parse_spec("P"), frozenset({0}))
-    assert ev.backward and ev.kind is Collective.ALL_REDUCE
+    assert ev.phase is Phase.BACKWARD and ev.kind is Collective.ALL_REDUCE
     assert ev.time_s == pytest.approx(collective_time_s(H100, mesh, Collective.ALL_REDUCE, ev.size_bytes, (0,)))
 
 
@@ -363,8 +363,8 @@ def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
     assert cm.loss == "cross-entropy"
     partial = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(1)] [S(0)] → [P]")).loss
     assert partial is not None
-    assert [(e.kind, e.size_bytes, e.backward, e.purpose, e.tensor) for e in partial.events] == \
-        [(Collective.ALL_REDUCE, t * h * 2, False, Purpose.LOSS, "y")]
+    assert [(e.kind, e.size_bytes, e.phase, e.purpose, e.tensor, e.cadence) for e in partial.events] == \
+        [(Collective.ALL_REDUCE, t * h * 2, Phase.FORWARD, Purpose.LOSS, "y", Cadence.MICRO_BATCH)]
     assert partial.saved_bytes == t * h * 4
     rows = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(0)] [R] → [S(0)]")).loss
     assert rows is not None and rows.events == () and rows.saved_bytes == t // 2 * h * 4

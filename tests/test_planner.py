@@ -14,16 +14,17 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from cli import main
-from costmodel.collectives import Collective, LinkLevel
+from costmodel.collectives import Collective, LinkLevel, Phase
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.profile import load_profile
 from planner.graph import graph_from_proto
 from planner.mesh import DeviceMesh
+from planner.placement import Shard, Spec
 from planner.plan import PlanRequest, make_plan
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
 from planner.solve import InfeasiblePlanError, ShardingILP
-from planner.strategy import StrategyError, load_strategy
+from planner.strategy import SCHEMA_VERSION, StrategyError, from_json, load_strategy
 
 H100 = load_profile("h100-sxm")
 BF16 = PRECISIONS["bf16"]
@@ -89,7 +90,7 @@ def test_data_parallel_when_batch_large_and_model_small() -> None:
         assert str(sol.choice[n.name].output_specs[0]) == "S(0)", n.name
     assert all(spec.is_replicated for spec in sol.param_specs.values())
     events = cm.price(sol.choice, sol.param_specs).events
-    assert {e.kind for e in events} == {Collective.ALL_REDUCE} and all(e.backward for e in events)
+    assert {e.kind for e in events} == {Collective.ALL_REDUCE} and all(e.phase is Phase.BACKWARD for e in events)
 
 
 def test_memory_limit_shards_parameters() -> None:
@@ -192,27 +193,27 @@ def test_plan_never_worse_than_baselines(name: str, dims: dict[str, int], device
 def test_repeated_layers_tied(zoo: Callable[[str], Path]) -> None:
     strategy, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims={"batch": 8, "seq": 32}, devices=4,
                                         mesh_shape=(2, 2)))
-    nodes = strategy.data["nodes"]
+    nodes = strategy.nodes
     # node k of layer 0 and node k of layer 1 run the same strategy
-    l0 = [n for n, v in nodes.items() if ".layers.0." in v["module"] + "."]
-    l1 = [n for n, v in nodes.items() if ".layers.1." in v["module"] + "."]
+    l0 = [n for n, v in nodes.items() if ".layers.0." in v.module + "."]
+    l1 = [n for n, v in nodes.items() if ".layers.1." in v.module + "."]
     assert len(l0) == len(l1) > 20
-    assert [nodes[a]["strategy"] for a in l0] == [nodes[b]["strategy"] for b in l1]
+    assert [nodes[a].strategy for a in l0] == [nodes[b].strategy for b in l1]
 
 
 def test_modes(zoo: Callable[[str], Path]) -> None:
     path = str(zoo("mlp"))
     dp, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mesh_shape=(4,), mode="data-parallel"))
-    assert dp.data["tensors"]["x"]["placements"] == ["S(0)"]
-    assert all(t["placements"] == ["R"] for t in dp.data["tensors"].values() if t["kind"] == "param")
+    assert dp.spec_of("x") == Spec((Shard(0),))
+    assert all(t.spec == Spec.replicated(1) for t in dp.tensors.values() if t.kind == "param")
     alone, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mode="stand-alone"))
     assert alone.mesh_shape == (1,)
     semi, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mesh_shape=(4,), mode="semi", search="propagation",
                                     pins={"fc1.weight": "S(0)"}))
-    assert semi.data["tensors"]["fc1.weight"]["placements"] == ["S(0)"]
+    assert semi.spec_of("fc1.weight") == Spec((Shard(0),))
     semi_ilp, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mesh_shape=(4,), mode="semi",
                                         pins={"fc1.weight": "S(0)"}))
-    assert semi_ilp.data["tensors"]["fc1.weight"]["placements"] == ["S(0)"]
+    assert semi_ilp.spec_of("fc1.weight") == Spec((Shard(0),))
     assert semi_ilp.step_time_s <= semi.step_time_s * (1 + 1e-6)  # the ILP optimises what propagation guesses
 
 
@@ -230,9 +231,13 @@ def test_strategy_file_round_trip_and_stale(zoo: Callable[[str], Path], tmp_path
     r = CliRunner().invoke(main, ["plan", str(zoo("mlp")), "--dim", "batch=64", "--devices", "2", "-o", str(out)])
     assert r.exit_code == 0, r.output
     s = load_strategy(out)
-    for key in ("schema_version", "model", "profile", "mesh", "settings", "tensors", "nodes", "reshards",
-                "fallback_ops", "cost", "solver"):
-        assert key in s.data
+    document = json.loads(out.read_text())
+    assert document["schema_version"] == SCHEMA_VERSION == 2
+    for key in ("model", "profile", "mesh", "settings", "training", "pipeline", "tensors", "nodes", "reshards",
+                "fallback_ops", "cost", "solver", "candidates"):
+        assert key in document
+    assert s.to_dict() == document  # typed → JSON → typed → JSON is the identity
+    assert from_json(s.to_json()) == s
     from planner.graph import load_graph
 
     s.check_model(load_graph(zoo("mlp"), {"batch": 64}))
@@ -271,7 +276,7 @@ def test_plan_bad_input(case: str, tmp_path: Path, zoo: Callable[[str], Path]) -
 
 @pytest.mark.parametrize(("content", "message"), [
     ("{", "not JSON"),
-    ('{"schema_version": 0}', "schema_version 0 is not 1"),
+    ('{"schema_version": 0}', "schema_version 0 is not one this meshplan reads"),
     ('{"schema_version": 1, "model": {}}', "field (top level)"),
 ])
 def test_broken_strategy_files(content: str, message: str, tmp_path: Path) -> None:

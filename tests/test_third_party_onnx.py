@@ -31,8 +31,8 @@ def test_light_model_imports_and_plans(path: Path, tmp_path: Path) -> None:
     if path.stem in PUBLISHED:
         assert g.num_params == PUBLISHED[path.stem]
     strategy, _ = make_plan(PlanRequest(model=str(path), dims={}, profile="h100-sxm", devices=2))
-    assert strategy.data["fallback_ops"] == []
-    assert strategy.data["solver"]["status"] in ("OPTIMAL", "FEASIBLE")
+    assert strategy.fallbacks == ()
+    assert strategy.solver.status in ("OPTIMAL", "FEASIBLE")
 
 
 def test_cli_inspect_and_plan_exit_zero(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """Local ranks: spawn N processes on 127.0.0.1 (a free port), supervise them, stop them all.
 
-Used by `profile calibrate` and by the executor's `run`. A rank reports through the queue it is given;
-a message ("error", rank, text) from any rank, a rank that dies, or the time limit stops every rank
-and raises one error naming which and why.
+Used by the executor's `run` and by `profile calibrate` (executor/calibrate.py). A rank reports
+through the queue it is given; a message ("error", rank, text) from any rank, a rank that dies, or
+the time limit stops every rank and raises one error naming which and why.
 
 Each rank's allocator keeps the memory it frees (glibc: tensors up to 32 MiB from the heap, which is
 never trimmed), as CPU training guides advise (or jemalloc/tcmalloc): a training step frees and

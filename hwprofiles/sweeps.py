@@ -1,0 +1,99 @@
+"""Compute sweeps of `profile calibrate`, one rank's: matmuls over sizes, a buffer copy, a one-element
+op, a mix of element-wise kernels, 3×3 convolutions over channel counts, and AdamW per parameter,
+all timed interleaved (`timing.time_interleaved`); the slowest rank's figures by `reduce_max`.
+The executor's own costs (per op, per step, per reshard) are measured by the executor
+(`executor/calibrate.py`) and join these medians there.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from hwprofiles.calibrate import CalibrationConfig, MiB, ProgressFn
+from hwprofiles.timing import time_interleaved
+
+CONV_CHANNELS = (8, 16, 32, 64, 128)
+
+
+def conv_flops(c: int) -> float:
+    """FLOPs of the sweep's 3×3 convolution at c → c channels (batch 8, 32×32)."""
+    return 2.0 * 8 * 32 * 32 * c * c * 9
+
+
+def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
+    """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
+    one-element op), "element-wise per byte" of the kernel mix, "conv c" per channel count and
+    "optimizer per parameter". Larger is slower, so the slowest rank's figures are a MAX-reduction
+    away (`reduce_max`). The executor adds its own figures (`executor/calibrate.py`)."""
+    import torch
+
+    torch.set_num_threads(1)  # one rank = one process on one core
+    dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
+    fns: dict[str, Callable[[], object]] = {}
+    for n in cfg.matmul_sizes:
+        fns[f"matmul {n}"] = functools.partial(torch.matmul, torch.randn(n, n, device=device, dtype=dtype),
+                                               torch.randn(n, n, device=device, dtype=dtype))
+    nbytes = (32 if cfg.quick else 128) * MiB
+    src = torch.empty(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    fns["copy"] = functools.partial(dst.copy_, src)
+    one = torch.ones(1, device=device)
+    fns["bare op"] = functools.partial(one.add, 1.0)
+    mix = elementwise_kernels(device)
+    fns.update({f"element-wise {i}": fn for i, (fn, _) in enumerate(mix)})
+    for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
+        fns[f"conv {c}"] = functools.partial(torch.nn.functional.conv2d, torch.randn(8, c, 32, 32, device=device, dtype=dtype),
+                                             torch.randn(c, c, 3, 3, device=device, dtype=dtype), padding=1)
+    progress("compute", 0, 3)
+    out = time_interleaved(fns, device, min_time_s=1.5 if cfg.quick else 4.0, repeats=cfg.repeats)
+    out["copy per byte"] = out.pop("copy") / (2 * nbytes)
+    out["element-wise per byte"] = sum(out.pop(f"element-wise {i}") for i in range(len(mix))) / sum(b for _, b in mix)
+    out["optimizer per parameter"] = optimizer_param_s(device)
+    progress("compute", 1, 3)
+    return out
+
+
+def reduce_max(medians: dict[str, float]) -> dict[str, float]:
+    """Every figure at its slowest rank's value (all ranks measured the same names)."""
+    import torch
+    import torch.distributed as dist
+
+    names = sorted(medians)
+    values = torch.tensor([medians[k] for k in names], dtype=torch.float64)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return dict(zip(names, values.tolist(), strict=True))
+
+
+def elementwise_kernels(device: Any, elems: int = 1 << 16) -> list[tuple[Callable[[], object], float]]:
+    """A mix of the element-wise kernels transformers run (add, mul, where, tanh, erf, exp, pow,
+    softmax) on tensors of `elems` floats, each with the bytes it reads + writes: their summed bytes
+    over their summed times is what the roofline's memory-bound side achieves for them (on a CPU
+    core far below a copy's bandwidth)."""
+    import torch
+
+    x = torch.randn(elems, device=device)
+    y = torch.randn(elems, device=device)
+    mask = x > 0
+    kernels: list[tuple[Callable[[], object], int]] = [  # (kernel, tensors read + written)
+        (lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.where(mask, x, y), 4), (lambda: torch.tanh(x), 2),
+        (lambda: torch.erf(x), 2), (lambda: torch.exp(x), 2), (lambda: torch.pow(x, 3.0), 2),
+        (lambda: torch.softmax(x.view(-1, 256), -1), 2),
+    ]
+    return [(fn, tensors * elems * 4.0) for fn, tensors in kernels]
+
+
+def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tensors: int = 8) -> float:
+    """The optimizer's time per parameter (torch's AdamW, one tensor at a time: its dozen kernels'
+    memory traffic): `tensors` tensors of `large` floats against as many of `small` floats."""
+    import torch
+
+    def optimizer(numel: int) -> Callable[[], object]:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.randn(numel, device=device)
+        return torch.optim.AdamW(params, lr=1e-3, foreach=False).step
+
+    t = time_interleaved({"small": optimizer(small), "large": optimizer(large)}, device, min_time_s=0.5, repeats=20)
+    return max(0.0, (t["large"] - t["small"]) / (tensors * (large - small)))

@@ -1,0 +1,206 @@
+"""How the CLI shows its results: rich tables on the console (errors and notes on stderr).
+
+`cli.py` parses options and calls the planner, the executor and the profiles; what it prints is here.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from hwprofiles.report import CalibrationReport
+
+    from planner.strategy import Strategy
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fmt_count(x: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f}"
+
+
+def fmt_ms(x: float) -> str:
+    return f"{x * 1e3:.3f} ms"
+
+
+def fmt_bytes(x: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= div:
+            return f"{x / div:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def render_summary(s: dict[str, Any]) -> None:
+    head = Table(title=f"{s['model']}  (opset {s['opset']}, fingerprint {s['fingerprint']})", show_header=False)
+    head.add_column(style="bold")
+    head.add_column(justify="right")
+    head.add_row("nodes (compute / constant)", f"{s['nodes']} ({s['compute_nodes']} / {s['constant_nodes']})")
+    head.add_row("parameters", f"{s['parameters']:,} in {s['parameter_tensors']} tensors")
+    head.add_row("parameter bytes", fmt_bytes(s["parameter_bytes"]))
+    head.add_row("forward FLOPs (matmul-class)", fmt_count(s["flops_forward"]))
+    head.add_row("forward FLOPs (other ops)", fmt_count(s["flops_forward_other"]))
+    head.add_row("bound dims", ", ".join(f"{k}={v}" for k, v in s["dims"].items()) or "none (static)")
+    console.print(head)
+
+    io = Table(title="inputs and outputs")
+    for col in ("", "name", "shape", "dtype"):
+        io.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for t in s[kind]:
+            io.add_row(kind[:-1], t["name"], "×".join(map(str, t["shape"])) or "scalar", t["dtype"])
+    console.print(io)
+
+    ops = Table(title="compute ops")
+    ops.add_column("op type")
+    ops.add_column("count", justify="right")
+    for op, n in s["op_types"].items():
+        ops.add_row(op, str(n))
+    console.print(ops)
+
+    layers = Table(title="repeated layers (tied by the solver)")
+    for col in ("prefix", "layers", "ops per layer"):
+        layers.add_column(col)
+    for g in s["layers"]:
+        idx = g["indices"]
+        layers.add_row(g["prefix"], f"{g['num_layers']} ({min(idx)}..{max(idx)})", str(g["nodes_per_layer"]))
+    if not s["layers"]:
+        layers.add_row("none found", "", "")
+    console.print(layers)
+
+
+def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
+    c, sv = s.cost, s.solver
+    head = Table(title=f"plan for {s.model.name} on {s.profile.name}", show_header=False)
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("mesh", " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)))
+    head.add_row("mode", f"{s.settings.mode} ({s.settings.search}, {s.settings.dtype})")
+    overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
+    head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
+                 f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")
+    head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} ("
+                 + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
+    head.add_row("solver", f"{sv.status} in {sv.time_s:.2f} s, objective {sv.objective:.6g} s, gap "
+                 f"{sv.gap:.2%}, {sv.num_variables} variables, {sv.num_constraints} constraints")
+    fb = sorted({f.op_type for f in s.fallbacks})
+    head.add_row("fallbacks", ", ".join(fb) if fb else "none")
+    head.add_row("written", str(out))
+    console.print(head)
+    for note in s.model.notes:
+        err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if len(candidates) > 1:
+        t = Table(title="mesh candidates")
+        for col in ("mesh", "step time", "memory", "status"):
+            t.add_column(col)
+        for cand in candidates:
+            t.add_row(str(cand.mesh), f"{cand.cost.step_time_s * 1e3:.2f} ms" if cand.cost else "—",
+                      fmt_bytes(cand.cost.memory_bytes) if cand.cost else "—",
+                      cand.stats.status if cand.stats else cand.error[:60])
+        console.print(t)
+
+
+def render_explain(e: dict[str, Any], report: str | None) -> None:
+    t = Table(title=f"{e['model']} — plan and baselines, priced by one cost model")
+    for col in ("plan", "mesh", "step time", "compute", "comm", "memory/device", "fits"):
+        t.add_column(col)
+    for b in e["baselines"]:
+        if b["step_time_s"] is None:
+            t.add_row(b["name"], b["mesh"], "n/a", "", "", "", b.get("note", ""))
+            continue
+        t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms", f"{b['compute_s'] * 1e3:.2f} ms",
+                  f"{b['comm_s'] * 1e3:.2f} ms", fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
+    console.print(t)
+    ops = Table(title="most expensive ops (compute + their collectives)")
+    for col in ("node", "op", "module", "strategy", "time"):
+        ops.add_column(col, overflow="fold")
+    for o in e["top_ops"]:
+        ops.add_row(o["node"], o["op_type"], o["module"], o["strategy"], f"{o['time_s'] * 1e6:.1f} µs")
+    console.print(ops)
+    colls = Table(title="collectives per step")
+    for name in ("kind", "axes", "phase", "count", "bytes", "time"):
+        colls.add_column(name)
+    for c in e["collectives"]:
+        colls.add_row(c["kind"], ",".join(c["axes"]), c["phase"], str(c["count"]), fmt_bytes(c["bytes"]),
+                      f"{c['time_s'] * 1e3:.3f} ms")
+    console.print(colls)
+    console.print("memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in e["memory"].items())
+                  + f"; fallbacks: {', '.join(e['fallback_op_types']) or 'none'}")
+    if report:
+        console.print(f"report written to {report}")
+
+
+def render_diff(d: dict[str, Any]) -> None:
+    if not d["same_model"]:
+        console.print("[bold]different models[/bold] (fingerprints differ)")
+    if d["mesh"]:
+        console.print(f"mesh: {d['mesh']['from']['shape']} → {d['mesh']['to']['shape']}")
+    table = Table(title="predicted cost")
+    for col in ("", "A", "B", "change"):
+        table.add_column(col)
+    for k, v in d["cost"].items():
+        f, to = v["from"], v["to"]
+        fmt = fmt_bytes if "memory" in k else fmt_ms
+        table.add_row(k, fmt(f), fmt(to), f"{(to - f) / f:+.1%}" if f else "")
+    console.print(table)
+    console.print(f"{len(d['nodes'])} node strategies and {len(d['tensors'])} tensor placements differ")
+    for n, v in list(d["nodes"].items())[:20]:
+        console.print(f"  {n}: {v['from']}  →  {v['to']}", markup=False)
+    for k, v in d["collective_bytes"].items():
+        console.print(f"  {k}: {fmt_bytes(v['from'])} → {fmt_bytes(v['to'])} per step")
+
+
+def render_calibration(report: CalibrationReport, nproc: int, backend: str) -> None:
+    table = Table(title=f"calibration ({report.elapsed_s:.0f} s, {nproc} ranks, {backend})")
+    for col in ("measured", "fit", "median |fit − measured| / measured"):
+        table.add_column(col)
+    assert report.efficiency is not None
+    e = report.efficiency
+    table.add_row("matmul sweep", f"P = {e.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, F½ = {e.half_flops:.3g} FLOP",
+                  f"{e.median_rel_error:.1%}")
+    if report.conv_efficiency is not None:
+        c = report.conv_efficiency
+        table.add_row("3×3 conv sweep", f"P·d/(d + d½) by channels d: P = {c.peak_achieved_flops_per_s / 1e9:.1f} GFLOP/s, "
+                      f"d½ = {c.half_flops:.0f}", f"{c.median_rel_error:.1%}")
+    table.add_row("memory copy", f"{report.copy_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
+    table.add_row("element-wise mix", f"{report.elementwise_bandwidth_bytes_per_s / 1e9:.2f} GB/s", "")
+    table.add_row("op overhead", f"{report.op_overhead_s * 1e6:.2f} µs per op through the executor "
+                  f"({report.bare_op_s * 1e6:.2f} µs bare), {report.step_overhead_s * 1e6:.0f} µs per step", "")
+    table.add_row("optimizer step (AdamW)", f"{report.optimizer_fixed_s * 1e6:.0f} µs + {report.optimizer_tensor_s * 1e6:.1f} µs "
+                  f"per tensor + {report.optimizer_param_s * 1e9:.2f} ns per parameter", "")
+    if report.reshard_overhead_s > 0:
+        table.add_row("reshard overhead", f"{report.reshard_overhead_s * 1e6:.0f} µs per DTensor redistribute", "")
+    for k, fit in report.fits.items():
+        table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
+                      f"{fit.median_rel_error:.1%}")
+    console.print(table)
+
+
+def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: int) -> None:
+    t = Table(title=f"run of {strategy_path} on {nproc} ranks", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("loss", f"{result['loss']:.6f}")
+    if "max_abs_diff" in result:
+        t.add_row("vs one process", f"max |diff| {result['max_abs_diff']:.2e} (loss {result['loss_abs_diff']:.1e}, "
+                  f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e}, "
+                  f"after {steps} steps {result['final_param_max_abs_diff']:.1e})")
+    ms, ps = result["measured_step_s"], result["predicted_step_s"]
+    t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
+    mp, pp = result["measured_phases_s"], result["predicted_phases_s"]
+    t.add_row("  measured", ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in mp.items()) + " ms")
+    t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, "
+              f"optimizer {pp['optimizer_s'] * 1e3:.2f}, per-step overhead {pp.get('overhead_s', 0.0) * 1e3:.2f} ms")
+    mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
+    t.add_row("memory per rank", f"measured {fmt_bytes(mm)} (model states + saved activations), "
+              f"predicted {fmt_bytes(pm)}")
+    t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
+    t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
+    console.print(t)

@@ -1,0 +1,100 @@
+"""The typed strategy and its file: schema 2 round-trips, and a schema-1 file written by the planner
+before the change (tests/data/strategy-v1-mlp.json: mlp, 2×2 mesh, batch split on dp, fc1 split on tp)
+loads, migrates to what the planner decides today, explains and runs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from costmodel.collectives import Cadence, Collective, Phase, Purpose
+from executor.launch import run
+from executor.train import RunOptions
+from planner.placement import R, Shard, Spec
+from planner.plan import PlanRequest, make_plan
+from planner.strategy import Strategy, StrategyError, from_dict, from_json, load_strategy
+
+V1 = Path(__file__).parent / "data" / "strategy-v1-mlp.json"
+V1_REQUEST = dict(dims={"batch": 64}, profile="cpu", devices=4, mesh_shape=(2, 2), mode="semi",
+                  pins={"x": "S(0),R", "fc1.weight": "R,S(0)"})
+
+
+def _v1_here(zoo: Callable[[str], Path], tmp: Path, *, without_source: bool = False) -> Path:
+    """The schema-1 file, pointing at this machine's mlp export (the path is the only edit); schema-1
+    files written before the profile's source was recorded lack it."""
+    data = json.loads(V1.read_text())
+    data["model"]["path"] = str(zoo("mlp"))
+    if without_source:
+        del data["profile"]["source"]
+    out = tmp / "v1.json"
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_v1_file_migrates(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    s = load_strategy(_v1_here(zoo, tmp_path))
+    assert s.training.micro_batches == 1 and s.training.zero_stage == 0 and not s.training.recompute
+    assert s.pipeline == () and s.cost.composer == "serial"
+    assert s.profile.source == "cpu"  # v1 plans named a preset
+    assert s.spec_of("x") == Spec((Shard(0), R)) and s.spec_of("fc1.weight") == Spec((R, Shard(0)))
+    assert s.nodes["node_linear"].outputs == (Spec((Shard(0), Shard(1))),)
+    syncs = [c for n in s.nodes.values() for c in n.collectives if c.purpose is Purpose.GRAD_SYNC]
+    assert {c.tensor for c in syncs} == {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"}
+    assert all(c.cadence is Cadence.STEP and c.phase is Phase.BACKWARD and c.axes == ("dp",) for c in syncs)
+    (gather,) = [c for n in s.nodes.values() for c in n.collectives if c.purpose is Purpose.RESHARD]
+    assert (gather.kind, gather.tensor, gather.axes, gather.cadence) == (
+        Collective.ALL_GATHER, "gelu", ("tp",), Cadence.MICRO_BATCH)
+    # What the planner decides today for the same request is what the old file says.
+    now, _ = make_plan(PlanRequest(model=str(zoo("mlp")), **V1_REQUEST))  # type: ignore[arg-type]
+    assert now.tensors == s.tensors and now.nodes.keys() == s.nodes.keys()
+    for name, node in now.nodes.items():
+        old = s.nodes[name]
+        assert (node.strategy, node.inputs, node.outputs, node.kernels) == (old.strategy, old.inputs, old.outputs,
+                                                                            old.kernels)
+        assert [(c.kind, c.axes, c.bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in node.collectives] == \
+               [(c.kind, c.axes, c.bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in old.collectives]
+    assert now.cost.step_time_s == pytest.approx(s.cost.step_time_s, rel=1e-12)
+    assert now.cost.memory == pytest.approx(s.cost.memory, rel=1e-12)
+
+
+@pytest.mark.parametrize("without_source", [False, True])
+def test_v1_file_explains(without_source: bool, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    path = _v1_here(zoo, tmp_path, without_source=without_source)
+    r = CliRunner().invoke(main, ["explain", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)["baselines"][0]
+    assert plan["name"] == "plan (semi)"
+    assert plan["step_time_s"] == json.loads(V1.read_text())["cost"]["step_time_s"]
+
+
+@pytest.mark.slow
+def test_v1_file_runs(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    r = run(str(_v1_here(zoo, tmp_path)), str(zoo("mlp")), nproc=4,
+            opts=RunOptions(steps=1, warmup=0, verify=True, optimizer="sgd"), timeout_s=240)
+    assert r["max_abs_diff"] < 1e-5
+    assert r["collectives_executed"] == r["collectives_planned"]
+
+
+def test_round_trip_and_refusals(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": 8, "seq": 32}, profile="cpu", devices=4))
+    assert isinstance(s, Strategy) and len(s.candidates) == 2
+    assert from_json(s.to_json()) == s
+    doc = s.to_dict()
+    assert doc["schema_version"] == 2
+    bad = json.loads(json.dumps(doc))
+    next(iter(bad["tensors"].values()))["placements"] = ["S(7)"] * s.mesh.ndim  # a dim the tensor lacks
+    with pytest.raises(StrategyError, match="names dim 7 but the tensor has"):
+        from_dict(bad, "edited.json")
+    bad = json.loads(json.dumps(doc))
+    next(iter(bad["nodes"].values()))["collectives"] = [{"kind": "all_reduce", "axes": ["dp"], "bytes": 1.0,
+                                                         "time_s": 0.0, "phase": "forward", "purpose": "why not",
+                                                         "tensor": "x", "cadence": "per step"}]
+    with pytest.raises(StrategyError, match="'why not' is not one of"):
+        from_dict(bad, "edited.json")
+    with pytest.raises(StrategyError, match="schema_version 3 is not one this meshplan reads"):
+        from_dict({**doc, "schema_version": 3}, "future.json")
