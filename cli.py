@@ -198,24 +198,36 @@ def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
 @click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
 @click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True,
               help="The training loss on the first output (auto: cross-entropy on logits, else mse).")
+@click.option("--global-batch-size", type=int, default=None, metavar="G",
+              help="Sequences per optimizer step, split into micro-steps (instead of --dim batch).")
+@click.option("--accumulation-steps", default="auto", show_default=True, metavar="K|auto",
+              help="Micro-steps per optimizer step with --global-batch-size (auto: the fewest that fit).")
+@click.option("--zero", "zero_stage", type=int, default=0, show_default=True, metavar="0|1|2",
+              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 also gradients.")
 @click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
 @_one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
-         strict: bool, loss: str, out_path: str | None, as_json: bool) -> None:
+         strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: int,
+         out_path: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from pathlib import Path
 
     from planner.plan import PlanRequest, make_plan
+
+    if accumulation_steps != "auto" and not accumulation_steps.isdigit():
+        raise MeshplanError(f"--accumulation-steps {accumulation_steps}: give a positive integer or auto")
 
     shape = _parse_mesh_shape(mesh)
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
                       mode=mode, search=search, pins=_parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
-                      all_to_all=not no_all_to_all, loss=loss)
+                      all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
+                      accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
+                      zero_stage=zero_stage)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")

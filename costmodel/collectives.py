@@ -60,6 +60,7 @@ class Purpose(enum.Enum):
     GRAD_REDUCE_SCATTER = "grad reduce-scatter"  # a gradient reduced onto the shards of a gathered tensor
     REGATHER = "re-gather"  # ZeRO-3/FSDP: a freed parameter gathered again for backward
     LOSS = "loss"  # the output brought to where the loss reads it
+    PARAM_GATHER = "param all-gather"  # ZeRO-1/2: the updated shards gathered back after the optimizer step
     PIPELINE_SEND = "pipeline send"  # an activation sent to the next pipeline stage (or its gradient back)
     PIPELINE_RECV = "pipeline recv"
 
@@ -69,19 +70,23 @@ class Phase(enum.Enum):
 
     FORWARD = "forward"
     BACKWARD = "backward"
+    OPTIMIZER = "optimizer"  # around the optimizer step (ZeRO-1/2's gather of updated parameters)
 
 
 class Cadence(enum.Enum):
-    """How often a collective runs: once per micro-batch (activations, their gradients, a sharded
-    parameter's gathers) or once per optimizer step (a parameter's accumulated gradient, reduced once
-    after the last micro-batch, as DDP's no_sync and FSDP's gradient accumulation do)."""
+    """How often a collective runs: once per micro-batch (activations, their gradients, a parameter
+    gathered for use and its gradient reduced back by the runtime in backward, as FSDP does) or once
+    per optimizer step (the bucketed gradient all-reduce of a parameter used where it is stored,
+    after the last micro-batch, as DDP's no_sync does; ZeRO-1's reduce-scatter and gather)."""
 
     MICRO_BATCH = "per micro-batch"
     STEP = "per step"
 
 
 def cadence_of(purpose: Purpose, is_param: bool) -> Cadence:
-    """A parameter's gradient reduction waits for the last micro-batch; everything else runs in each."""
-    if is_param and purpose in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER):
+    """A parameter's gradient all-reduce waits for the last micro-batch; everything else runs in each.
+    (A parameter that is also moved to another placement for use has all its collectives in each
+    micro-batch: the pricing of a whole plan knows that, and corrects it.)"""
+    if is_param and purpose is Purpose.GRAD_SYNC:
         return Cadence.STEP
     return Cadence.MICRO_BATCH

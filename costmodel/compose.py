@@ -4,12 +4,13 @@ Pricing (`costmodel/step.py`) says what each piece of work costs alone — every
 collective with its phase, purpose and cadence, every parameter's optimizer update and states, every
 saved activation. Composing says how those pieces add up into a step, and that is a policy:
 
-  serial   every item once, nothing overlapped: step = compute + optimizer + communication + the
-           executor's fixed cost; memory = model states + every saved activation (a sum over the
-           step, not a liveness peak). One micro-batch, so both cadences run once.
+  serial   nothing overlapped: step = k × (compute + per-micro-batch communication) + per-step
+           communication + optimizer + the executor's fixed cost, for k accumulation steps (the
+           graph is bound at one micro-step's batch); memory = model states + every activation one
+           micro-batch saves (a sum over the step, not a liveness peak).
 
-Gradient accumulation, overlap of communication with compute, pipeline bubbles and recomputation
-are further policies over the same items: they change how items are counted, not how they are priced.
+Overlap of communication with compute, pipeline bubbles and recomputation are further policies over
+the same items: they change how items are counted, not how they are priced.
 """
 
 from __future__ import annotations
@@ -72,10 +73,11 @@ class StepCost:
 
 
 def serial(p: PricedStep) -> StepCost:
-    per_step = {Cadence.MICRO_BATCH: 1, Cadence.STEP: 1}  # one micro-batch
+    k = p.micro_batches
+    per_step = {Cadence.MICRO_BATCH: k, Cadence.STEP: 1}
     return StepCost(
         priced=p, policy="serial",
-        compute_s=sum(p.node_compute_s.values()),
+        compute_s=sum(p.node_compute_s.values()) * k,
         comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events),
         optimizer_s=_running_sum(p.optimizer_fixed_s, p.optimizer_s.values()),
         overhead_s=p.overhead_s,

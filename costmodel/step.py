@@ -30,6 +30,7 @@ need no gradient; constants cost nothing. Every collective carries its phase, pu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
@@ -51,7 +52,7 @@ from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
-from planner.placement import Partial, Shard, Spec, gradient_spec, split_axes
+from planner.placement import Partial, Replicate, Shard, Spec, gradient_spec, split_axes
 from planner.reshard import conjugate, plan_reshard
 from planner.rules import OpStrategy
 
@@ -103,6 +104,7 @@ class NodeCost:
 class PricedStep:
     """What one step's work costs, item by item, before composition (`compose.py` adds it up)."""
 
+    micro_batches: int = 1  # gradient accumulation steps: per-micro-batch items run this many times
     node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
     events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
     node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
@@ -119,8 +121,17 @@ class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
-                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto") -> None:
+                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto",
+                 micro_batches: int = 1, zero_stage: int = 0) -> None:
+        """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
+        `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
+        is all-reduced on (ZeRO-3 is a parameter placement split over those axes: the plan's own choice)."""
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+        if zero_stage not in (0, 1, 2):
+            raise ValueError(f"zero_stage must be 0, 1 or 2 (3: split parameter placements), got {zero_stage}")
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
+        self.micro_batches, self.zero_stage = micro_batches, zero_stage
         self.loss = loss_kind(graph, loss)
         self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
@@ -174,17 +185,35 @@ class CostModel:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
         return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
-    def optimizer_s(self, tensor: str, spec: Spec) -> float:
-        """Time of the optimizer step for one parameter's local shard: as calibrated (per tensor and
-        per parameter) where the profile has it, else memory-bound plus launches."""
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
+    def zero_degree(self, spec: Spec) -> int:
+        """Ranks sharing a parameter's optimizer states (and, stage 2, gradients) when the exact axes are
+        not known yet (the solver's view): every axis the parameter is stored replicated on, as a ZeRO
+        data-parallel group; 1 without ZeRO. `price_items` uses the axes its gradient is reduced on."""
+        if self.zero_stage == 0:
+            return 1
+        return math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
+
+    def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> float:
+        """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
+        (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
+        dp = self.zero_degree(spec) if zero_degree is None else zero_degree
+        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / (dp if self.zero_stage else 1)
         dev = self.profile.device
         if dev.optimizer_step is not None:
             return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
         return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
 
+    def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> tuple[float, float, float]:
+        """Bytes per device of a parameter's weights, gradients and optimizer states at `spec`, under
+        the ZeRO stage (the paper's forms, `memory.model_state_bytes`)."""
+        dp = self.zero_degree(spec) if zero_degree is None else zero_degree
+        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
+        p = self.precision
+        return (local * p.weight_bytes, local * p.grad_bytes / (dp if self.zero_stage >= 2 else 1),
+                local * p.optimizer_bytes / (dp if self.zero_stage >= 1 else 1))
+
     def param_state_bytes(self, tensor: str, spec: Spec) -> float:
-        return float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.model_state_bytes
+        return sum(self.param_states(tensor, spec))
 
     # -- one edge --------------------------------------------------------------------------------
 
@@ -198,12 +227,15 @@ class CostModel:
         return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
 
     def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> float:
-        """Seconds of `edge_events` (what the solver needs, cached by shape and specs)."""
+        """Seconds of `edge_events` in one step, each event once per micro-batch or once per step (what
+        the solver needs, cached by shape and specs)."""
         info = self.graph.tensors[tensor]
         key = (info.shape, info.dtype, info.kind, src, dst, consumer_split)
         t = self._edge_time_cache.get(key)
         if t is None:
-            t = self._edge_time_cache[key] = sum(e.time_s for e in self.edge_events(tensor, src, dst, consumer_split))
+            k = self.micro_batches
+            t = self._edge_time_cache[key] = sum(e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1)
+                                                 for e in self.edge_events(tensor, src, dst, consumer_split))
         return t
 
     def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
@@ -269,7 +301,7 @@ class CostModel:
         all-reduces priced edge by edge, as the ILP sees them (each its share of one full bucket's
         latency), instead of packed."""
         g, p = self.graph, self.precision
-        priced = PricedStep()
+        priced = PricedStep(micro_batches=self.micro_batches)
         placed = priced.placed
         placed.update(param_specs or {})  # tensor → the spec it is produced (or stored) in
         mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
@@ -308,38 +340,82 @@ class CostModel:
         if self.param_owner and dev.optimizer_step is not None:
             priced.optimizer_fixed_s = dev.optimizer_step.fixed_s
         priced.overhead_s = dev.step_overhead_s or 0.0
+        self._resharded_params_per_micro_batch(priced)
+        zero = self._apply_zero(priced) if self.zero_stage else {}
         for t in self.param_owner:
-            priced.optimizer_s[t] = self.optimizer_s(t, placed[t])
-            states = self.param_state_bytes(t, placed[t])
-            mem["parameters"][t] = states * p.weight_bytes / p.model_state_bytes
-            mem["gradients"][t] = states * p.grad_bytes / p.model_state_bytes
-            mem["optimizer"][t] = states * p.optimizer_bytes / p.model_state_bytes
+            dp = zero.get(t, 1)
+            priced.optimizer_s[t] = self.optimizer_s(t, placed[t], dp)
+            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.param_states(t, placed[t], dp)
         priced.memory = mem
         if buckets:
-            self._price_buckets(priced)
+            self._price_buckets(priced, set(zero))
         return priced
 
-    def _price_buckets(self, cost: PricedStep) -> None:
-        """The data-parallel gradient all-reduces as they run: a parameter used where it is stored has
-        its gradient packed with the others reduced over the same axes (`buckets.py`), one all-reduce
-        per bucket and axis; each gradient's event carries its bytes' share of that all-reduce's time."""
+    def _resharded_params_per_micro_batch(self, priced: PricedStep) -> None:
+        """A parameter moved to another placement for some use is reduced by the runtime in backward
+        (DTensor), in every micro-batch, not bucketed after the last one."""
+        resharded = {t for t, *_ in priced.reshards if t in self.param_owner}
+        fix = {id(e): replace(e, cadence=Cadence.MICRO_BATCH) for e in priced.events
+               if e.tensor in resharded and e.cadence is Cadence.STEP}
+        if fix:
+            priced.events = [fix.get(id(e), e) for e in priced.events]
+            priced.node_events = {n: [fix.get(id(e), e) for e in evs] for n, evs in priced.node_events.items()}
+
+    def _apply_zero(self, priced: PricedStep) -> dict[str, int]:
+        """ZeRO-1/2 on the parameters whose gradient is all-reduced (used where stored): the all-reduce
+        becomes a reduce-scatter onto the ranks' shards (per step at stage 1; per micro-batch at stage 2,
+        whose gradients are kept sharded), and after the optimizer step on its shard each rank's updated
+        part is all-gathered (ring reduce-scatter + all-gather: the all-reduce's volume). Returns each
+        such parameter's ZeRO degree (the product of the axes it is reduced over)."""
+        resharded = {t for t, *_ in priced.reshards}
+        axes: dict[str, set[int]] = {}
+        for e in priced.events:
+            if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and e.tensor in self.param_owner
+                    and e.tensor not in resharded):
+                axes.setdefault(e.tensor, set()).update(e.axes)
+        cadence = Cadence.STEP if self.zero_stage == 1 else Cadence.MICRO_BATCH
+        replaced: dict[int, list[CommEvent]] = {}
+        for e in priced.events:
+            if e.tensor in axes and e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE:
+                t, spec = e.tensor, priced.placed[e.tensor]
+                weights = float(self.graph.tensors[t].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
+                rs_s = collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, e.size_bytes, e.axes)
+                ag_s = collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, weights, e.axes)
+                replaced[id(e)] = [
+                    CommEvent(Collective.REDUCE_SCATTER, e.axes, e.size_bytes, rs_s, Phase.BACKWARD,
+                              Purpose.GRAD_REDUCE_SCATTER, t, cadence),
+                    CommEvent(Collective.ALL_GATHER, e.axes, weights, ag_s, Phase.OPTIMIZER, Purpose.PARAM_GATHER, t,
+                              Cadence.STEP)]
+        priced.events = [x for e in priced.events for x in replaced.get(id(e), [e])]
+        priced.node_events = {n: [x for e in evs for x in replaced.get(id(e), [e])]
+                              for n, evs in priced.node_events.items()}
+        return {t: math.prod(self.mesh.shape[a] for a in a_set) for t, a_set in axes.items()}
+
+    def _price_buckets(self, cost: PricedStep, zeroed: set[str]) -> None:
+        """Parameter gradients' collectives as they run: a parameter used where it is stored has its
+        gradient all-reduce (ZeRO-1/2: its reduce-scatter, and its updated shard's all-gather) packed
+        with the others of the same kind over the same axes (`buckets.py`), one collective per bucket
+        and axis; each parameter's event carries its bytes' share of that collective's time."""
         resharded = {t for t, *_ in cost.reshards}
-        syncs: dict[str, list[CommEvent]] = {}
-        for e in cost.events:
-            t = e.tensor
-            if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and t in self.param_owner
-                    and t not in resharded):
-                syncs.setdefault(t, []).append(e)
-        grads = {t: (tuple(sorted({a for e in evs for a in e.axes})), evs[0].size_bytes) for t, evs in syncs.items()}
+        bucketed = {(Collective.ALL_REDUCE, Purpose.GRAD_SYNC): lambda t: t not in zeroed,
+                    (Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER): lambda t: t in zeroed,
+                    (Collective.ALL_GATHER, Purpose.PARAM_GATHER): lambda t: t in zeroed}
         priced: dict[int, CommEvent] = {}
-        for axes, names in pack_buckets(grads, self.grad_bucket_bytes):
-            total = sum(grads[t][1] for t in names)
-            for a in axes:
-                bucket_s = collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE, total, (a,))
-                for t in names:
-                    for e in syncs[t]:
-                        if e.axes == (a,):
-                            priced[id(e)] = replace(e, time_s=bucket_s * e.size_bytes / total)
+        for (kind, purpose), wanted in bucketed.items():
+            syncs: dict[str, list[CommEvent]] = {}
+            for e in cost.events:
+                t = e.tensor
+                if e.purpose is purpose and e.kind is kind and t in self.param_owner and t not in resharded and wanted(t):
+                    syncs.setdefault(t, []).append(e)
+            grads = {t: (tuple(sorted({a for e in evs for a in e.axes})), evs[0].size_bytes) for t, evs in syncs.items()}
+            for axes, names in pack_buckets(grads, self.grad_bucket_bytes):
+                total = sum(grads[t][1] for t in names)
+                for a in axes:
+                    bucket_s = collective_time_s(self.profile, self.mesh, kind, total, (a,))
+                    for t in names:
+                        for e in syncs[t]:
+                            if e.axes == (a,):
+                                priced[id(e)] = replace(e, time_s=bucket_s * e.size_bytes / total)
         if priced:
             cost.events = [priced.get(id(e), e) for e in cost.events]
             cost.node_events = {n: [priced.get(id(e), e) for e in evs] for n, evs in cost.node_events.items()}

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from costmodel.collectives import Collective, Purpose
+from costmodel.collectives import Cadence, Collective, Purpose
 from executor.ranks import run_ranks
 from executor.train import RunOptions, worker
 from planner.errors import MeshplanError
@@ -25,9 +25,10 @@ class RunError(MeshplanError):
 
 
 def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
-    """The plan's collectives by kind, as the executor runs them: a parameter's gradient all-reduces
-    (when it is used where it is stored) are packed into buckets like DDP (`costmodel.buckets`); DTensor
-    on CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
+    """The plan's collectives by kind in one optimizer step, as the executor runs them: those of each
+    micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
+    is used where it is stored) once, packed into buckets like DDP (`costmodel.buckets`); DTensor on
+    CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
     performed (gathered parameters stay resident), so it is left out."""
     from costmodel.buckets import pack_buckets
 
@@ -47,10 +48,24 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":
                 kind = Collective.ALL_GATHER
-            out[kind.value] += 1
+            out[kind.value] += strategy.training.micro_batches if c.cadence is Cadence.MICRO_BATCH else 1
     for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
         out[Collective.ALL_REDUCE.value] += len(axes)
     return dict(out)
+
+
+def check_step(strategy: Strategy, graph: OpGraph) -> None:
+    """Refuse, before any rank starts, a training step the executor cannot run as planned."""
+    if strategy.training.zero_stage:
+        raise RunError(f"the strategy shards optimizer states (ZeRO stage {strategy.training.zero_stage}), which the "
+                       "executor does not run yet; plan with --zero 0 to run it (the prediction stands)")
+    k = strategy.training.micro_batches
+    batch = strategy.model.dims.get("batch")
+    odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]
+    if k > 1 and (batch is None or odd):
+        raise RunError(f"{k} micro-batches split every input along dim 0, the batch, but input(s) "
+                       f"{', '.join(odd) or graph.inputs[0]} do not start with the batch dim; plan with "
+                       "--accumulation-steps 1")
 
 
 def check_executable(graph: OpGraph) -> None:
@@ -78,6 +93,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
                        f"{dict(strategy.model.dims)}): {e}") from e
     strategy.check_model(graph)
     check_executable(graph)
+    check_step(strategy, graph)
     mesh_size = strategy.mesh.num_devices
     if nproc != mesh_size:
         raise RunError(f"--nproc {nproc} but the strategy's mesh {strategy.mesh.describe_shape()} has "

@@ -13,7 +13,6 @@ every parameter after all the run's steps.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
 import resource
@@ -59,35 +58,51 @@ class RunOptions:
     seed: int = 0
 
 
-def make_batch(graph: OpGraph, seed: int) -> list[torch.Tensor]:
+def make_batch(graph: OpGraph, seed: int, micro_batches: int = 1) -> list[torch.Tensor]:
+    """One optimizer step's inputs: `micro_batches` micro-batches of the graph's (micro-step) shape,
+    stacked along dim 0 (the batch dim of every input)."""
     g = torch.Generator().manual_seed(seed + 1)
     out = []
     for name in graph.inputs:
         info = graph.tensors[name]
+        shape = _global_shape(info.shape, micro_batches)
         if info.is_float:
-            out.append(torch.randn(info.shape, generator=g))
+            out.append(torch.randn(shape, generator=g))
             continue
         high = 2
         for n in graph.compute_nodes:  # ids read by an embedding: stay below its vocabulary
             if n.op_type == "Gather" and len(n.inputs) > 1 and n.inputs[1] == name:
                 axis = int(n.attr("axis", 0))  # type: ignore[call-overload]
                 high = graph.tensors[n.inputs[0]].shape[axis]
-        out.append(torch.randint(0, high, info.shape, generator=g, dtype=torch.int64))
+        out.append(torch.randint(0, high, shape, generator=g, dtype=torch.int64))
     return out
 
 
-class Loss:
-    """The training loss on the output, computable on any row shard: `local(y, labels)` is the shard's
-    addend (its rows' sum over the global count); on the whole output it is the loss itself."""
+def _global_shape(shape: tuple[int, ...], micro_batches: int) -> tuple[int, ...]:
+    return (shape[0] * micro_batches, *shape[1:]) if shape else shape
 
-    def __init__(self, graph: OpGraph, kind: str, seed: int) -> None:
+
+def micro_batch(x: torch.Tensor, i: int, micro_batches: int) -> torch.Tensor:
+    """Micro-batch i of a step's tensor (rows split evenly along dim 0)."""
+    rows = x.shape[0] // micro_batches
+    return x[i * rows:(i + 1) * rows]
+
+
+class Loss:
+    """The training loss on the output of one optimizer step's batch (all its micro-batches), computable
+    on any row shard of any micro-batch: `local(y, labels)` is the shard's addend (its rows' sum over
+    the step's count), so the addends of every rank and micro-batch sum to the loss of the whole batch
+    (MindSpore's loss_repeated_mean: the mean over the global batch, not a mean of means)."""
+
+    def __init__(self, graph: OpGraph, kind: str, seed: int, micro_batches: int = 1) -> None:
         out = graph.tensors[graph.outputs[0]]
+        shape = _global_shape(out.shape, micro_batches)
         self.kind = kind
         self.labels: torch.Tensor | None = None
         if kind == "cross-entropy":
             g = torch.Generator().manual_seed(seed + 2)
-            self.labels = torch.randint(0, out.shape[-1], out.shape[:-1], generator=g)
-        self.count = math.prod(out.shape[:-1]) if kind == "cross-entropy" else math.prod(out.shape)
+            self.labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
+        self.count = math.prod(shape[:-1]) if kind == "cross-entropy" else math.prod(shape)
 
     def local(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "cross-entropy":
@@ -127,10 +142,14 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
     graph = module.graph
     strategy.check_model(graph)
-    cpu_batch = make_batch(graph, opts.seed)  # the one-process reference runs on the CPU
+    from executor.launch import check_step  # (launch imports this module)
+
+    check_step(strategy, graph)  # torchrun starts ranks without `run`'s checks
+    k = strategy.training.micro_batches
+    cpu_batch = make_batch(graph, opts.seed, k)  # the one-process reference runs on the CPU, all of it at once
     batch = [b.to(device) for b in cpu_batch]
     loss_of = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == "auto" else opts.loss),
-                   opts.seed)
+                   opts.seed, k)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
     optim = _optimizer(module.parameters(), opts)
@@ -140,41 +159,55 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     out_name = graph.outputs[0]
     out_spec = strategy.spec_of(out_name) or Spec.replicated(mesh.ndim)
     need = runner.dtensor(loss_input_spec(loss_of.kind, out_spec, len(graph.tensors[out_name].shape)))
-    labels = None if loss_of.labels is None else local_shard(loss_of.labels.to(device), need, mesh)  # no class dim split
+    labels = [None if loss_of.labels is None else local_shard(micro_batch(loss_of.labels.to(device), i, k), need, mesh)
+              for i in range(k)]  # no class dim split
     split = [a for a, p in enumerate(need) if isinstance(p, Shard)]  # the loss's addends are summed over these
 
-    local_batch = runner.shard_inputs(batch)  # once, as a data loader hands each rank its shard
-    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (this step)
+    # Once, as a data loader hands each rank its shard of each micro-batch.
+    local_batches = [runner.shard_inputs([micro_batch(x, i, k) for x in batch]) for i in range(k)]
+    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (one micro-batch)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if not isinstance(t, torch.nn.Parameter):  # parameters are counted as model states
             saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    def step(count: bool = False, measure: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float]]:
-        """One training step up to the optimizer; under `count`, the collectives it ran by kind; under
-        `measure`, the tensors it saved for backward. Both intercept ops in Python, so timed steps do
-        neither. Returns this rank's addend of the loss, the counts, and the phases' end times."""
+    def step(count: bool = False, measure: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float], int]:
+        """One training step up to the optimizer: k micro-batches, each forward then backward with the
+        gradients accumulated locally, then the parameters' gradients reduced once (DDP's no_sync).
+        Under `count`, the collectives it ran by kind; under `measure`, the tensors a micro-batch saved
+        for backward. Both intercept ops in Python, so timed steps do neither. Returns this rank's
+        addend of the loss, the counts, the seconds of forward, backward and the gradient reduction,
+        and the bytes saved by the largest micro-batch."""
         runner.zero_grad()
-        saved.clear()
         comm = CommDebugMode() if count else None
-        with comm if comm is not None else contextlib.nullcontext(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure else contextlib.nullcontext():
-            y = runner.forward(local_batch)[0]  # the loss reads the first output
-            loss = loss_of.local(runner.output_as(0, y, need), labels)
-            t_fwd = time.perf_counter()
-            loss.backward()
-            t_bwd = time.perf_counter()
+        loss = torch.zeros(())
+        fwd_s = bwd_s = 0.0
+        peak = 0
+        with comm if comm is not None else contextlib.nullcontext():
+            for i in range(k):
+                saved.clear()
+                t0 = time.perf_counter()
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure \
+                        else contextlib.nullcontext():
+                    y = runner.forward(local_batches[i])[0]  # the loss reads the first output
+                    micro_loss = loss_of.local(runner.output_as(0, y, need), labels[i])
+                t1 = time.perf_counter()
+                micro_loss.backward()
+                fwd_s, bwd_s = fwd_s + t1 - t0, bwd_s + time.perf_counter() - t1
+                loss = loss + micro_loss.detach().cpu()
+                peak = max(peak, sum(saved.values()))
+            t2 = time.perf_counter()
             runner.reduce_gradients()
-        return loss, dict(counts_by_kind(comm)) if comm is not None else {}, [t_fwd, t_bwd, time.perf_counter()]
+        return loss, dict(counts_by_kind(comm)) if comm is not None else {}, [fwd_s, bwd_s,
+                                                                              time.perf_counter() - t2], peak
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
-    first_loss, executed, _ = step(count=True, measure=True)
+    first_loss, executed, _, peak_saved = step(count=True, measure=True)
     report["collectives_executed"] = executed
-    first_loss = first_loss.detach().clone()
+    first_loss = first_loss.to(device)
     for a in split:  # the whole loss, for the report (not part of a training step)
         dist.all_reduce(first_loss, group=mesh.get_group(a))
-    peak_saved = sum(saved.values())
     if opts.verify:
         # Copies: a replicated value's full tensor is the local one, which later steps update in place.
         grads = {n: runner.full_parameter(n, _full(p.grad)).cpu().clone() for n, p in _ordered_params(module)}
@@ -186,19 +219,22 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         warm = i < opts.warmup
         dist.barrier()  # every step starts together; the barrier itself is not timed
         t0 = time.perf_counter()
-        _, _, ends = step(measure=warm)  # memory is measured in the warm-up steps, time in the others
-        optim.step()
+        _, _, spans, peak = step(measure=warm)  # memory is measured in the warm-up steps, time in the others
         t1 = time.perf_counter()
+        optim.step()
+        t2 = time.perf_counter()
         if warm:
-            peak_saved = max(peak_saved, sum(saved.values()))
+            peak_saved = max(peak_saved, peak)
         else:
-            times.append(t1 - t0)
-            marks = [t0, *ends, t1]
-            phases.append([b - a for a, b in itertools.pairwise(marks)])
+            times.append(t2 - t0)
+            phases.append([*spans, t2 - t1])
     if opts.verify:  # after the timed steps, which it would disturb
         final = {n: runner.full_parameter(n, p.detach()).cpu() for n, p in _ordered_params(module)}
         report["trained_parameters"] = sum(t.numel() for t in final.values())  # what the optimizer stepped, whole
-        report.update(verify_against_one_process(model_path, strategy.model.dims, opts, cpu_batch, loss_of,
+        dims = dict(strategy.model.dims)
+        if k > 1:  # the reference takes the whole step's batch at once
+            dims["batch"] *= k
+        report.update(verify_against_one_process(model_path, dims, opts, cpu_batch, loss_of,
                                                  float(first_loss), grads, after, final))
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None

@@ -13,7 +13,6 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from hwprofiles.report import CalibrationReport
-
     from planner.strategy import Strategy
 
 console = Console()
@@ -83,6 +82,10 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
     head.add_column()
     head.add_row("mesh", " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)))
     head.add_row("mode", f"{s.settings.mode} ({s.settings.search}, {s.settings.dtype})")
+    tr = s.training
+    if tr.global_batch_size is not None:
+        head.add_row("batch", f"{tr.global_batch_size} per step = {tr.micro_batches} micro-step(s) × "
+                     f"{tr.micro_batch_size} per data-parallel rank; ZeRO stage {tr.zero_stage}")
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 from costmodel.collectives import Phase
 from costmodel.compose import StepCost
-from costmodel.memory import PRECISIONS
+from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import CommEvent, CostModel
-from hwprofiles.profile import list_presets, load_profile
+from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.mesh import DeviceMesh
@@ -71,6 +71,12 @@ class PlanRequest:
     strict: bool = False
     all_to_all: bool = True
     loss: str = "auto"  # auto | cross-entropy | mse (costmodel/loss.py)
+    # The training step's levers. The global batch (sequences per optimizer step) is split into
+    # `accumulation_steps` micro-steps (None: the fewest that fit in memory); the graph's `batch` dim
+    # is bound at one micro-step's batch, global / steps. Without it, `--dim batch` is one step.
+    global_batch_size: int | None = None
+    accumulation_steps: int | None = None
+    zero_stage: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -83,6 +89,40 @@ class PlanRequest:
             raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
+        if self.zero_stage not in (0, 1, 2):
+            hint = (" (ZeRO-3 is parameters split over the data-parallel axes: the plan chooses those placements "
+                    "itself, or pin them)") if self.zero_stage == 3 else ""
+            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1 or 2{hint}")
+        k, g = self.accumulation_steps, self.global_batch_size
+        if k is not None and k < 1:
+            raise MeshplanError(f"--accumulation-steps {k}: needs at least 1 micro-step")
+        if g is not None:
+            if g < 1:
+                raise MeshplanError(f"--global-batch-size {g}: needs at least 1 sequence")
+            if "batch" in self.dims:
+                raise MeshplanError("--global-batch-size and --dim batch both set the batch; give one "
+                                    "(the global batch is bound per micro-step as batch = global / steps)")
+            if k is not None and g % k:
+                raise MeshplanError(f"--global-batch-size {g} is not divisible by --accumulation-steps {k}; "
+                                    f"pick steps among {', '.join(map(str, _divisors(g)))}")
+        elif k is not None and k > 1:
+            raise MeshplanError(f"--accumulation-steps {k} splits a global batch: give --global-batch-size "
+                                "(the batch per optimizer step) instead of --dim batch")
+
+    def step_candidates(self) -> list[int]:
+        """Accumulation steps to try, fewest first (a larger micro-batch runs at least as efficiently)."""
+        if self.global_batch_size is None:
+            return [1]
+        return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
+
+    def dims_for(self, steps: int) -> dict[str, int]:
+        if self.global_batch_size is None:
+            return dict(self.dims)
+        return {**self.dims, "batch": self.global_batch_size // steps}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 @dataclass
@@ -103,17 +143,36 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
 
 
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
+    """The best plan for the request: over accumulation steps (fewest that fit in memory first) and,
+    without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
-    say("importing the model")
-    graph = load_graph(req.model, req.dims)
+    steps = req.step_candidates()
+    failures: list[MeshplanError] = []
+    for k in steps:
+        dims = req.dims_for(k)
+        say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
+        graph = load_graph(req.model, dims)
+        try:
+            return _plan_meshes(req, graph, profile, precision, k, say)
+        except PinError:
+            raise
+        except MeshplanError as e:  # out of memory at this micro-batch: try more, smaller ones
+            if len(steps) == 1:
+                raise
+            failures.append(e)
+    raise MeshplanError(f"no accumulation step count fits: with {steps[-1]} micro-steps, {failures[-1]}")
+
+
+def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
+                 say: Progress) -> tuple[Strategy, list[Candidate]]:
     devices = 1 if req.mode == "stand-alone" else req.devices
     shapes = [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
         [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
     limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
              else 0.9 * profile.device.mem_capacity_bytes)
-    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], dict[str, Spec], StepCost, SolverStats] | None = None
+    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats] | None = None
     candidates: list[Candidate] = []
     errors: list[MeshplanError] = []
     for shape in shapes:
@@ -121,7 +180,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
-        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss)
+        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
+                       micro_batches=steps, zero_stage=req.zero_stage)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -150,10 +210,10 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
             continue
         candidates.append(Candidate(mesh=mesh, cost=cost, stats=stats))
         if best is None or cost.step_time_s < best[0]:
-            best = (cost.step_time_s, mesh, rules, cm, choice, param_specs, cost, stats)
+            best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats)
     if best is None:
         raise errors[0]
-    _, mesh, rules, cm, choice, param_specs, cost, stats = best
+    _, mesh, rules, cm, choice, cost, stats = best
     settings = PlanSettings(
         mode=req.mode, search=req.search if req.mode in ("auto", "semi") else "propagation",
         dtype=precision.name, memory_limit_bytes=limit, solver=req.solver, follow=req.follow,
@@ -164,8 +224,13 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                         memory_bytes_per_device=c.cost.memory_bytes if c.cost else None,
                         solver_status=c.stats.status if c.stats else None, error=c.error)
         for c in candidates)
+    micro = _batch(graph)
+    dp = cost.placed[graph.inputs[0]].num_shards(0, mesh.shape) if graph.inputs and graph.inputs[0] in cost.placed else 1
+    training = TrainingSettings(micro_batches=steps, zero_stage=req.zero_stage,
+                                global_batch_size=micro * steps if micro is not None else None,
+                                micro_batch_size=-(-micro // dp) if micro is not None else None)  # rank 0's
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
-    strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records)
+    strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates
 
 
@@ -230,7 +295,7 @@ def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
         best, best_cost = options[0], math.inf
         for s in options:
             split = cm.split_axes(s)
-            c = cm.node_cost(node, s).time_s
+            c = cm.node_cost(node, s).time_s * cm.micro_batches
             for t, need in zip(node.inputs, s.input_specs, strict=True):
                 if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
                     continue
@@ -272,7 +337,7 @@ def _collectives(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMe
 
 def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: DeviceMesh, rules: RuleSet,
                    choice: Mapping[str, OpStrategy], cost: StepCost, stats: SolverStats, settings: PlanSettings,
-                   candidates: tuple[CandidateRecord, ...] = ()) -> Strategy:
+                   candidates: tuple[CandidateRecord, ...] = (), training: TrainingSettings | None = None) -> Strategy:
     tensors = {}
     for t, spec in cost.placed.items():
         info = graph.tensors[t]
@@ -289,7 +354,7 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
     return Strategy(
         model=ModelRef(path=str(Path(model_path).resolve()), name=graph.name, fingerprint=graph.fingerprint,
                        dims=dict(graph.dims), notes=tuple(graph.notes)),
-        profile=profile, mesh=mesh, settings=settings, training=TrainingSettings(),
+        profile=profile, mesh=mesh, settings=settings, training=training or TrainingSettings(),
         tensors=tensors, nodes=nodes,
         reshards=tuple(Reshard(tensor=t, consumer=c, src=a, dst=b,
                                collectives=_collectives([e for e in ev if e.phase is Phase.FORWARD], mesh))

@@ -21,10 +21,11 @@ Variables
                         and split the same mesh axes) — classes instead of choices keep y small
 Objective (integer nanoseconds of one training step)
   min Σ c[d,i]·x[d,i] + Σ m_e·C_e[a,b]·y[e,a,b] + Σ ⌈mem[d,i] / MiB⌉·x[d,i]  (1 ns per MiB: ties → less memory)
-  c[d,i]: compute (forward + backward, local shards) of every node mapped to d under choice i (for a
-  parameter: the optimizer step on its local shard), plus
+  c[d,i]: compute (forward + backward, local shards; × k accumulation steps) of every node mapped to
+  d under choice i (for a parameter: the optimizer step on its local, ZeRO-sharded part), plus
   the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
-  reshard of t and the backward work on its gradient (`CostModel.edge_events`). Each edge is priced
+  reshard of t and the backward work on its gradient (`CostModel.edge_events`; per-micro-batch
+  collectives × k, a parameter's gradient reduction once). Each edge is priced
   alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
   per consumer, where execution (and `CostModel.price`) reduces once — the objective is then an upper
   bound of the priced step.
@@ -32,8 +33,9 @@ Constraints (every one named)
   one_choice[d]:         Σ_i x[d,i] = 1
   edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
   edge_consumer[e,b]:    Σ_a y[e,a,b] = Σ_{i∈b} x[d(v),i]
-  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB); mem = parameter states + saved activations,
-                         a sum over the step, not a liveness-based peak
+  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB); mem = parameter states (ZeRO-sharded over
+                         the axes a parameter is stored replicated on) + one micro-batch's saved
+                         activations, a sum over the step, not a liveness-based peak
   pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
 The replicated plan is given as a hint. Infeasible memory is diagnosed without the solver: the
@@ -350,7 +352,7 @@ class ShardingILP:
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
-                costs[d][c] += priced[j].time_s * mult[node]
+                costs[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
                 mem[d][c] += priced[j].activation_bytes * mult[node]
         return costs, mem
 

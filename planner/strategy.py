@@ -66,11 +66,15 @@ class PlanSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSettings:
-    """The training step's levers: today one micro-batch, no ZeRO stage beyond what the placements say,
-    no recomputation (per layer group: group → policy)."""
+    """The training step's levers: micro-batches (gradient accumulation steps) per optimizer step, the
+    ZeRO stage (0–2; ZeRO-3 is the parameters' placements), recomputation per layer group (group →
+    policy; none yet), and the batch in Megatron's terms: sequences per optimizer step, and per
+    data-parallel rank per micro-step."""
     micro_batches: int = 1
     zero_stage: int = 0
     recompute: Mapping[str, str] = field(default_factory=dict)
+    global_batch_size: int | None = None
+    micro_batch_size: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,7 +242,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "follow": s.settings.follow, "pins": dict(s.settings.pins), "batch": s.settings.batch,
                      "loss": s.settings.loss},
         "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
-                     "recompute": dict(s.training.recompute)},
+                     "recompute": dict(s.training.recompute), "global_batch_size": s.training.global_batch_size,
+                     "micro_batch_size": s.training.micro_batch_size},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
@@ -284,11 +289,12 @@ def _validate(data: Mapping[str, Any], version: int, origin: str) -> None:
 
 def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     """A schema-1 document as schema 2: collectives' `reason` becomes `purpose` (same words) and gains
-    its cadence (a parameter's gradient reduction per step, the rest per micro-batch); one micro-batch,
+    its cadence (`cadence_of`: a parameter's gradient all-reduce per step unless the parameter is
+    resharded for use, the rest per micro-batch; one micro-batch ran either way); one micro-batch,
     no ZeRO stage or recomputation beyond the placements, no pipeline; the profile's source defaults to
     its name (files of that time named a preset); the cost was the plain sum ("serial")."""
     d = json.loads(json.dumps(data))  # a deep copy
-    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"}
+    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"} - {r["tensor"] for r in d["reshards"]}
 
     def collective(c: dict[str, Any]) -> dict[str, Any]:
         purpose = Purpose(c.pop("reason", Purpose.RESHARD.value))
@@ -304,7 +310,8 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     d["schema_version"] = SCHEMA_VERSION
     d["profile"].setdefault("source", d["profile"]["name"])
     d["settings"].setdefault("loss", "auto")
-    d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}}
+    d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
+                     "micro_batch_size": None}
     d["pipeline"] = {"stages": []}
     d["cost"] = {"composer": "serial", "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
     d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
@@ -354,7 +361,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                               memory_limit_bytes=st["memory_limit_bytes"], solver=st["solver"], follow=st["follow"],
                               pins=dict(st["pins"]), batch=st["batch"], loss=st["loss"]),
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
-                                  recompute=dict(tr["recompute"])),
+                                  recompute=dict(tr["recompute"]), global_batch_size=tr["global_batch_size"],
+                                  micro_batch_size=tr["micro_batch_size"]),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),

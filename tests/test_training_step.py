@@ -1,0 +1,161 @@
+"""The training step's levers against closed forms: gradient accumulation (k micro-steps, gradients
+reduced once), ZeRO-1/2 (optimizer states, then gradients, sharded over the data-parallel ranks;
+reduce-scatter + all-gather instead of all-reduce), and the planner's and CLI's handling of them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from costmodel.collectives import Cadence, Collective, Phase, Purpose
+from costmodel.comm import collective_time_s
+from costmodel.memory import PRECISIONS, model_state_bytes
+from costmodel.step import CostModel
+from hwprofiles.profile import load_profile
+from planner.graph import OpGraph, load_graph
+from planner.mesh import DeviceMesh
+from planner.plan import PlanRequest, make_plan
+from planner.rules import OpStrategy, strategies_for
+
+H100 = load_profile("h100-sxm")
+BF16 = PRECISIONS["bf16"]
+
+
+def data_parallel_plan(g: OpGraph, mesh: DeviceMesh) -> dict[str, OpStrategy]:
+    """Every node with its batch split over axis 0, everything else replicated."""
+    def dp(s: OpStrategy) -> bool:
+        return str(s.input_specs[0]) == "S(0)" and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+    return {n.name: next(filter(dp, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_zero_stages_model_states_and_collectives(stage: int, zoo: Callable[[str], Path]) -> None:
+    # Data parallelism over n = 4: ZeRO's per-device model states (Rajbhandari et al. 2020, §5) —
+    # stage 0 (2+2+12)Ψ, stage 1 (2+2)Ψ + 12Ψ/n, stage 2 2Ψ + (2+12)Ψ/n — and the gradient all-reduce
+    # replaced by a reduce-scatter of the gradients (2Ψ bytes) and an all-gather of the updated weights
+    # (2Ψ bytes): the all-reduce's volume, in as many buckets.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    n = 4
+    mesh = DeviceMesh.build(n, devices_per_node=8)
+    cost = CostModel(g, mesh, H100, BF16, zero_stage=stage).price(data_parallel_plan(g, mesh))
+    psi = g.num_params
+    states = cost.memory["parameters"] + cost.memory["gradients"] + cost.memory["optimizer"]
+    assert states == pytest.approx(model_state_bytes(psi, BF16, zero_stage=stage, dp_degree=n))
+    kinds = {(e.kind, e.purpose, e.phase, e.cadence) for e in cost.events}
+    if stage == 0:
+        assert kinds == {(Collective.ALL_REDUCE, Purpose.GRAD_SYNC, Phase.BACKWARD, Cadence.STEP)}
+        return
+    reduce_cadence = Cadence.STEP if stage == 1 else Cadence.MICRO_BATCH
+    assert kinds == {(Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER, Phase.BACKWARD, reduce_cadence),
+                     (Collective.ALL_GATHER, Purpose.PARAM_GATHER, Phase.OPTIMIZER, Cadence.STEP)}
+    rs = [e for e in cost.events if e.kind is Collective.REDUCE_SCATTER]
+    ag = [e for e in cost.events if e.kind is Collective.ALL_GATHER]
+    assert sum(e.size_bytes for e in rs) == psi * BF16.grad_bytes
+    assert sum(e.size_bytes for e in ag) == psi * BF16.weight_bytes
+    assert {e.tensor for e in rs} == {e.tensor for e in ag} == {p.name for p in g.params}
+    # All of the mlp's gradients fit one 25 MiB bucket: one reduce-scatter and one all-gather in all.
+    assert sum(e.time_s for e in rs) == pytest.approx(
+        collective_time_s(H100, mesh, Collective.REDUCE_SCATTER, psi * BF16.grad_bytes, (0,)))
+    assert sum(e.time_s for e in ag) == pytest.approx(
+        collective_time_s(H100, mesh, Collective.ALL_GATHER, psi * BF16.weight_bytes, (0,)))
+    # The optimizer steps a quarter of every tensor.
+    plain = CostModel(g, mesh, H100, BF16).price(data_parallel_plan(g, mesh))
+    assert cost.optimizer_s < plain.optimizer_s
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_accumulation_composes_k_micro_steps(k: int, zoo: Callable[[str], Path]) -> None:
+    # A global batch of 32 in k micro-steps of 32/k: compute and activation-gradient traffic k times
+    # (at the micro-batch's size), the gradient sync once, its bytes independent of k; the optimizer
+    # once; activations saved for one micro-batch.
+    n, global_batch = 4, 32
+    mesh = DeviceMesh.build(n, devices_per_node=8)
+    g = load_graph(zoo("mlp"), {"batch": global_batch // k})
+    plan = data_parallel_plan(g, mesh)
+    cost = CostModel(g, mesh, H100, BF16, micro_batches=k).price(plan)
+    one = CostModel(g, mesh, H100, BF16).price(plan)  # the same micro-step, once
+    syncs = [e for e in cost.events if e.purpose is Purpose.GRAD_SYNC and e.cadence is Cadence.STEP]
+    assert sum(e.size_bytes for e in syncs) == g.num_params * BF16.grad_bytes
+    per_micro = sum(e.time_s for e in cost.events if e.cadence is Cadence.MICRO_BATCH)
+    per_step = sum(e.time_s for e in cost.events if e.cadence is Cadence.STEP)
+    assert cost.compute_s == pytest.approx(k * one.compute_s)
+    assert cost.comm_s == pytest.approx(k * per_micro + per_step)
+    assert cost.optimizer_s == one.optimizer_s and cost.memory == one.memory
+    assert cost.step_time_s == pytest.approx(k * one.compute_s + k * per_micro + per_step + one.optimizer_s
+                                             + one.overhead_s)
+
+
+def test_planner_takes_the_fewest_micro_steps_that_fit(zoo: Callable[[str], Path]) -> None:
+    # gpt2-tiny, global batch 64 × 64 tokens on 2 cpu ranks under a memory limit that one micro-step
+    # of the whole batch exceeds: the planner binds batch = 64 / k for k = 1, 2, … and keeps the first
+    # plan that fits.
+    model = str(zoo("gpt2-tiny"))
+    whole, _ = make_plan(PlanRequest(model=model, dims={"seq": 64}, profile="cpu", devices=2, mesh_shape=(2,),
+                                     global_batch_size=64, accumulation_steps=1))
+    assert whole.training.micro_batches == 1 and whole.model.dims["batch"] == 64
+    limit = whole.cost.memory_bytes_per_device * 0.6
+    s, _ = make_plan(PlanRequest(model=model, dims={"seq": 64}, profile="cpu", devices=2, mesh_shape=(2,),
+                                 global_batch_size=64, memory_limit_gib=limit / 2**30))
+    k = s.training.micro_batches
+    assert k > 1 and s.model.dims["batch"] == 64 // k and s.training.global_batch_size == 64
+    assert s.cost.memory_bytes_per_device <= limit
+    dp = math.prod(s.mesh.shape[a] for a, p in enumerate(s.spec_of("ids").placements) if str(p) == "S(0)")
+    assert s.training.micro_batch_size == 64 // k // dp
+    fewer, _ = make_plan(PlanRequest(model=model, dims={"seq": 64}, profile="cpu", devices=2, mesh_shape=(2,),
+                                     global_batch_size=64, accumulation_steps=k // 2,
+                                     memory_limit_gib=limit / 2**30 * 100))
+    assert fewer.cost.memory_bytes_per_device > limit  # k // 2 micro-steps would not have fitted
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--global-batch-size", "64", "--accumulation-steps", "3"], "not divisible by --accumulation-steps 3"),
+    (["--zero", "5"], "--zero 5: choose 0, 1 or 2"),
+    (["--zero", "3"], "ZeRO-3 is parameters split"),
+    (["--accumulation-steps", "2", "--dim", "batch=8"], "give --global-batch-size"),
+    (["--global-batch-size", "64", "--dim", "batch=8"], "both set the batch"),
+    (["--global-batch-size", "64", "--accumulation-steps", "two"], "give a positive integer or auto"),
+])
+def test_bad_levers(args: list[str], message: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["plan", str(zoo("gpt2-tiny")), "--dim", "seq=32", "--devices", "2", *args,
+                                  "-o", str(tmp_path / "s.json")])
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+ACCUMULATION_CASES = [
+    # (model, dims, global batch, micro-steps, mesh, mode, pins)
+    ("gpt2-tiny", {"seq": 32}, 16, 4, (2,), "data-parallel", {}),
+    ("mlp", {}, 64, 4, (2,), "semi", {"fc1.weight": "S(0)", "fc2.weight": "S(1)"}),
+    ("llama-tiny", {"seq": 32}, 16, 2, (2, 2), "semi",
+     {"ids": "S(0),R", "model.model.layers.0.mlp.up_proj.weight": "R,S(0)",
+      "model.model.layers.0.mlp.down_proj.weight": "R,S(1)"}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dims", "global_batch", "k", "mesh", "mode", "pins"), ACCUMULATION_CASES,
+                         ids=[f"{c[0]}-k{c[3]}-{'x'.join(map(str, c[4]))}" for c in ACCUMULATION_CASES])
+def test_accumulated_step_equals_the_whole_batch_at_once(name: str, dims: dict[str, int], global_batch: int, k: int,
+                                                         mesh: tuple[int, ...], mode: str, pins: dict[str, str],
+                                                         zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # k micro-batches, gradients accumulated and reduced once, against one process taking the whole
+    # global batch in one forward and backward (the model bound at the global batch): same loss,
+    # gradients and parameters after 1 + 2 steps; the collectives run are the planned ones.
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    model = zoo(name)
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
+                                 mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k))
+    assert s.training.micro_batches == k and s.model.dims["batch"] == global_batch // k
+    s.save(tmp_path / "s.json")
+    r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
+            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer="sgd"))
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["collectives_executed"] == r["collectives_planned"]
