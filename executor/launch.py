@@ -27,7 +27,8 @@ class RunError(MeshplanError):
 def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
     """The plan's collectives by kind in one optimizer step, as the executor runs them: those of each
     micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
-    is used where it is stored) once, packed into buckets like DDP (`costmodel.buckets`); DTensor on
+    is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
+    (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
     CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
     performed (gathered parameters stay resident), so it is left out."""
     from costmodel.buckets import pack_buckets
@@ -35,30 +36,33 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
     resharded = {r.tensor for r in strategy.reshards}
     axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
+    k = strategy.training.micro_batches
     out: Counter[str] = Counter()
-    bucketed: dict[str, tuple[set[int], float]] = {}
+    # A parameter's gradient all-reduce (ZeRO: its reduce-scatter and the updated shard's gather) when
+    # it is used where stored: bucketed, per kind.
+    bucketed_kinds = {Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER}
+    bucketed: dict[tuple[Collective, Cadence], dict[str, tuple[set[int], float]]] = {}
     for node in strategy.nodes.values():
         for c in node.collectives:
             if c.purpose is Purpose.REGATHER:
                 continue
-            if c.purpose is Purpose.GRAD_SYNC and c.tensor in params and c.tensor not in resharded:
-                axes, nbytes = bucketed.get(c.tensor, (set(), c.bytes))
-                bucketed[c.tensor] = (axes | {axis_index[a] for a in c.axes}, nbytes)
+            if c.purpose in bucketed_kinds and c.tensor in params and c.tensor not in resharded:
+                group = bucketed.setdefault((c.kind, c.cadence), {})
+                axes, nbytes = group.get(c.tensor, (set(), c.bytes))
+                group[c.tensor] = (axes | {axis_index[a] for a in c.axes}, nbytes)
                 continue
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":
                 kind = Collective.ALL_GATHER
-            out[kind.value] += strategy.training.micro_batches if c.cadence is Cadence.MICRO_BATCH else 1
-    for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in bucketed.items()}):
-        out[Collective.ALL_REDUCE.value] += len(axes)
+            out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
+    for (kind, cadence), group in bucketed.items():
+        for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in group.items()}):
+            out[kind.value] += len(axes) * (k if cadence is Cadence.MICRO_BATCH else 1)
     return dict(out)
 
 
 def check_step(strategy: Strategy, graph: OpGraph) -> None:
     """Refuse, before any rank starts, a training step the executor cannot run as planned."""
-    if strategy.training.zero_stage:
-        raise RunError(f"the strategy shards optimizer states (ZeRO stage {strategy.training.zero_stage}), which the "
-                       "executor does not run yet; plan with --zero 0 to run it (the prediction stands)")
     k = strategy.training.micro_batches
     batch = strategy.model.dims.get("batch")
     odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]

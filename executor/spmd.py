@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -130,6 +131,8 @@ class SpmdRunner:
 
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
+        self.zero_stage = strategy.training.zero_stage
+        self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
         self.graph = module.graph
         self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
@@ -308,45 +311,98 @@ class SpmdRunner:
         return redistribute(wrapped[name], want).to_local(grad_placements=grad)
 
     def reduce_gradients(self) -> int:
-        """All-reduce the partial local gradients, packed into buckets like DDP; returns the bucket count.
-        The first call packs them; from then on each gradient is a view of its bucket (DDP's
-        gradient_as_bucket_view): backward accumulates into the bucket, which is reduced in place."""
+        """After the step's last micro-batch: all-reduce the partial local gradients, packed into buckets
+        like DDP; returns the bucket count. The first call packs them; from then on each gradient is a
+        view of its bucket (DDP's gradient_as_bucket_view): backward accumulates into the bucket, which
+        is reduced in place. Under ZeRO-1 a bucket is reduce-scattered instead, each rank keeping its
+        shard's sum for its optimizer step (ZeRO-2 did that after every micro-batch)."""
         import torch.distributed as dist
 
         if self._buckets is None:
-            self._buckets = self._pack_buckets()
+            self._pack()
+        assert self._buckets is not None
         for axes, flat in self._buckets:
             for a in axes:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
-        return len(self._buckets)
+        if self.zero_stage == 1:
+            for b in self._zero:
+                b.reduce_scatter(b.grads)
+        return len(self._buckets) + len(self._zero)
 
-    def _pack_buckets(self) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-        """This step's partial gradients (the same parameters every step: the plan fixes them) moved
-        into flat buckets (`costmodel.buckets`), each gradient becoming a view of its bucket."""
+    def after_micro_batch(self) -> None:
+        """ZeRO-2: each micro-batch's gradients reduce-scattered at once and added to this rank's shard;
+        the whole gradients freed until the next backward."""
+        if self.zero_stage != 2:
+            return
+        if self._buckets is None:
+            self._pack()
+        for b in self._zero:
+            params = [self._params[n] for n in b.names]
+            flat = torch.zeros_like(b.weights)
+            torch.cat([p.grad.reshape(-1) for p in params], out=flat[:b.numel])  # every one set: see `_pack`
+            b.reduce_scatter(flat, accumulate=True)
+            for p in params:
+                p.grad = None
+
+    def _pack(self) -> None:
+        """This step's partial gradients (the same parameters every step: the plan fixes them) into flat
+        buckets (`costmodel.buckets`). Without ZeRO each gradient becomes a view of its bucket; with it,
+        the parameters of a bucket become views of one flat buffer too (the seed's tensor fusion), of
+        which each rank of the data-parallel group owns a contiguous shard for the optimizer."""
         from costmodel.buckets import pack_buckets
 
         grads = {name: (tuple(sorted(axes)), float(p.numel() * p.element_size()))
                  for name, axes in self.partial_grads.items() if axes and (p := self._params[name]).grad is not None}
-        out = []
+        self._buckets = []
         for axes, names in pack_buckets(grads):
+            self._bucketed.update(names)
+            if self.zero_stage:
+                if len(axes) != 1:
+                    raise RuntimeError(f"ZeRO over a gradient reduced on several mesh axes ({', '.join(names[:3])}) "
+                                       "is not run yet; plan with --zero 0")
+                self._zero.append(ZeroBucket.pack(self, axes[0], names))
+                continue
             params = [self._params[n] for n in names]
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # every one set: see `grads`
             offset = 0
             for p in params:
                 p.grad = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
-            out.append((axes, flat))
-            self._bucketed.update(names)
-        return out
+            self._buckets.append((axes, flat))
+
+    def optimizer_parameters(self) -> list[torch.nn.Parameter]:
+        """What the optimizer steps: every parameter, except that a ZeRO bucket is stepped on this rank's
+        shard of it only (call after the first step, which packs the buckets)."""
+        zeroed = {n for b in self._zero for n in b.names}
+        return [p for n, p in self._params.items() if n not in zeroed] + [b.shard for b in self._zero]
+
+    def after_optimizer_step(self) -> None:
+        """ZeRO: every rank's updated shard all-gathered into the flat parameters (the module's views)."""
+        for b in self._zero:
+            b.gather()
 
     def zero_grad(self) -> None:
         """Before a step: bucketed gradients zeroed in place (one fill per bucket, their views kept),
-        the others unset."""
+        ZeRO shards' gradients too, the others unset."""
         for _, flat in self._buckets or ():
             flat.zero_()
+        for b in self._zero:
+            b.zero_grad()
         for name, p in self._params.items():
-            if name not in self._bucketed:
+            if name not in self._bucketed or (self.zero_stage == 2 and any(name in b.names for b in self._zero)):
                 p.grad = None
+
+    def gradient(self, name: str) -> torch.Tensor:
+        """The step's reduced gradient of a parameter, whole (for verification: ZeRO keeps only a shard)."""
+        for b in self._zero:
+            if name in b.names:
+                return b.full_gradient(name, self._params[name])
+        return self.full_parameter(name, _full_grad(self._params[name]))
+
+    def grad_shard_bytes(self) -> int:
+        """Bytes of gradient shards held apart from the parameters' gradients (ZeRO-2)."""
+        return sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self._zero
+                   if self.zero_stage == 2 and b.shard.grad is not None)
 
     def full_parameter(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The whole parameter (or gradient) from this rank's shard: a gather over the mesh."""
@@ -394,3 +450,88 @@ class SpmdRunner:
         out = out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
         mask = inside.reshape(*([1] * axis), *idx.shape, *([1] * (data.dim() - axis - 1)))
         return out * mask.to(out.dtype)
+
+
+def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    if p.grad is None:
+        raise RuntimeError("a parameter received no gradient")
+    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+
+
+@dataclass
+class ZeroBucket:
+    """ZeRO-1/2 on one gradient bucket reduced over one mesh axis: its parameters are views of one
+    flat buffer (`weights`, padded to a multiple of the group size), each rank of the axis owns a
+    contiguous shard of it (`shard`, a view: what the optimizer steps, its states a shard's size).
+    ZeRO-1 keeps the whole gradients as views of `grads` and reduce-scatters once per step (the
+    shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2 reduce-scatters every micro-batch
+    into `shard.grad` and frees the whole gradients. After the optimizer step the shards are
+    all-gathered back into `weights`."""
+
+    names: list[str]
+    offsets: dict[str, int]  # where each parameter starts in the flat buffers
+    group: Any
+    rank: int
+    size: int
+    numel: int
+    weights: torch.Tensor
+    grads: torch.Tensor
+    shard: torch.nn.Parameter
+
+    @classmethod
+    def pack(cls, runner: SpmdRunner, axis: int, names: list[str]) -> ZeroBucket:
+        mesh = runner.mesh
+        params = [runner._params[n] for n in names]
+        numel = sum(p.numel() for p in params)
+        size, rank = int(mesh.shape[axis]), int(mesh.get_local_rank(axis))
+        chunk = -(-numel // size)
+        weights = torch.zeros(chunk * size, dtype=params[0].dtype, device=params[0].device)
+        grads = torch.zeros_like(weights)
+        offset, offsets = 0, {}
+        for name, p in zip(names, params, strict=True):
+            n = p.numel()
+            offsets[name] = offset
+            weights[offset:offset + n].copy_(p.detach().reshape(-1))
+            view = nn.Parameter(weights[offset:offset + n].view_as(p))
+            if runner.zero_stage == 1:  # this step's local gradient, kept as a view of the bucket
+                grads[offset:offset + n].copy_(p.grad.reshape(-1))
+                view.grad = grads[offset:offset + n].view_as(p)
+            else:
+                view.grad = p.grad
+            runner._params[name] = view
+            runner.module.params[runner.module.param_names[name]] = view
+            offset += n
+        shard = nn.Parameter(weights[rank * chunk:(rank + 1) * chunk])
+        shard.grad = grads[rank * chunk:(rank + 1) * chunk] if runner.zero_stage == 1 else torch.zeros(chunk,
+                                                                                                       dtype=weights.dtype)
+        return cls(names=names, offsets=offsets, group=mesh.get_group(axis), rank=rank, size=size, numel=numel, weights=weights,
+                   grads=grads, shard=shard)
+
+    def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
+        import torch.distributed as dist
+
+        out = torch.empty_like(self.shard.grad)
+        dist.reduce_scatter_tensor(out, flat, group=self.group)
+        if accumulate:
+            self.shard.grad.add_(out)
+        else:
+            self.shard.grad.copy_(out)
+
+    def gather(self) -> None:
+        import torch.distributed as dist
+
+        with torch.no_grad():
+            dist.all_gather_into_tensor(self.weights, self.shard.detach().clone(), group=self.group)
+
+    def zero_grad(self) -> None:
+        if self.shard.grad is not None:
+            self.shard.grad.zero_()
+        self.grads.zero_()
+
+    def full_gradient(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
+        import torch.distributed as dist
+
+        whole = torch.empty_like(self.weights)
+        dist.all_gather_into_tensor(whole, self.shard.grad.contiguous(), group=self.group)
+        start = self.offsets[name]
+        return whole[start:start + p.numel()].view_as(p)

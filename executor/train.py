@@ -39,7 +39,8 @@ from planner.strategy import Strategy
 # Functional collectives DTensor issues → our collective kinds.
 FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                 "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
-                "allreduce_": "all_reduce"}  # the last: the bucketed gradient all-reduces (c10d)
+                "allreduce_": "all_reduce",  # c10d: the bucketed gradient all-reduces, ZeRO's collectives
+                "_reduce_scatter_base_": "reduce_scatter", "_allgather_base_": "all_gather"}
 
 
 # The measured step's phases, in order: forward with the loss, backward (with the reshards and
@@ -152,7 +153,6 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                    opts.seed, k)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
-    optim = _optimizer(module.parameters(), opts)
 
     # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)
     # the class dim gathered; the labels are split like the output's rows.
@@ -194,6 +194,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                     micro_loss = loss_of.local(runner.output_as(0, y, need), labels[i])
                 t1 = time.perf_counter()
                 micro_loss.backward()
+                runner.after_micro_batch()  # ZeRO-2 reduce-scatters here
                 fwd_s, bwd_s = fwd_s + t1 - t0, bwd_s + time.perf_counter() - t1
                 loss = loss + micro_loss.detach().cpu()
                 peak = max(peak, sum(saved.values()))
@@ -204,14 +205,17 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
     first_loss, executed, _, peak_saved = step(count=True, measure=True)
-    report["collectives_executed"] = executed
+    optim = _optimizer(runner.optimizer_parameters(), opts)  # the first step packed ZeRO's shards
     first_loss = first_loss.to(device)
     for a in split:  # the whole loss, for the report (not part of a training step)
         dist.all_reduce(first_loss, group=mesh.get_group(a))
     if opts.verify:
         # Copies: a replicated value's full tensor is the local one, which later steps update in place.
-        grads = {n: runner.full_parameter(n, _full(p.grad)).cpu().clone() for n, p in _ordered_params(module)}
-    optim.step()
+        grads = {n: runner.gradient(n).cpu().clone() for n, _ in _ordered_params(module)}
+    with CommDebugMode() as comm:
+        optim.step()
+        runner.after_optimizer_step()  # ZeRO: the updated shards gathered
+    report["collectives_executed"] = dict(Counter(executed) + counts_by_kind(comm))
     if opts.verify:
         after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in _ordered_params(module)}
     times, phases = [], []
@@ -222,6 +226,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         _, _, spans, peak = step(measure=warm)  # memory is measured in the warm-up steps, time in the others
         t1 = time.perf_counter()
         optim.step()
+        runner.after_optimizer_step()
         t2 = time.perf_counter()
         if warm:
             peak_saved = max(peak_saved, peak)
@@ -247,6 +252,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     states += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
     states += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
                   if isinstance(v, torch.Tensor) and v.dim() > 0)
+    states += runner.grad_shard_bytes()
     report["measured_memory_bytes"] = states + peak_saved
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
