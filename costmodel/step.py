@@ -62,6 +62,7 @@ from planner.rules import OpStrategy
 # single-tensor AdamW: lerp, mul, addcmul, sqrt, div, addcdiv, ...).
 OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
+RECOMPUTE = ("none", "full")  # activation recomputation of the repeated layers
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,10 +95,14 @@ class NodeCost:
     compute: ComputeCost
     activation_bytes: float  # its saved outputs, local (and the loss's, on the output's producer)
     loss: LossCost | None = None
+    # In a recomputed layer: its forward again in backward, and what it would have saved (live only
+    # while its layer's backward runs); `activation_bytes` is then the layer's input it keeps, if any.
+    recompute_s: float = 0.0
+    recomputed_bytes: float = 0.0
 
     @property
     def time_s(self) -> float:
-        return self.compute.total_s + (self.loss.time_s if self.loss is not None else 0.0)
+        return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0)
 
 
 @dataclass
@@ -122,16 +127,25 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto",
-                 micro_batches: int = 1, zero_stage: int = 0) -> None:
+                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none") -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
-        is all-reduced on (ZeRO-3 is a parameter placement split over those axes: the plan's own choice)."""
+        is all-reduced on (ZeRO-3 is a parameter placement split over those axes: the plan's own choice);
+        `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
+        backward (torch.utils.checkpoint per layer), "none" saves every activation."""
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         if zero_stage not in (0, 1, 2):
             raise ValueError(f"zero_stage must be 0, 1 or 2 (3: split parameter placements), got {zero_stage}")
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
-        self.micro_batches, self.zero_stage = micro_batches, zero_stage
+        self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage, recompute
+        # Recomputed layers: node → its layer's key; node → the layer inputs it is the first to read.
+        self.layer_of: dict[str, tuple[int, int]] = {}
+        self.layer_inputs: dict[str, tuple[str, ...]] = {}
+        if recompute == "full":
+            self._find_recomputed_layers()
         self.loss = loss_kind(graph, loss)
         self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
@@ -165,7 +179,28 @@ class CostModel:
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
             act += loss.saved_bytes
+        if node.name in self.layer_of:  # recomputed: keeps only the layer inputs it reads first
+            kept = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in self.layer_inputs.get(node.name, ()))
+            return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
+                            recomputed_bytes=act)
         return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+
+    def _find_recomputed_layers(self) -> None:
+        """Every layer of every repeated-layer group is a checkpointed segment; its inputs are the
+        float activations its nodes read that no node of the layer produces (charged to the first
+        node reading them)."""
+        g = self.graph
+        for gi, group in enumerate(g.layers):
+            for li, names in enumerate(group.nodes):
+                produced = {t for n in names for t in g.node_by_name[n].outputs}
+                seen: set[str] = set()
+                for n in names:
+                    self.layer_of[n] = (gi, li)
+                    reads = [t for t in g.node_by_name[n].inputs if t and t not in produced and t not in seen
+                             and g.tensors[t].kind in (TensorKind.ACTIVATION, TensorKind.INPUT) and g.tensors[t].is_float]
+                    seen.update(reads)
+                    if reads:
+                        self.layer_inputs[n] = tuple(reads)
 
     def loss_cost(self, spec: Spec) -> LossCost:
         """The loss on the output produced at `spec`: its reshard (no gradient reduction: the loss
@@ -226,16 +261,20 @@ class CostModel:
             hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split)
         return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
 
-    def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> float:
-        """Seconds of `edge_events` in one step, each event once per micro-batch or once per step (what
-        the solver needs, cached by shape and specs)."""
+    def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
+                    recomputed: bool = False) -> float:
+        """Seconds of `edge_events` in one step, each event once per micro-batch or once per step, the
+        forward ones twice when the consumer's layer is recomputed (what the solver needs, cached by
+        shape and specs)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split)
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches
-            t = self._edge_time_cache[key] = sum(e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1)
-                                                 for e in self.edge_events(tensor, src, dst, consumer_split))
+            t = self._edge_time_cache[key] = sum(
+                e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
+                                                                            else 1)
+                for e in self.edge_events(tensor, src, dst, consumer_split))
         return t
 
     def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
@@ -307,11 +346,13 @@ class CostModel:
         mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
         acts = mem["activations"]
         reduced: set[tuple[str, tuple[int, ...]]] = set()  # (tensor, axes) whose partial gradient is reduced
+        recomputed: dict[tuple[int, int], float] = {}  # layer → what its recomputation holds during its backward
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
-            priced.node_compute_s[node.name] = nc.compute.total_s + (nc.loss.compute_s if nc.loss is not None else 0.0)
-            priced.flops_matmul += nc.compute.fwd_matmul_flops + nc.compute.bwd_matmul_flops
+            priced.node_compute_s[node.name] = (nc.compute.total_s + nc.recompute_s
+                                                + (nc.loss.compute_s if nc.loss is not None else 0.0))
+            priced.flops_matmul += nc.compute.fwd_matmul_flops * (2 if nc.recompute_s else 1) + nc.compute.bwd_matmul_flops
             split = self.split_axes(strategy)
             mine = priced.node_events.setdefault(node.name, [])
             if nc.loss is not None:
@@ -329,6 +370,8 @@ class CostModel:
                     continue  # every rank holds constants whole: any placement is a local slice
                 have = need if info.kind is TensorKind.INPUT else placed[t]
                 events = tuple(e for e in self.edge_events(t, have, need, split) if not _seen_reduction(e, reduced))
+                if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too
+                    events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
                 priced.events.extend(events)
                 mine.extend(events)
                 if have != need:
@@ -336,6 +379,11 @@ class CostModel:
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
             acts[node.name] = acts.get(node.name, 0.0) + nc.activation_bytes
+            if nc.recomputed_bytes:
+                layer = self.layer_of[node.name]
+                recomputed[layer] = recomputed.get(layer, 0.0) + nc.recomputed_bytes
+        if recomputed:  # one layer's activations live at a time, while its backward runs
+            acts["(recomputed layer)"] = max(recomputed.values())
         dev = self.profile.device
         if self.param_owner and dev.optimizer_step is not None:
             priced.optimizer_fixed_s = dev.optimizer_step.fixed_s

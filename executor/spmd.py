@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
@@ -173,6 +174,8 @@ class SpmdRunner:
         direct = self._direct_inputs()
         self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
                          for n in self.graph.compute_nodes if n.name not in self.fused_away]
+        # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
+        self._segments = self._recomputed_segments() if strategy.training.recompute_policy == "full" else {}
         self._params = {name: module.params[key] for name, key in module.param_names.items()}
         self._buckets: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # packed at the first reduction
         self._bucketed: set[str] = set()
@@ -269,15 +272,39 @@ class SpmdRunner:
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
             return redistribute(wrapped[t], want).to_local(grad_placements=grad)
 
-        for node, region, direct, want_out, kernels in self._program:
-            if region is not None:  # the attention chain ending here, as one fused kernel
-                outs = [fused_attention(*(prepare(n, i) for n, i in region.inputs))]
-            else:
-                outs = self._run_local(node, [local[t] if d else prepare(node.name, i)
-                                              for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],
-                                       want_out, kernels)
-            local.update(zip(node.outputs, outs, strict=False))
+        def run(start: int, end: int) -> None:
+            for node, region, direct, want_out, kernels in self._program[start:end]:
+                if region is not None:  # the attention chain ending here, as one fused kernel
+                    outs = [fused_attention(*(prepare(n, i) for n, i in region.inputs))]
+                else:
+                    outs = self._run_local(node, [local[t] if d else prepare(node.name, i)
+                                                  for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],
+                                           want_out, kernels)
+                local.update(zip(node.outputs, outs, strict=False))
+
+        i = 0
+        while i < len(self._program):
+            end = self._segments.get(i)
+            if end is None:
+                run(i, i + 1)
+                i += 1
+            else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
+                with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
+                    checkpoint(run, i, end, use_reentrant=False)
+                i = end
         return [local[t] for t in g.outputs]
+
+    def _recomputed_segments(self) -> dict[int, int]:
+        """Program index where each repeated layer starts → where it ends (exclusive), for the layers
+        whose ops are one contiguous run of the program (every layer of the zoo's models)."""
+        at = {entry[0].name: i for i, entry in enumerate(self._program)}
+        out = {}
+        for group in self.graph.layers:
+            for names in group.nodes:
+                idx = sorted(at[n] for n in names if n in at)
+                if idx and idx[-1] - idx[0] + 1 == len(idx):
+                    out[idx[0]] = idx[-1] + 1
+        return out
 
     def output_as(self, index: int, local: torch.Tensor, want: list[Placement]) -> torch.Tensor:
         """Output `index` (this rank's local tensor from `forward`) brought to the placements `want`:

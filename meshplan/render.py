@@ -85,7 +85,8 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
     tr = s.training
     if tr.global_batch_size is not None:
         head.add_row("batch", f"{tr.global_batch_size} per step = {tr.micro_batches} micro-step(s) × "
-                     f"{tr.micro_batch_size} per data-parallel rank; ZeRO stage {tr.zero_stage}")
+                     f"{tr.micro_batch_size} per data-parallel rank; ZeRO stage {tr.zero_stage}; recomputation "
+                     f"{tr.recompute_policy}")
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")

@@ -54,7 +54,8 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     profile = _planned_profile(path, strategy.profile)
     mesh, settings = strategy.mesh, strategy.settings
     cm = CostModel(graph, mesh, profile, PRECISIONS[settings.dtype], loss=settings.loss,
-                   micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage)
+                   micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage,
+                   recompute=strategy.training.recompute_policy)
     limit = settings.memory_limit_bytes
     c = strategy.cost
     baselines = [{"name": f"plan ({settings.mode})", "mesh": mesh.describe_shape(), "step_time_s": c.step_time_s,

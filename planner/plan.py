@@ -23,7 +23,7 @@ from pathlib import Path
 from costmodel.collectives import Phase
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS, Precision
-from costmodel.step import CommEvent, CostModel
+from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
@@ -77,6 +77,7 @@ class PlanRequest:
     global_batch_size: int | None = None
     accumulation_steps: int | None = None
     zero_stage: int = 0
+    recompute: str = "auto"  # none | full | auto (none unless only full fits)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -89,6 +90,8 @@ class PlanRequest:
             raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
+        if self.recompute not in (*RECOMPUTE, "auto"):
+            raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
         if self.zero_stage not in (0, 1, 2):
             hint = (" (ZeRO-3 is parameters split over the data-parallel axes: the plan chooses those placements "
                     "itself, or pin them)") if self.zero_stage == 3 else ""
@@ -114,6 +117,10 @@ class PlanRequest:
         if self.global_batch_size is None:
             return [1]
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
+
+    def recompute_candidates(self) -> list[str]:
+        """Recomputation policies to try, cheapest first."""
+        return list(RECOMPUTE) if self.recompute == "auto" else [self.recompute]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
@@ -148,25 +155,29 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
-    steps = req.step_candidates()
+    steps, policies = req.step_candidates(), req.recompute_candidates()
     failures: list[MeshplanError] = []
-    for k in steps:
-        dims = req.dims_for(k)
-        say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
-        graph = load_graph(req.model, dims)
-        try:
-            return _plan_meshes(req, graph, profile, precision, k, say)
-        except PinError:
-            raise
-        except MeshplanError as e:  # out of memory at this micro-batch: try more, smaller ones
-            if len(steps) == 1:
+    graphs: dict[int, OpGraph] = {}
+    for recompute in policies:  # the cheapest lever that fits: no recomputation, then fewer micro-steps
+        for k in steps:
+            dims = req.dims_for(k)
+            if k not in graphs:
+                say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
+                graphs[k] = load_graph(req.model, dims)
+            try:
+                return _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
+            except PinError:
                 raise
-            failures.append(e)
-    raise MeshplanError(f"no accumulation step count fits: with {steps[-1]} micro-steps, {failures[-1]}")
+            except MeshplanError as e:  # out of memory: try more, smaller micro-steps, then recomputation
+                if len(steps) * len(policies) == 1:
+                    raise
+                failures.append(e)
+    raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
+                        f"recomputation {policies[-1]}, {failures[-1]}")
 
 
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
-                 say: Progress) -> tuple[Strategy, list[Candidate]]:
+                 recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
     devices = 1 if req.mode == "stand-alone" else req.devices
     shapes = [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
         [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
@@ -181,7 +192,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
         cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                       micro_batches=steps, zero_stage=req.zero_stage)
+                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -227,6 +238,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     micro = _batch(graph)
     dp = cost.placed[graph.inputs[0]].num_shards(0, mesh.shape) if graph.inputs and graph.inputs[0] in cost.placed else 1
     training = TrainingSettings(micro_batches=steps, zero_stage=req.zero_stage,
+                                recompute={group.prefix: recompute for group in graph.layers} if recompute != "none" else {},
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None)  # rank 0's
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
@@ -299,7 +311,8 @@ def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
             for t, need in zip(node.inputs, s.input_specs, strict=True):
                 if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
                     continue
-                c += cm.edge_time_s(t, placed.get(t, pins.get(t, _stored(graph, t, need))), need, split)
+                c += cm.edge_time_s(t, placed.get(t, pins.get(t, _stored(graph, t, need))), need, split,
+                                    recomputed=node.name in cm.layer_of)
             if c < best_cost:
                 best, best_cost = s, c
         choice[node.name] = best

@@ -275,7 +275,7 @@ class ShardingILP:
         return spec, split
 
     def _edge_s(self, e: _Edge, src: Spec, dst: Spec, split: frozenset[int]) -> float:
-        return self.cost.edge_time_s(e.tensor, src, dst, split)
+        return self.cost.edge_time_s(e.tensor, src, dst, split, recomputed=e.consumer_node in self.cost.layer_of)
 
     # -- variables -----------------------------------------------------------------------------------
 
@@ -353,7 +353,9 @@ class ShardingILP:
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
                 costs[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
-                mem[d][c] += priced[j].activation_bytes * mult[node]
+                # A recomputed node holds its activations once (one layer at a time), its layer input
+                # in every layer it stands for.
+                mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
         return costs, mem
 
     def add_memory(self, mem: dict[Decision, list[float]]) -> None:

@@ -76,6 +76,15 @@ class TrainingSettings:
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
 
+    @property
+    def recompute_policy(self) -> str:
+        """The one policy every recomputed group has ("none" without any); groups differ in no plan yet."""
+        policies = set(self.recompute.values())
+        if len(policies) > 1:
+            raise StrategyError(f"recomputation differs between layer groups ({dict(self.recompute)}); this meshplan "
+                                "plans one policy for all")
+        return policies.pop() if policies else "none"
+
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineStage:

@@ -20,7 +20,7 @@ from hwprofiles.profile import load_profile
 from planner.graph import OpGraph, load_graph
 from planner.mesh import DeviceMesh
 from planner.plan import PlanRequest, make_plan
-from planner.rules import OpStrategy, strategies_for
+from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
 
 H100 = load_profile("h100-sxm")
 BF16 = PRECISIONS["bf16"]
@@ -193,6 +193,84 @@ def test_zero_step_equals_one_process(name: str, dims: dict[str, int], global_ba
                                  zero_stage=zero))
     kinds = {c.kind for n in s.nodes.values() for c in n.collectives if c.purpose is not Purpose.RESHARD}
     assert {Collective.REDUCE_SCATTER, Collective.ALL_GATHER} <= kinds and Collective.ALL_REDUCE not in kinds
+    s.save(tmp_path / "s.json")
+    r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
+            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["collectives_executed"] == r["collectives_planned"]
+
+
+def test_full_recomputation_closed_forms(zoo: Callable[[str], Path]) -> None:
+    # GPT-2-medium (L = 24, h = 1024, V = 50257), b = 2, s = 1024, one device: training matmul FLOPs
+    # 72·B·s·L·h²·(1 + s/6h) + 6·B·s·h·V without recomputation, 96·… with full recomputation (one
+    # more forward of every layer; Korthikanti et al. 2022: 96·B·s·L·h²·(1 + s/6h + V/16hL)). Memory
+    # (bf16 activations, 2 bytes): a recomputed layer keeps only its input, 2·s·b·h bytes, and one
+    # layer's full activations are live while its backward runs — exactly what one layer saves without
+    # recomputation. (That per-layer figure is the exported graph's: GeLU-tanh unfused, attention
+    # fused, no dropout, so not Korthikanti's 34·s·b·h.)
+    b, s, h, n_layer, v = 2, 1024, 1024, 24, 50257
+    g = load_graph(zoo("gpt2-medium"), {"batch": b, "seq": s})
+    mesh = DeviceMesh.build(1)
+    plan = {n.name: replicated_strategy(OpContext.of(n, g), 1) for n in g.compute_nodes}
+    layer0 = set(g.layers[0].nodes[0])
+    costs = {}
+    for policy, coefficient in (("none", 72), ("full", 96)):
+        cm = CostModel(g, mesh, H100, BF16, recompute=policy)
+        priced = cm.price_items(plan)
+        cost = cm.price(plan)
+        assert cost.flops_matmul == pytest.approx(coefficient * b * s * n_layer * h * h * (1 + s / (6 * h))
+                                                  + 6 * b * s * h * v, rel=1e-9)
+        acts = priced.memory["activations"]
+        costs[policy] = (sum(x for k, x in acts.items() if k in layer0), acts.get("(recomputed layer)", 0.0), cost)
+    (none_layer, _, none), (full_layer, peak, full) = costs["none"], costs["full"]
+    assert full_layer == 2 * s * b * h
+    assert peak == none_layer
+    assert full.memory["activations"] < none.memory["activations"] / 4
+    assert full.compute_s > none.compute_s
+
+
+def test_recomputation_only_when_nothing_else_fits(zoo: Callable[[str], Path]) -> None:
+    model = str(zoo("gpt2-tiny"))
+    free, _ = make_plan(PlanRequest(model=model, dims={"batch": 16, "seq": 64}, profile="cpu", devices=2,
+                                    mesh_shape=(2,)))
+    assert free.training.recompute_policy == "none"
+    forced, _ = make_plan(PlanRequest(model=model, dims={"batch": 16, "seq": 64}, profile="cpu", devices=2,
+                                      mesh_shape=(2,), recompute="full"))
+    assert set(forced.training.recompute.values()) == {"full"}
+    assert forced.cost.memory_bytes_per_device < free.cost.memory_bytes_per_device
+    limit = (forced.cost.memory_bytes_per_device + free.cost.memory_bytes_per_device) / 2
+    tight, _ = make_plan(PlanRequest(model=model, dims={"batch": 16, "seq": 64}, profile="cpu", devices=2,
+                                     mesh_shape=(2,), memory_limit_gib=limit / 2**30))
+    assert tight.training.recompute_policy == "full" and tight.cost.memory_bytes_per_device <= limit
+
+
+RECOMPUTE_CASES = [
+    # (model, dims, global batch, micro-steps, mesh, mode, pins, zero stage, optimizer)
+    ("gpt2-tiny", {"seq": 32}, 8, 1, (2,), "data-parallel", {}, 0, "adamw"),
+    ("llama-tiny", {"seq": 32}, 16, 2, (2, 2), "semi",
+     {"ids": "S(0),R", "model.model.layers.0.mlp.up_proj.weight": "R,S(0)",
+      "model.model.layers.0.mlp.down_proj.weight": "R,S(1)"}, 2, "sgd"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dims", "global_batch", "k", "mesh", "mode", "pins", "zero", "optimizer"),
+                         RECOMPUTE_CASES,
+                         ids=[f"{c[0]}-zero{c[7]}-k{c[3]}-{'x'.join(map(str, c[4]))}" for c in RECOMPUTE_CASES])
+def test_recomputed_step_equals_one_process(name: str, dims: dict[str, int], global_batch: int, k: int,
+                                            mesh: tuple[int, ...], mode: str, pins: dict[str, str], zero: int,
+                                            optimizer: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # Every repeated layer checkpointed (torch.utils.checkpoint, non-reentrant, no early stop): its
+    # forward, tensor-parallel reshards included, runs again in backward — counted in the plan too.
+    # The second case combines accumulation, recomputation and ZeRO-2 on 4 ranks.
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    model = zoo(name)
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
+                                 mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k,
+                                 zero_stage=zero, recompute="full"))
+    assert s.training.recompute_policy == "full"
     s.save(tmp_path / "s.json")
     r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
             opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
