@@ -22,6 +22,7 @@ from meshplan.render import (
     render_calibration,
     render_diff,
     render_explain,
+    render_layout_comparison,
     render_plan,
     render_run,
     render_summary,
@@ -204,8 +205,12 @@ def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
               help="Micro-steps per optimizer step with --global-batch-size (auto: the fewest that fit).")
 @click.option("--zero", "zero_stage", type=int, default=0, show_default=True, metavar="0|1|2",
               help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 also gradients.")
-@click.option("--recompute", default="auto", show_default=True, metavar="none|full|auto",
+@click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
               help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
+@click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
+              help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best.")
+@click.option("--micro-batch-size", type=int, default=None, metavar="M",
+              help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout).")
 @click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
 @click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
 @_one_line_errors
@@ -213,8 +218,10 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: int,
-         recompute: str, out_path: str | None, as_json: bool) -> None:
+         recompute: str, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
+    from dataclasses import replace
     from pathlib import Path
 
     from planner.plan import PlanRequest, make_plan
@@ -229,15 +236,22 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
-                      zero_stage=zero_stage, recompute=recompute)
+                      zero_stage=zero_stage, recompute=recompute, layout=layout, micro_batch_size=micro_batch_size)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
+        best = None
+        if layout is not None:  # the same cluster and global batch, every lever the ILP's
+            status.update("the ILP's best for comparison")
+            best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None,
+                                        recompute="auto"), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
     if as_json:
         click.echo(strategy.to_json())
         return
     render_plan(strategy, candidates, out)
+    if best is not None:
+        render_layout_comparison(strategy, best)
 
 
 @main.command()

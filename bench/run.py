@@ -69,25 +69,33 @@ def _plan_run(model: str, dims: dict[str, int], devices: int, mesh: str, out: st
 
 
 def bench_plan(repeat: int) -> None:
-    """Planner speed: Llama-3-8B (batch 16 × seq 8192) and Llama-3-70B (batch 4 × seq 8192) on 64 H100s
-    as an 8×8 (dp, tp) mesh, import included; to compare: meta-pytorch/autoparallel ≈ 114 s for the
-    8B case on this kind of machine (45.7 s in its ILP)."""
+    """Planner speed: Llama-3-8B (batch 16 × seq 8192) and Llama-3-70B (batch 4 × seq 8192) in one
+    step, and both at a global batch of 16 × 8192 with the training step's levers left to the planner
+    (micro-steps, recomputation), on 64 H100s as an 8×8 (dp, tp) mesh, import included; to compare:
+    meta-pytorch/autoparallel ≈ 114 s for the 8B case on this kind of machine (45.7 s in its ILP)."""
     import resource
 
     table = Table(title=f"meshplan plan, 64 H100 as 8×8 (dp, tp), median of {repeat} end-to-end runs")
-    for col in ("model", "tokens", "wall s (median)", "min–max", "solver s", "status", "variables", "step ms",
-                "memory GiB", "peak RSS MiB"):
+    for col in ("model", "tokens per step", "wall s (median)", "min–max", "solver s", "status", "variables",
+                "micro-steps", "recompute", "step ms", "memory GiB", "peak RSS MiB"):
         table.add_column(col, justify="right" if col != "model" else "left")
-    for name, dims in (("llama3-8b", {"batch": 16, "seq": 8192}), ("llama3-70b", {"batch": 4, "seq": 8192})):
+    cases: tuple[tuple[str, dict[str, int], tuple[str, ...]], ...] = (
+        ("llama3-8b", {"batch": 16, "seq": 8192}, ()), ("llama3-70b", {"batch": 4, "seq": 8192}, ()),
+        ("llama3-8b", {"seq": 8192}, ("--global-batch-size", "16")),
+        ("llama3-70b", {"seq": 8192}, ("--global-batch-size", "16")))
+    for name, dims, extra in cases:
         path = str(zoo.export(name))
-        runs = [_plan_run(path, dims, 64, "8x8", f"/tmp/meshplan-bench-{name}.json") for _ in range(repeat)]
+        runs = [_plan_run(path, dims, 64, "8x8", f"/tmp/meshplan-bench-{name}.json", extra) for _ in range(repeat)]
         walls = [w for w, _ in runs]
         s = runs[-1][1]
-        sv, cost = s["solver"], s["cost"]  # type: ignore[index]
+        sv, cost, tr = s["solver"], s["cost"], s["training"]  # type: ignore[index]
         rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-        table.add_row(name, f"{dims['batch']}×{dims['seq']}", f"{statistics.median(walls):.2f}",
+        batch = extra[1] if extra else str(dims["batch"])
+        table.add_row(name, f"{batch}×{dims['seq']}", f"{statistics.median(walls):.2f}",
                       f"{min(walls):.2f}–{max(walls):.2f}", f"{sv['time_s']:.2f}", sv["status"],  # type: ignore[index]
-                      str(sv["num_variables"]), f"{cost['step_time_s'] * 1e3:.1f}",  # type: ignore[index]
+                      str(sv["num_variables"]), str(tr["micro_batches"]),  # type: ignore[index]
+                      ",".join(sorted(set(tr["recompute"].values()))) or "none",  # type: ignore[index]
+                      f"{cost['step_time_s'] * 1e3:.1f}",  # type: ignore[index]
                       f"{cost['memory_bytes_per_device'] / 2**30:.1f}", f"{rss:.0f}")  # type: ignore[index]
     console.print(table)
 

@@ -92,6 +92,9 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")
     head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
+    limit = s.settings.memory_limit_bytes
+    if limit is not None and c.memory_bytes_per_device > limit:
+        head.add_row("fits", f"NO: {fmt_bytes(c.memory_bytes_per_device)} > the limit {fmt_bytes(limit)}")
     head.add_row("solver", f"{sv.status} in {sv.time_s:.2f} s, objective {sv.objective:.6g} s, gap "
                  f"{sv.gap:.2%}, {sv.num_variables} variables, {sv.num_constraints} constraints")
     fb = sorted({f.op_type for f in s.fallbacks})
@@ -208,3 +211,21 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
     t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
     console.print(t)
+
+
+def render_layout_comparison(held: Strategy, best: Strategy) -> None:
+    """A hand layout's predicted step next to the ILP's best plan for the same cluster and batch."""
+    t = Table(title="the layout against the ILP's best plan (same devices, global batch, profile)")
+    for col in ("plan", "mesh", "micro-steps × per-rank batch", "ZeRO", "recompute", "step time", "memory/device",
+                "fits"):
+        t.add_column(col)
+    for name, s in ((f"layout {held.training.layout}", held), ("ILP's best", best)):
+        tr, limit = s.training, s.settings.memory_limit_bytes
+        t.add_row(name, " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)),
+                  f"{tr.micro_batches} × {tr.micro_batch_size}", str(tr.zero_stage), tr.recompute_policy,
+                  f"{s.cost.step_time_s * 1e3:.1f} ms", fmt_bytes(s.cost.memory_bytes_per_device),
+                  "yes" if limit is None or s.cost.memory_bytes_per_device <= limit else "no")
+    console.print(t)
+    ratio = held.cost.step_time_s / best.cost.step_time_s
+    console.print(f"the layout's step is {ratio:.2f}× the ILP's best" + (" (the ILP's best is the layout)" if
+                                                                          ratio <= 1.0 + 1e-9 else ""))

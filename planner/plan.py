@@ -27,6 +27,7 @@ from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
+from planner.layout import parse_layout
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
@@ -77,7 +78,9 @@ class PlanRequest:
     global_batch_size: int | None = None
     accumulation_steps: int | None = None
     zero_stage: int = 0
-    recompute: str = "auto"  # none | full | auto (none unless only full fits)
+    recompute: str = "auto"  # none | selective | full | auto (none unless only full fits)
+    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
+    micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -90,6 +93,25 @@ class PlanRequest:
             raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
+        if self.layout is not None:
+            if self.mesh_shape is not None:
+                raise MeshplanError("--layout and --mesh both fix the mesh; give one")
+            if self.mode not in ("auto", "semi") or self.search != "ilp":
+                raise MeshplanError(f"--layout is priced by the ILP: use --mode auto or semi, not {self.mode}")
+            parse_layout(self.layout, self.devices)
+        if self.micro_batch_size is not None:
+            if self.micro_batch_size < 1:
+                raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: needs at least 1 sequence")
+            if self.global_batch_size is None:
+                raise MeshplanError("--micro-batch-size counts sequences per data-parallel rank per micro-step of a "
+                                    "global batch: give --global-batch-size too")
+            if self.accumulation_steps is not None:
+                raise MeshplanError("--micro-batch-size and --accumulation-steps both fix the micro-steps; give one")
+            dp = self.data_parallel_degree()
+            if self.global_batch_size % (self.micro_batch_size * dp):
+                raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
+                                    f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
+                                    f"divides it")
         if self.recompute not in (*RECOMPUTE, "auto"):
             raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
         if self.zero_stage not in (0, 1, 2):
@@ -112,15 +134,28 @@ class PlanRequest:
             raise MeshplanError(f"--accumulation-steps {k} splits a global batch: give --global-batch-size "
                                 "(the batch per optimizer step) instead of --dim batch")
 
+    def data_parallel_degree(self) -> int:
+        """Ranks that split the batch, where the request fixes it: the layout's dp_replicate × dp_shard,
+        or every device in data-parallel mode."""
+        if self.layout is not None:
+            return parse_layout(self.layout, self.devices).data_parallel
+        if self.mode == "data-parallel":
+            return self.devices
+        raise MeshplanError("--micro-batch-size needs the data-parallel degree: give --layout (e.g. "
+                            "dp_shard=8,tp=8) or --mode data-parallel, or use --accumulation-steps")
+
     def step_candidates(self) -> list[int]:
         """Accumulation steps to try, fewest first (a larger micro-batch runs at least as efficiently)."""
         if self.global_batch_size is None:
             return [1]
+        if self.micro_batch_size is not None:
+            return [self.global_batch_size // (self.micro_batch_size * self.data_parallel_degree())]
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
 
     def recompute_candidates(self) -> list[str]:
-        """Recomputation policies to try, cheapest first."""
-        return list(RECOMPUTE) if self.recompute == "auto" else [self.recompute]
+        """Recomputation policies to try, cheapest first (selective is priced as none: attention runs
+        fused, its scores recomputed in backward, whatever the policy)."""
+        return ["none", "full"] if self.recompute == "auto" else [self.recompute]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
@@ -179,7 +214,9 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
                  recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
     devices = 1 if req.mode == "stand-alone" else req.devices
-    shapes = [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
+    layout = parse_layout(req.layout, devices) if req.layout is not None else None
+    shapes = [layout.mesh_shape] if layout is not None else \
+        [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
         [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
     limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
              else 0.9 * profile.device.mem_capacity_bytes)
@@ -187,7 +224,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     candidates: list[Candidate] = []
     errors: list[MeshplanError] = []
     for shape in shapes:
-        names = req.axis_names if req.mesh_shape else None
+        names = layout.axis_names if layout is not None else req.axis_names if req.mesh_shape else None
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
@@ -196,18 +233,23 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
+        if layout is not None:
+            pins = {**layout.input_pins(graph, mesh), **pins}
         try:
             if req.mode in ("auto", "semi") and req.search == "ilp":
                 say(f"mesh {mesh}: solving")
-                ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=limit, pins=pins, follow=req.follow,
-                                  options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver))
+                # A hand layout is priced as it is, fitting or not (the table says which).
+                ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=None if layout is not None else limit,
+                                  pins=pins, follow=req.follow,
+                                  options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
+                                  param_layout=layout.param_layout(graph, mesh) if layout is not None else None)
                 sol = ilp.solve()
                 choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
             else:
                 say(f"mesh {mesh}: propagating")
                 choice, param_specs, stats = propagate(graph, rules, cm, pins)
             cost = cm.price(choice, param_specs)
-            if cost.memory_bytes > limit and req.mode != "auto":
+            if cost.memory_bytes > limit and req.mode != "auto" and layout is None:
                 raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.1f} GiB per device "
                                     f"but --memory-limit is {limit / 2**30:.1f} GiB; raise --memory-limit, add "
                                     "devices, or use --mode auto")
@@ -240,7 +282,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     training = TrainingSettings(micro_batches=steps, zero_stage=req.zero_stage,
                                 recompute={group.prefix: recompute for group in graph.layers} if recompute != "none" else {},
                                 global_batch_size=micro * steps if micro is not None else None,
-                                micro_batch_size=-(-micro // dp) if micro is not None else None)  # rank 0's
+                                micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
+                                layout=str(layout) if layout is not None else None)
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates

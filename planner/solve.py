@@ -130,10 +130,13 @@ class ShardingILP:
 
     def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, memory_limit_bytes: float | None = None,
                  pins: Mapping[str, Spec] | None = None, options: SolverOptions | None = None,
-                 follow: bool = True) -> None:
+                 follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None) -> None:
+        """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
+        FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it."""
         self.graph, self.rules, self.cost = graph, rules, cost
         self.memory_limit_bytes = memory_limit_bytes
         self.pins = dict(pins or {})
+        self.param_layout = param_layout
         self.options = options or SolverOptions()
         self.model = LinearModel()
         self.constraint_counts: dict[str, int] = defaultdict(int)
@@ -174,7 +177,13 @@ class ShardingILP:
                         for st in self._strategies(n.name):
                             spec = st.input_specs[i]
                             if spec is not None:
-                                opts[spec.storable()] = None
+                                stored = spec.storable()
+                                if self.param_layout is not None:
+                                    stored = self.param_layout(p, stored)
+                                if stored is not None:
+                                    opts[stored] = None
+            if p not in self.pins and not opts:
+                raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change --layout")
             self.param_specs[p] = [self.pins[p]] if p in self.pins else list(opts)
 
     def _follow_source(self, name: str) -> tuple[str, int, int] | None:

@@ -75,6 +75,7 @@ class TrainingSettings:
     recompute: Mapping[str, str] = field(default_factory=dict)
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
+    layout: str | None = None  # the hand layout the plan was held to (torchtitan's degrees), if any
 
     @property
     def recompute_policy(self) -> str:
@@ -252,7 +253,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "loss": s.settings.loss},
         "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
                      "recompute": dict(s.training.recompute), "global_batch_size": s.training.global_batch_size,
-                     "micro_batch_size": s.training.micro_batch_size},
+                     "micro_batch_size": s.training.micro_batch_size, "layout": s.training.layout},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
@@ -320,7 +321,7 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     d["profile"].setdefault("source", d["profile"]["name"])
     d["settings"].setdefault("loss", "auto")
     d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
-                     "micro_batch_size": None}
+                     "micro_batch_size": None, "layout": None}
     d["pipeline"] = {"stages": []}
     d["cost"] = {"composer": "serial", "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
     d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
@@ -371,7 +372,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                               pins=dict(st["pins"]), batch=st["batch"], loss=st["loss"]),
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
                                   recompute=dict(tr["recompute"]), global_batch_size=tr["global_batch_size"],
-                                  micro_batch_size=tr["micro_batch_size"]),
+                                  micro_batch_size=tr["micro_batch_size"], layout=tr["layout"]),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),

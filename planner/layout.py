@@ -1,0 +1,107 @@
+"""`--layout`: a parallelism layout in torchtitan's words (`ParallelDims`), priced as a hand configuration.
+
+    --layout dp_replicate=2,dp_shard=8,tp=4
+
+fixes the mesh (one axis per degree above 1, in that order, named by its key) and the kind of
+parallelism on each: the batch is split over dp_replicate × dp_shard; parameters are replicated over
+dp_replicate and, where dp_shard > 1, stored split on their first dim over it and gathered for use
+(FSDP / ZeRO-3; both together are HSDP); the tensor-parallel axis, and everything else, is the ILP's
+to decide. With --micro-batch-size the data-parallel degree the layout names turns a global batch into
+its accumulation steps, as Megatron and torchtitan count them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from planner.errors import MeshplanError
+from planner.graph import OpGraph
+from planner.mesh import DeviceMesh
+from planner.placement import Replicate, Shard, Spec
+
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp")
+NOT_YET = ("pp", "cp", "ep")
+
+
+@dataclass(frozen=True)
+class Layout:
+    sizes: tuple[tuple[str, int], ...]  # (key, degree) in LAYOUT_KEYS order
+
+    @property
+    def degree(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(n for _, n in self.sizes)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.degree.get("dp_replicate", 1) * self.degree.get("dp_shard", 1)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(n for _, n in self.sizes if n > 1) or (1,)
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(k for k, n in self.sizes if n > 1) or ("dp_shard",)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={n}" for k, n in self.sizes)
+
+    def input_pins(self, graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
+        """Every input split on its batch dim (0) over the data-parallel axes, replicated elsewhere."""
+        dp_axes = [a for a, name in enumerate(mesh.axis_names) if name.startswith("dp_")]
+        pins = {}
+        for t in graph.inputs:
+            shape = graph.tensors[t].shape
+            if dp_axes and (not shape or shape[0] < self.data_parallel):
+                raise MeshplanError(f"--layout {self}: input {t} has batch {shape[0] if shape else 0} per micro-step, "
+                                    f"fewer than the {self.data_parallel} data-parallel ranks; raise the batch or "
+                                    "lower dp_replicate × dp_shard")
+            pins[t] = Spec(tuple(Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)))
+        return pins
+
+    def param_layout(self, graph: OpGraph, mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None]:
+        """A parameter as the layout stores it when a consumer needs it at `spec`: whole on
+        dp_replicate; on dp_shard split on dim 0 (FSDP, gathered for use; a scalar stays whole);
+        as needed on tp. None when the consumer would need it split along a data-parallel axis."""
+        replicate = [a for a, n in enumerate(mesh.axis_names) if n == "dp_replicate"]
+        shard = [a for a, n in enumerate(mesh.axis_names) if n == "dp_shard"]
+
+        def store(param: str, spec: Spec) -> Spec | None:
+            placements = list(spec.placements)
+            for a in (*replicate, *shard):
+                if not isinstance(placements[a], Replicate):
+                    return None
+            if graph.tensors[param].shape:
+                for a in shard:
+                    placements[a] = Shard(0)
+            return Spec(tuple(placements))
+
+        return store
+
+
+def parse_layout(text: str, devices: int) -> Layout:
+    sizes: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if key in NOT_YET:
+            raise MeshplanError(f"--layout {key}: pipeline, context and expert parallelism are not planned yet; use "
+                                f"{', '.join(LAYOUT_KEYS)}")
+        if key not in LAYOUT_KEYS:
+            raise MeshplanError(f"--layout {key}: unknown key; use {', '.join(LAYOUT_KEYS)} (torchtitan's names)")
+        if not eq or not value.strip().isdigit() or int(value) < 1:
+            raise MeshplanError(f"--layout {part}: give KEY=N with N a positive integer, e.g. dp_shard=8,tp=8")
+        if key in sizes:
+            raise MeshplanError(f"--layout {key} given twice; give each degree once")
+        sizes[key] = int(value)
+    layout = Layout(tuple((k, sizes[k]) for k in LAYOUT_KEYS if k in sizes))
+    if layout.devices != devices:
+        raise MeshplanError(f"--layout {layout} multiplies to {layout.devices} devices, not --devices {devices}; "
+                            f"make the degrees multiply to {devices}")
+    return layout
