@@ -10,11 +10,20 @@ import functools
 import json
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import click
 from rich.table import Table
 
+from meshplan.options import (
+    build_mesh,
+    dim_option,
+    mesh_options,
+    parse_export_dims,
+    parse_mesh_shape,
+    parse_pins,
+    precision_for,
+)
 from meshplan.render import (
     console,
     err_console,
@@ -29,68 +38,7 @@ from meshplan.render import (
 )
 from planner.errors import MeshplanError
 
-if TYPE_CHECKING:
-    pass
-
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _parse_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int]:
-    dims: dict[str, int] = {}
-    for v in values:
-        name, sep, num = v.partition("=")
-        if not sep or not name or not num.strip().lstrip("-").isdigit():
-            raise click.BadParameter(f"{v!r} is not NAME=N (e.g. --dim batch=8)")
-        if name in dims:
-            raise click.BadParameter(f"{name} is bound twice")
-        dims[name] = int(num)
-    return dims
-
-
-dim_option = click.option(
-    "--dim", "dims", multiple=True, callback=_parse_dims, metavar="NAME=N",
-    help="Bind a symbolic input dimension, e.g. --dim batch=8 --dim seq=1024 (repeatable).",
-)
-
-
-def _parse_mesh_shape(text: str | None) -> tuple[int, ...] | None:
-    if text is None:
-        return None
-    from planner.mesh import MeshError
-
-    parts = text.lower().replace("×", "x").split("x")
-    if not all(p.strip().lstrip("-").isdigit() for p in parts):
-        raise MeshError(f"--mesh {text!r} does not parse; write sizes joined by x, e.g. 8x8")
-    return tuple(int(p) for p in parts)
-
-
-def _mesh(devices: int, mesh: str | None, axis_names: str | None, devices_per_node: int) -> Any:
-    from planner.mesh import DeviceMesh
-
-    names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
-    return DeviceMesh.build(devices, _parse_mesh_shape(mesh), names, devices_per_node=devices_per_node)
-
-
-def mesh_options(fn: F) -> F:
-    for opt in reversed([
-        click.option("--devices", type=int, required=True, help="Number of devices N."),
-        click.option("--mesh", default=None, metavar="AxB", help="Mesh shape, e.g. 8x8 (default: 1-d over N)."),
-        click.option("--axis-names", default=None, metavar="a,b", help="Mesh axis names (default dp or dp,tp)."),
-        click.option("--profile", "profile_name", default="h100-sxm", show_default=True,
-                     help="Hardware profile: a preset name or a JSON path."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-                     help="Training precision (default: bf16 on GPU profiles, fp32 on cpu)."),
-    ]):
-        fn = opt(fn)
-    return fn
-
-
-def _precision(dtype: str | None, profile: Any) -> Any:
-    from costmodel.memory import PRECISIONS
-
-    if dtype is None:
-        dtype = "bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32"
-    return PRECISIONS[dtype]
 
 
 def _one_line_errors(fn: F) -> F:
@@ -130,20 +78,10 @@ def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
 
 
-def _parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int | None]:
-    dims: dict[str, int | None] = {}
-    for v in values:
-        name, sep, num = v.partition("=")
-        if not name or (sep and not num.strip().isdigit()):
-            raise click.BadParameter(f"{v!r} is not NAME or NAME=N (e.g. --dim batch --dim seq=2048)")
-        dims[name] = int(num) if sep else None
-    return dims
-
-
 @main.command("export")
 @click.option("--hf-config", "hf_config", required=True, type=click.Path(path_type=str),
               help="A transformers config.json (or the folder holding it); no weights are read or made.")
-@click.option("--dim", "dims", multiple=True, callback=_parse_export_dims, metavar="NAME[=N]",
+@click.option("--dim", "dims", multiple=True, callback=parse_export_dims, metavar="NAME[=N]",
               help="An input dim: NAME stays symbolic (bound by --dim NAME=N at plan time), NAME=N is static. "
                    "Token models take batch and seq (both symbolic by default).")
 @click.option("-o", "--out", "out_path", required=True, help="The .onnx file to write (shape-only).")
@@ -156,28 +94,6 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
         r = export_hf_config(hf_config, out_path, dims=dims)
     note = f", layers repeated ({r.repeated_layers})" if r.repeated_layers else ""
     click.echo(f"wrote {r.path}: {r.num_params:,} parameters, shape-only, {r.seconds:.1f} s{note}")
-
-
-def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
-    from pathlib import Path
-
-    from planner.solve import PinError
-
-    out: dict[str, str] = {}
-    if pin_file:
-        try:
-            data = json.loads(Path(pin_file).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise PinError(f"--pin-file {pin_file}: {e}; write a JSON object such as {{\"ids\": \"S(0),R\"}}") from e
-        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
-            raise PinError(f"--pin-file {pin_file}: must map tensor names to placement strings, e.g. {{\"ids\": \"S(0),R\"}}")
-        out.update(data)
-    for p in pins:
-        name, sep, spec = p.partition("=")
-        if not sep or not name or not spec:
-            raise PinError(f"--pin {p!r} is not TENSOR=PLACEMENTS (e.g. --pin ids=S(0),R)")
-        out[name] = spec
-    return out
 
 
 @main.command()
@@ -203,8 +119,8 @@ def _parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
               help="Sequences per optimizer step, split into micro-steps (instead of --dim batch).")
 @click.option("--accumulation-steps", default="auto", show_default=True, metavar="K|auto",
               help="Micro-steps per optimizer step with --global-batch-size (auto: the fewest that fit).")
-@click.option("--zero", "zero_stage", type=int, default=0, show_default=True, metavar="0|1|2",
-              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 also gradients.")
+@click.option("--zero", "zero_stage", type=int, default=0, show_default=True, metavar="0|1|2|3",
+              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters.")
 @click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
               help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
 @click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
@@ -229,10 +145,10 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     if accumulation_steps != "auto" and not accumulation_steps.isdigit():
         raise MeshplanError(f"--accumulation-steps {accumulation_steps}: give a positive integer or auto")
 
-    shape = _parse_mesh_shape(mesh)
+    shape = parse_mesh_shape(mesh)
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
-                      mode=mode, search=search, pins=_parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
+                      mode=mode, search=search, pins=parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
@@ -308,7 +224,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
     from planner.reshard import plan_reshard
 
     prof = load_profile(profile_name)
-    m = _mesh(devices, mesh, axis_names, prof.devices_per_node)
+    m = build_mesh(devices, mesh, axis_names, prof.devices_per_node)
     try:
         dims = tuple(int(x) for x in shape.split(","))
     except ValueError:
@@ -316,7 +232,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
     a, b = parse_spec(src, len(dims)), parse_spec(dst, len(dims))
     a.validate(dims, m.shape, "--from")
     b.validate(dims, m.shape, "--to")
-    prec = _precision(dtype, prof)
+    prec = precision_for(dtype, prof)
     plan = plan_reshard(a, b, dims, m.shape, prec.activation_bytes, enable_all_to_all=not no_all_to_all)
     rows = []
     for st in plan.steps:
@@ -356,10 +272,10 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
     from planner.rules import rules_for_graph
 
     prof = load_profile(profile_name)
-    m = _mesh(devices, mesh, axis_names, prof.devices_per_node)
+    m = build_mesh(devices, mesh, axis_names, prof.devices_per_node)
     graph = load_graph(model, dims)
     rs = rules_for_graph(graph, m, strict=strict)
-    cm = CostModel(graph, m, prof, _precision(dtype, prof))
+    cm = CostModel(graph, m, prof, precision_for(dtype, prof))
     out: list[dict[str, Any]] = []
     for name, ns in rs.by_node.items():
         if (op_types and ns.node.op_type not in op_types) or (node_names and name not in node_names):

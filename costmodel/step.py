@@ -132,17 +132,18 @@ class CostModel:
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none") -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
-        is all-reduced on (ZeRO-3 is a parameter placement split over those axes: the plan's own choice);
+        is all-reduced on (3: the parameters' placements are split over those axes, priced as such);
         `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
         backward (torch.utils.checkpoint per layer), "none" saves every activation."""
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
-        if zero_stage not in (0, 1, 2):
-            raise ValueError(f"zero_stage must be 0, 1 or 2 (3: split parameter placements), got {zero_stage}")
+        if zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
-        self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage, recompute
+        # ZeRO-3 is in the parameters' placements (split, gathered for use): priced by them, not here.
+        self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage % 3, recompute
         # Recomputed layers: node → its layer's key; node → the layer inputs it is the first to read.
         self.layer_of: dict[str, tuple[int, int]] = {}
         self.layer_inputs: dict[str, tuple[str, ...]] = {}

@@ -132,7 +132,7 @@ class SpmdRunner:
 
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
-        self.zero_stage = strategy.training.zero_stage
+        self.zero_stage = strategy.training.zero_stage % 3  # ZeRO-3 is in the placements: DTensor gathers them
         self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
         self.graph = module.graph

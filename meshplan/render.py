@@ -227,5 +227,9 @@ def render_layout_comparison(held: Strategy, best: Strategy) -> None:
                   "yes" if limit is None or s.cost.memory_bytes_per_device <= limit else "no")
     console.print(t)
     ratio = held.cost.step_time_s / best.cost.step_time_s
-    console.print(f"the layout's step is {ratio:.2f}× the ILP's best" + (" (the ILP's best is the layout)" if
-                                                                          ratio <= 1.0 + 1e-9 else ""))
+    limit = held.settings.memory_limit_bytes
+    if limit is not None and held.cost.memory_bytes_per_device > limit:
+        console.print(f"the layout does not fit ({fmt_bytes(held.cost.memory_bytes_per_device)} per device > "
+                      f"{fmt_bytes(limit)}); the ILP's best that fits takes {best.cost.step_time_s * 1e3:.1f} ms")
+    else:
+        console.print(f"the layout's step is {ratio:.2f}× the ILP's best")

@@ -27,11 +27,11 @@ from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
-from planner.layout import parse_layout
+from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
-from planner.solve import PinError, ShardingILP, SolverOptions
+from planner.solve import PinError, ShardingILP, SolverOptions, fully_sharded
 from planner.strategy import (
     CandidateRecord,
     CollectiveRecord,
@@ -114,10 +114,11 @@ class PlanRequest:
                                     f"divides it")
         if self.recompute not in (*RECOMPUTE, "auto"):
             raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
-        if self.zero_stage not in (0, 1, 2):
-            hint = (" (ZeRO-3 is parameters split over the data-parallel axes: the plan chooses those placements "
-                    "itself, or pin them)") if self.zero_stage == 3 else ""
-            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1 or 2{hint}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2 or 3 (ZeRO's stages)")
+        if self.zero_stage == 3 and (self.mode not in ("auto", "semi") or self.search != "ilp"):
+            raise MeshplanError(f"--zero 3 places the parameters through the ILP: use --mode auto or semi (for data "
+                                f"parallelism with FSDP, --layout dp_shard=N), not {self.mode}")
         k, g = self.accumulation_steps, self.global_batch_size
         if k is not None and k < 1:
             raise MeshplanError(f"--accumulation-steps {k}: needs at least 1 micro-step")
@@ -242,7 +243,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=None if layout is not None else limit,
                                   pins=pins, follow=req.follow,
                                   options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
-                                  param_layout=layout.param_layout(graph, mesh) if layout is not None else None)
+                                  param_layout=_param_layout(req, layout, graph, mesh))
                 sol = ilp.solve()
                 choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
             else:
@@ -287,6 +288,23 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates
+
+
+def _param_layout(req: PlanRequest, layout: Layout | None, graph: OpGraph,
+                  mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None] | None:
+    """How parameters may be stored: as the layout says, and under --zero 3 split on dim 0 over every
+    axis they would be replicated on (FSDP), wherever they can be."""
+    held = layout.param_layout(graph, mesh) if layout is not None else None
+    if req.zero_stage != 3:
+        return held
+
+    def zero3(param: str, spec: Spec) -> Spec | None:
+        stored = held(param, spec) if held is not None else spec
+        if stored is None:
+            return None
+        return fully_sharded(graph.tensors[param].shape, mesh.shape, stored) or stored
+
+    return zero3
 
 
 def profile_source(name_or_path: str) -> str:

@@ -54,7 +54,7 @@ from costmodel.step import CostModel
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind
 from planner.milp import LinearModel
-from planner.placement import Replicate, Spec
+from planner.placement import Replicate, Shard, Spec
 from planner.rules import OpStrategy, RuleSet
 from planner.strategy import SolverStats
 
@@ -182,9 +182,15 @@ class ShardingILP:
                                     stored = self.param_layout(p, stored)
                                 if stored is not None:
                                     opts[stored] = None
+                                    fsdp = self._fully_sharded(p, stored)
+                                    if fsdp is not None:
+                                        opts[fsdp] = None
             if p not in self.pins and not opts:
                 raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change --layout")
             self.param_specs[p] = [self.pins[p]] if p in self.pins else list(opts)
+
+    def _fully_sharded(self, param: str, spec: Spec) -> Spec | None:
+        return fully_sharded(self.graph.tensors[param].shape, self.rules.mesh.shape, spec)
 
     def _follow_source(self, name: str) -> tuple[str, int, int] | None:
         """(producer, its output index, this node's input index) if `name` can follow its producer."""
@@ -477,6 +483,16 @@ def _merge_identical(vectors: list[tuple[int, ...]], members: list[list[int]]) -
         else:
             groups[vec] = (i, list(mem))
     return list(groups.values())
+
+
+def fully_sharded(shape: tuple[int, ...], mesh: tuple[int, ...], spec: Spec) -> Spec | None:
+    """ZeRO-3 / FSDP as a choice per parameter: stored split on dim 0 over every axis it is replicated
+    on, gathered for use (and again in backward), its gradient reduce-scattered. None when there is no
+    such axis or dim 0 is smaller than the shards."""
+    axes = [a for a, pl in enumerate(spec.placements) if isinstance(pl, Replicate) and mesh[a] > 1]
+    if not axes or not shape or shape[0] < math.prod(mesh[a] for a in axes) * spec.num_shards(0, mesh):
+        return None
+    return Spec(tuple(Shard(0) if a in axes else pl for a, pl in enumerate(spec.placements)))
 
 
 def _takes(i: int, spec: Spec) -> Callable[[OpStrategy], bool]:

@@ -19,6 +19,7 @@ from costmodel.step import CostModel
 from hwprofiles.profile import load_profile
 from planner.graph import OpGraph, load_graph
 from planner.mesh import DeviceMesh
+from planner.placement import R, Shard, Spec
 from planner.plan import PlanRequest, make_plan
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
 
@@ -115,14 +116,22 @@ def test_planner_takes_the_fewest_micro_steps_that_fit(zoo: Callable[[str], Path
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--global-batch-size", "64", "--accumulation-steps", "3"], "not divisible by --accumulation-steps 3"),
-    (["--zero", "5"], "--zero 5: choose 0, 1 or 2"),
-    (["--zero", "3"], "ZeRO-3 is parameters split"),
+    (["--zero", "5"], "--zero 5: choose 0, 1, 2 or 3"),
+    (["--layout", "dp_shard=4"], "multiplies to 4 devices, not --devices 2"),
+    (["--layout", "dp_shard=1,fsdp=2"], "--layout fsdp: unknown key"),
+    (["--layout", "pp=2"], "pipeline, context and expert parallelism are not planned yet"),
+    (["--layout", "dp_shard=2", "--mesh", "2"], "--layout and --mesh both fix the mesh"),
+    (["--layout", "dp_shard=2", "--global-batch-size", "12", "--micro-batch-size", "4"],
+     "--global-batch-size 12 is not divisible by micro-batch 4 × 2 data-parallel ranks"),
+    (["--global-batch-size", "16", "--micro-batch-size", "4"], "--micro-batch-size needs the data-parallel degree"),
+    (["--micro-batch-size", "4"], "give --global-batch-size too"),
     (["--accumulation-steps", "2", "--dim", "batch=8"], "give --global-batch-size"),
     (["--global-batch-size", "64", "--dim", "batch=8"], "both set the batch"),
     (["--global-batch-size", "64", "--accumulation-steps", "two"], "give a positive integer or auto"),
 ])
 def test_bad_levers(args: list[str], message: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    r = CliRunner().invoke(main, ["plan", str(zoo("gpt2-tiny")), "--dim", "seq=32", "--devices", "2", *args,
+    r = CliRunner().invoke(main, ["plan", str(zoo("gpt2-tiny")), "--dim", "seq=32", "--devices", "2", "--profile", "cpu",
+                                  *args,
                                   "-o", str(tmp_path / "s.json")])
     assert r.exit_code == 2, r.output
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -273,6 +282,72 @@ def test_recomputed_step_equals_one_process(name: str, dims: dict[str, int], glo
     assert s.training.recompute_policy == "full"
     s.save(tmp_path / "s.json")
     r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
+            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["collectives_executed"] == r["collectives_planned"]
+
+
+def test_layout_holds_the_plan_to_its_degrees(zoo: Callable[[str], Path]) -> None:
+    # HSDP on 4 ranks: dp_replicate=2 × dp_shard=2. The batch is split over both axes; every parameter
+    # whose dim 0 has at least 2 rows is stored split on dim 0 over dp_shard (FSDP) and whole over
+    # dp_replicate; with a global batch of 16 and 2 sequences per rank per micro-step: 16 / (2 × 4) = 2
+    # micro-steps.
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"seq": 32}, profile="cpu", devices=4,
+                                 layout="dp_replicate=2,dp_shard=2", global_batch_size=16, micro_batch_size=2))
+    assert s.mesh.shape == (2, 2) and s.mesh.axis_names == ("dp_replicate", "dp_shard")
+    assert s.training.layout == "dp_replicate=2,dp_shard=2"
+    assert s.training.micro_batches == 2 and s.training.micro_batch_size == 2 and s.model.dims["batch"] == 8
+    assert s.spec_of("ids") == Spec((Shard(0), Shard(0)))
+    for name, t in s.tensors.items():
+        if t.kind == "param":
+            want = Spec((R, Shard(0))) if t.shape and t.shape[0] >= 2 else Spec((R, R))
+            assert t.spec == want, name
+
+
+def test_zero3_stores_every_parameter_split(zoo: Callable[[str], Path]) -> None:
+    # --zero 3 on 4 ranks: no parameter with at least 4 rows on dim 0 is left whole: each is stored
+    # split on dim 0 (FSDP: gathered for use and again for backward, its gradient reduce-scattered) or
+    # split as a tensor-parallel consumer uses it; the model states shrink to about a quarter.
+    model = str(zoo("gpt2-tiny"))
+    plain, _ = make_plan(PlanRequest(model=model, dims={"batch": 8, "seq": 32}, profile="cpu", devices=4,
+                                     mesh_shape=(4,), mode="data-parallel"))
+    z3, _ = make_plan(PlanRequest(model=model, dims={"batch": 8, "seq": 32}, profile="cpu", devices=4,
+                                  mesh_shape=(4,), zero_stage=3))
+    assert z3.training.zero_stage == 3
+    params = {n: t for n, t in z3.tensors.items() if t.kind == "param"}
+    assert all(t.spec.shard_count((4,)) == 4 for t in params.values() if t.shape and t.shape[0] >= 4)
+    purposes = {c.purpose for n in z3.nodes.values() for c in n.collectives}
+    assert Purpose.REGATHER in purposes
+    states = sum(z3.cost.memory[k] for k in ("parameters", "gradients", "optimizer"))
+    whole = sum(plain.cost.memory[k] for k in ("parameters", "gradients", "optimizer"))
+    assert states < whole / 3.5
+
+
+FSDP_CASES = [
+    # (model, dims, global batch, micro-batch size, devices, layout, zero stage, optimizer)
+    ("gpt2-tiny", {"seq": 32}, 8, None, 2, None, 3, "adamw"),
+    ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd"),
+    ("llama-tiny", {"seq": 32}, 16, 2, 4, "dp_replicate=2,dp_shard=2", 1, "sgd"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "dims", "global_batch", "micro", "devices", "layout", "zero", "optimizer"), FSDP_CASES,
+                         ids=[f"{c[0]}-{c[5] or 'auto'}-zero{c[6]}" for c in FSDP_CASES])
+def test_fsdp_and_layouts_equal_one_process(name: str, dims: dict[str, int], global_batch: int, micro: int | None,
+                                            devices: int, layout: str | None, zero: int, optimizer: str,
+                                            zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # ZeRO-3 (parameters stored split, gathered for use by DTensor), FSDP by layout (2 micro-steps of
+    # 2 sequences per rank), and HSDP on 4 ranks with ZeRO-1 over dp_replicate: equal to one process.
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    model = zoo(name)
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=devices, global_batch_size=global_batch,
+                                 micro_batch_size=micro, layout=layout, zero_stage=zero,
+                                 mesh_shape=None if layout else (devices,)))
+    s.save(tmp_path / "s.json")
+    r = run(str(tmp_path / "s.json"), str(model), nproc=devices, timeout_s=240,
             opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
     assert r["max_abs_diff"] < 1e-5, r
     assert r["collectives_executed"] == r["collectives_planned"]

@@ -1,0 +1,101 @@
+"""The CLI's shared options and the parsers behind them (`cli.py` declares the commands)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def parse_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int]:
+    dims: dict[str, int] = {}
+    for v in values:
+        name, sep, num = v.partition("=")
+        if not sep or not name or not num.strip().lstrip("-").isdigit():
+            raise click.BadParameter(f"{v!r} is not NAME=N (e.g. --dim batch=8)")
+        if name in dims:
+            raise click.BadParameter(f"{name} is bound twice")
+        dims[name] = int(num)
+    return dims
+
+
+dim_option = click.option(
+    "--dim", "dims", multiple=True, callback=parse_dims, metavar="NAME=N",
+    help="Bind a symbolic input dimension, e.g. --dim batch=8 --dim seq=1024 (repeatable).",
+)
+
+
+def parse_mesh_shape(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    from planner.mesh import MeshError
+
+    parts = text.lower().replace("×", "x").split("x")
+    if not all(p.strip().lstrip("-").isdigit() for p in parts):
+        raise MeshError(f"--mesh {text!r} does not parse; write sizes joined by x, e.g. 8x8")
+    return tuple(int(p) for p in parts)
+
+
+def build_mesh(devices: int, mesh: str | None, axis_names: str | None, devices_per_node: int) -> Any:
+    from planner.mesh import DeviceMesh
+
+    names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
+    return DeviceMesh.build(devices, parse_mesh_shape(mesh), names, devices_per_node=devices_per_node)
+
+
+def mesh_options(fn: F) -> F:
+    for opt in reversed([
+        click.option("--devices", type=int, required=True, help="Number of devices N."),
+        click.option("--mesh", default=None, metavar="AxB", help="Mesh shape, e.g. 8x8 (default: 1-d over N)."),
+        click.option("--axis-names", default=None, metavar="a,b", help="Mesh axis names (default dp or dp,tp)."),
+        click.option("--profile", "profile_name", default="h100-sxm", show_default=True,
+                     help="Hardware profile: a preset name or a JSON path."),
+        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+                     help="Training precision (default: bf16 on GPU profiles, fp32 on cpu)."),
+    ]):
+        fn = opt(fn)
+    return fn
+
+
+def precision_for(dtype: str | None, profile: Any) -> Any:
+    from costmodel.memory import PRECISIONS
+
+    if dtype is None:
+        dtype = "bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32"
+    return PRECISIONS[dtype]
+
+
+def parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int | None]:
+    dims: dict[str, int | None] = {}
+    for v in values:
+        name, sep, num = v.partition("=")
+        if not name or (sep and not num.strip().isdigit()):
+            raise click.BadParameter(f"{v!r} is not NAME or NAME=N (e.g. --dim batch --dim seq=2048)")
+        dims[name] = int(num) if sep else None
+    return dims
+
+
+def parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
+    from pathlib import Path
+
+    from planner.solve import PinError
+
+    out: dict[str, str] = {}
+    if pin_file:
+        try:
+            data = json.loads(Path(pin_file).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise PinError(f"--pin-file {pin_file}: {e}; write a JSON object such as {{\"ids\": \"S(0),R\"}}") from e
+        if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+            raise PinError(f"--pin-file {pin_file}: must map tensor names to placement strings, e.g. {{\"ids\": \"S(0),R\"}}")
+        out.update(data)
+    for p in pins:
+        name, sep, spec = p.partition("=")
+        if not sep or not name or not spec:
+            raise PinError(f"--pin {p!r} is not TENSOR=PLACEMENTS (e.g. --pin ids=S(0),R)")
+        out[name] = spec
+    return out
