@@ -12,6 +12,7 @@ import base64
 import html
 import io
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +23,12 @@ from hwprofiles.profile import HardwareProfile, load_profile
 from planner.errors import MeshplanError, ProfileError
 from planner.graph import OpGraph, load_graph
 from planner.layers import numbered_levels
+from planner.layout import Layout
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec
 from planner.plan import data_parallel_pins, propagate
-from planner.rules import OpContext, replicated_strategy, rules_for_graph
+from planner.rules import OpContext, OpStrategy, replicated_strategy, rules_for_graph
+from planner.solve import ShardingILP
 from planner.strategy import NodePlan, ProfileRef, StrategyError, load_strategy
 
 
@@ -99,6 +102,11 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
 
 
 def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any]:
+    """The hand layouts practitioners start from, on the plan's mesh and training step (micro-steps,
+    ZeRO stage): replicated; DDP (batch split over every axis, parameters whole); FSDP (parameters
+    split on dim 0 over every axis, gathered for use); on a 2-d mesh FSDP + TP (FSDP over the first
+    axis, the second tensor-parallel as the ILP decides: Megatron's column/row split where it pays);
+    and each of the last three with full recomputation of the repeated layers."""
     rules = rules_for_graph(graph, mesh)
     out: dict[str, Any] = {}
     replicated = {n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes}
@@ -106,13 +114,30 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
     try:
         pins = data_parallel_pins(graph, mesh)
     except MeshplanError as e:  # a batch smaller than the mesh
-        out["data-parallel"] = out["fsdp"] = str(e).split(": ", 1)[-1].split(";")[0]
-        return out
-    choice, params, _ = propagate(graph, rules, cm, pins)
-    out["data-parallel"] = cm.price(choice, params)
-    fsdp = {p.name: Spec((Shard(0),) * mesh.ndim) if p.shape and p.shape[0] >= mesh.num_devices
-            else Spec.replicated(mesh.ndim) for p in graph.params}
-    out["fsdp"] = cm.price(choice, fsdp)
+        note = str(e).split(": ", 1)[-1].split(";")[0]
+        pins = None
+        out["data-parallel"] = out["fsdp"] = note
+    plans: dict[str, tuple[dict[str, OpStrategy], dict[str, Spec]]] = {}
+    if pins is not None:
+        choice, params, _ = propagate(graph, rules, cm, pins)
+        plans["data-parallel"] = (choice, params)
+        plans["fsdp"] = (choice, {p.name: Spec((Shard(0),) * mesh.ndim) if p.shape and p.shape[0] >= mesh.num_devices
+                                  else Spec.replicated(mesh.ndim) for p in graph.params})
+    if mesh.ndim == 2:
+        layout = Layout((("dp_shard", mesh.shape[0]), ("tp", mesh.shape[1])))
+        named = replace(mesh, axis_names=layout.axis_names)
+        try:
+            sol = ShardingILP(graph, rules, cm, pins=layout.input_pins(graph, named),
+                              param_layout=layout.param_layout(graph, named)).solve()
+            plans["fsdp+tp"] = (sol.choice, sol.param_specs)
+        except MeshplanError as e:
+            out["fsdp+tp"] = str(e).split(": ", 1)[-1].split(";")[0]
+    full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
+                     zero_stage=cm.zero_stage, recompute="full") if graph.layers and cm.recompute != "full" else None
+    for name, (choice, params) in plans.items():
+        out[name] = cm.price(choice, params)
+        if full is not None:
+            out[f"{name} + full recompute"] = full.price(choice, params)
     return out
 
 

@@ -4,6 +4,7 @@ strategy file, and bad input."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -171,20 +172,26 @@ def test_objective_prices_the_loss_when_the_output_comes_from_a_tied_layer() -> 
     assert sol.stats.objective == pytest.approx(priced.step_time_s, rel=1e-4, abs=2e-6)
 
 
-@pytest.mark.parametrize(("name", "dims", "devices"), [
-    ("gpt2-tiny", {"batch": 8, "seq": 32}, 4),
-    ("llama-tiny", {"batch": 8, "seq": 32}, 4),
-    ("convnet", {"batch": 16}, 4),
+@pytest.mark.parametrize(("name", "dims", "mesh"), [
+    ("gpt2-tiny", {"batch": 8, "seq": 32}, (4,)),
+    ("llama-tiny", {"batch": 8, "seq": 32}, (4,)),
+    ("convnet", {"batch": 16}, (4,)),
+    ("llama-tiny", {"batch": 8, "seq": 32}, (2, 2)),
 ])
-def test_plan_never_worse_than_baselines(name: str, dims: dict[str, int], devices: int,
+def test_plan_never_worse_than_baselines(name: str, dims: dict[str, int], mesh: tuple[int, ...],
                                          zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    strategy, _ = make_plan(PlanRequest(model=str(zoo(name)), dims=dims, profile="h100-sxm", devices=devices,
-                                        mesh_shape=(devices,), follow=False))
+    strategy, _ = make_plan(PlanRequest(model=str(zoo(name)), dims=dims, profile="h100-sxm", devices=math.prod(mesh),
+                                        mesh_shape=mesh, follow=False))
     strategy.save(tmp_path / "s.json")
     r = CliRunner().invoke(main, ["explain", str(tmp_path / "s.json"), "--json"])
     assert r.exit_code == 0, r.output
     rows = {b["name"]: b for b in json.loads(r.stdout)["baselines"]}
     plan = rows.pop("plan (auto)")
+    hand = ["data-parallel", "fsdp", *(["fsdp+tp"] if len(mesh) == 2 else [])]
+    from planner.graph import load_graph
+
+    layers = bool(load_graph(zoo(name), dims).layers)  # repeated layers: each hand layout with full recomputation too
+    assert set(rows) == {"replicated", *hand, *([f"{h} + full recompute" for h in hand] if layers else [])}
     for b in rows.values():
         if b["step_time_s"] is not None and b["fits"]:
             assert plan["step_time_s"] <= b["step_time_s"] * (1 + 1e-6), b["name"]
