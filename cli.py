@@ -123,6 +123,9 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters.")
 @click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
               help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
+@click.option("--overlap", is_flag=True,
+              help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
+                   "(default: serial, as the gloo executor runs).")
 @click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
               help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best.")
 @click.option("--micro-batch-size", type=int, default=None, metavar="M",
@@ -134,7 +137,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: int,
-         recompute: str, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         recompute: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -152,7 +155,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
-                      zero_stage=zero_stage, recompute=recompute, layout=layout, micro_batch_size=micro_batch_size)
+                      zero_stage=zero_stage, recompute=recompute, layout=layout, micro_batch_size=micro_batch_size,
+                      composer="overlap" if overlap else "serial")
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

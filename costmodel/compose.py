@@ -9,8 +9,11 @@ saved activation. Composing says how those pieces add up into a step, and that i
            graph is bound at one micro-step's batch); memory = model states + every activation one
            micro-batch saves (a sum over the step, not a liveness peak).
 
-Overlap of communication with compute, pipeline bubbles and recomputation are further policies over
-the same items: they change how items are counted, not how they are priced.
+  overlap  `serial` less what DDP and FSDP hide under compute on GPUs (`overlap` below); the
+           gloo executor here runs every collective synchronously, so it is checked against serial.
+
+Pipeline bubbles are a further policy over the same items: policies change how items are counted,
+not how they are priced.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from costmodel.collectives import Cadence
+from costmodel.collectives import Cadence, Collective, Purpose
 
 if TYPE_CHECKING:  # step.py prices and calls compose(): the types only, no import cycle
     from costmodel.step import CommEvent, PricedStep
@@ -33,10 +36,11 @@ class StepCost:
     priced: PricedStep
     policy: str
     compute_s: float  # forward + backward of every op (and the loss); the optimizer step apart
-    comm_s: float
+    comm_s: float  # exposed: what the step waits for
     optimizer_s: float
     overhead_s: float  # the executor's fixed host cost per step (the profile's step_overhead_s)
     memory: Mapping[str, float] = field(default_factory=dict)  # bytes per device by category
+    hidden_comm_s: float = 0.0  # communication that runs under compute (not in the step time)
 
     @property
     def step_time_s(self) -> float:
@@ -92,7 +96,34 @@ def _running_sum(start: float, values: Iterable[float]) -> float:
     return total
 
 
-POLICIES: dict[str, Callable[[PricedStep], StepCost]] = {"serial": serial}
+def overlap(p: PricedStep) -> StepCost:
+    """What DDP and FSDP overlap on GPUs (separate streams), on top of `serial`: the bucketed gradient
+    reductions of parameters used where stored (DDP's all-reduce, ZeRO's reduce-scatter) run under the
+    last micro-batch's backward, all but the last bucket; a split parameter's gathers for use (FSDP's
+    prefetch, and its gathers again for backward) run under the previous layer's compute, all but the
+    first. Hidden time is bounded by the compute it hides under. Everything else — tensor-parallel
+    collectives on the critical path, reshards, the loss's, ZeRO's gather after the optimizer — stays
+    exposed."""
+    base = serial(p)
+    k = p.micro_batches
+    grads = [e for e in p.events if e.cadence is Cadence.STEP and e.purpose in _BUCKETED]
+    gathers = [e for e in p.events if e.purpose in _PREFETCHED and e.kind is Collective.ALL_GATHER and e.tensor in p.params]
+    grad_s = sum(e.time_s for e in grads)
+    grad_bytes = sum(e.size_bytes for e in grads)
+    last_bucket = grad_s * min(1.0, p.bucket_bytes / grad_bytes) if grad_bytes else 0.0  # one bucket's worth
+    hidden_grads = min(max(0.0, grad_s - last_bucket), p.backward_s)
+    gather_s = sum(e.time_s for e in gathers)
+    first = max((e.time_s for e in gathers), default=0.0)  # the first (the largest) gather waits
+    hidden_gathers = k * min(max(0.0, gather_s - first), base.compute_s / k)
+    hidden = hidden_grads + hidden_gathers
+    return StepCost(priced=p, policy="overlap", compute_s=base.compute_s, comm_s=base.comm_s - hidden,
+                    optimizer_s=base.optimizer_s, overhead_s=base.overhead_s, memory=base.memory, hidden_comm_s=hidden)
+
+
+_BUCKETED = frozenset({Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER})
+_PREFETCHED = frozenset({Purpose.RESHARD, Purpose.REGATHER})
+
+POLICIES: dict[str, Callable[[PricedStep], StepCost]] = {"serial": serial, "overlap": overlap}
 
 
 def compose(priced: PricedStep, policy: str = "serial") -> StepCost:

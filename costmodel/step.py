@@ -39,7 +39,7 @@ import numpy as np
 from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
-from costmodel.compose import StepCost, compose
+from costmodel.compose import POLICIES, StepCost, compose
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
     ComputeCost,
@@ -113,6 +113,9 @@ class PricedStep:
 
     micro_batches: int = 1  # gradient accumulation steps: per-micro-batch items run this many times
     node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
+    backward_s: float = 0.0  # of that, one micro-batch's backward (recomputation included): what overlaps
+    params: frozenset[str] = frozenset()  # the parameters (their gathers and reductions may overlap)
+    bucket_bytes: float = GRAD_BUCKET_BYTES  # the gradient buckets' capacity
     events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
     node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
     optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
@@ -129,12 +132,15 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto",
-                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none") -> None:
+                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial") -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
         is all-reduced on (3: the parameters' placements are split over those axes, priced as such);
         `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
         backward (torch.utils.checkpoint per layer), "none" saves every activation."""
+        if composer not in POLICIES:
+            raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
+        self.composer = composer
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         if micro_batches < 1:
@@ -332,9 +338,10 @@ class CostModel:
     # -- a whole plan ----------------------------------------------------------------------------
 
     def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
-              buckets: bool = True, policy: str = "serial") -> StepCost:
-        """The step under a plan: its items priced (`price_items`), then composed under `policy`."""
-        return compose(self.price_items(choice, param_specs, buckets=buckets), policy)
+              buckets: bool = True, policy: str | None = None) -> StepCost:
+        """The step under a plan: its items priced (`price_items`), then composed under `policy` (by
+        default the model's `composer`)."""
+        return compose(self.price_items(choice, param_specs, buckets=buckets), policy or self.composer)
 
     def price_items(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
                     buckets: bool = True) -> PricedStep:
@@ -343,7 +350,8 @@ class CostModel:
         all-reduces priced edge by edge, as the ILP sees them (each its share of one full bucket's
         latency), instead of packed."""
         g, p = self.graph, self.precision
-        priced = PricedStep(micro_batches=self.micro_batches)
+        priced = PricedStep(micro_batches=self.micro_batches, params=frozenset(self.param_owner),
+                            bucket_bytes=self.grad_bucket_bytes)
         placed = priced.placed
         placed.update(param_specs or {})  # tensor → the spec it is produced (or stored) in
         mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
@@ -355,6 +363,7 @@ class CostModel:
             nc = self.node_cost(node, strategy)
             priced.node_compute_s[node.name] = (nc.compute.total_s + nc.recompute_s
                                                 + (nc.loss.compute_s if nc.loss is not None else 0.0))
+            priced.backward_s += nc.compute.bwd_s + nc.recompute_s
             priced.flops_matmul += nc.compute.fwd_matmul_flops * (2 if nc.recompute_s else 1) + nc.compute.bwd_matmul_flops
             split = self.split_axes(strategy)
             mine = priced.node_events.setdefault(node.name, [])

@@ -88,6 +88,8 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                      f"{tr.micro_batch_size} per data-parallel rank; ZeRO stage {tr.zero_stage}; recomputation "
                      f"{tr.recompute_policy}")
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
+    if c.hidden_comm_s:
+        overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")
     head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} ("

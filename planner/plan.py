@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from costmodel.collectives import Phase
-from costmodel.compose import StepCost
+from costmodel.compose import POLICIES, StepCost
 from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
@@ -81,6 +81,7 @@ class PlanRequest:
     recompute: str = "auto"  # none | selective | full | auto (none unless only full fits)
     layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
+    composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -112,6 +113,8 @@ class PlanRequest:
                 raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
                                     f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
                                     f"divides it")
+        if self.composer not in POLICIES:
+            raise MeshplanError(f"composer {self.composer}: choose {', '.join(POLICIES)}")
         if self.recompute not in (*RECOMPUTE, "auto"):
             raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -230,7 +233,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
         cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute)
+                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute, composer=req.composer)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -436,6 +439,6 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         fallbacks=tuple(Fallback(node=n.name, op_type=n.op_type) for n in rules.fallbacks),
         cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
                            overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
-                           flops_per_device=cost.flops_matmul, composer=cost.policy),
+                           flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s),
         solver=stats, candidates=candidates,
     )

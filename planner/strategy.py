@@ -150,6 +150,7 @@ class PredictedCost:
     memory: Mapping[str, float]  # bytes per device by category
     flops_per_device: float
     composer: str = "serial"  # the step composer's policy (costmodel/compose.py)
+    hidden_comm_s: float = 0.0  # communication the composer hides under compute (not in comm_s)
 
     @property
     def memory_bytes_per_device(self) -> float:
@@ -265,7 +266,8 @@ def _document(s: Strategy) -> dict[str, Any]:
         "reshards": [{"tensor": r.tensor, "consumer": r.consumer, "from": str(r.src), "to": str(r.dst),
                       "collectives": [_collective_doc(c) for c in r.collectives]} for r in s.reshards],
         "fallback_ops": [{"node": f.node, "op_type": f.op_type} for f in s.fallbacks],
-        "cost": {"composer": s.cost.composer, "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
+        "cost": {"composer": s.cost.composer, "hidden_comm_s": s.cost.hidden_comm_s,
+                 "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
                  "optimizer_s": s.cost.optimizer_s, "overhead_s": s.cost.overhead_s, "comm_s": s.cost.comm_s,
                  "memory_bytes_per_device": s.cost.memory_bytes_per_device, "memory": dict(s.cost.memory),
                  "flops_per_device": s.cost.flops_per_device},
@@ -323,7 +325,7 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
                      "micro_batch_size": None, "layout": None}
     d["pipeline"] = {"stages": []}
-    d["cost"] = {"composer": "serial", "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
+    d["cost"] = {"composer": "serial", "hidden_comm_s": 0.0, "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
     d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
     d["candidates"] = [{"error": "", **c} for c in d.get("candidates", [])]
     return d
@@ -390,7 +392,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
         fallbacks=tuple(Fallback(node=f["node"], op_type=f["op_type"]) for f in d["fallback_ops"]),
         cost=PredictedCost(step_time_s=c["step_time_s"], compute_s=c["compute_s"], optimizer_s=c["optimizer_s"],
                            overhead_s=c["overhead_s"], comm_s=c["comm_s"], memory=dict(c["memory"]),
-                           flops_per_device=c["flops_per_device"], composer=c["composer"]),
+                           flops_per_device=c["flops_per_device"], composer=c["composer"],
+                           hidden_comm_s=c["hidden_comm_s"]),
         solver=SolverStats(status=sv["status"], objective=sv["objective"], bound=sv["bound"], gap=sv["gap"],
                            time_s=sv["time_s"], num_variables=sv["num_variables"],
                            num_constraints=sv["num_constraints"], num_decision_nodes=sv["num_decisions"],

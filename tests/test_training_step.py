@@ -351,3 +351,24 @@ def test_fsdp_and_layouts_equal_one_process(name: str, dims: dict[str, int], glo
             opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
     assert r["max_abs_diff"] < 1e-5, r
     assert r["collectives_executed"] == r["collectives_planned"]
+
+
+def test_overlap_hides_gradient_buckets_under_backward(zoo: Callable[[str], Path]) -> None:
+    # DDP on GPUs reduces each 25 MiB bucket as soon as backward fills it: all but the last bucket run
+    # under the rest of backward. With 4 KiB buckets, the mlp's bf16 gradients (Ψ·2 bytes) fill
+    # ⌈Ψ·2 / 4096⌉ buckets; one bucket's worth stays exposed, the rest hides as far as backward lasts.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4, devices_per_node=8)
+    plan = data_parallel_plan(g, mesh)
+    serial = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096).price(plan)
+    cm = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096, composer="overlap")
+    priced, overlapped = cm.price_items(plan), cm.price(plan)
+    grads = [e for e in serial.events if e.purpose is Purpose.GRAD_SYNC]
+    grad_s, grad_bytes = sum(e.time_s for e in grads), sum(e.size_bytes for e in grads)
+    assert grad_bytes == g.num_params * BF16.grad_bytes > 4096
+    hidden = min(grad_s * (1 - 4096 / grad_bytes), priced.backward_s)
+    assert overlapped.hidden_comm_s == pytest.approx(hidden)
+    assert overlapped.comm_s == pytest.approx(serial.comm_s - hidden)
+    assert overlapped.compute_s == serial.compute_s and overlapped.memory == serial.memory
+    # One bucket holding every gradient (the default 25 MiB): nothing to overlap it with.
+    assert CostModel(g, mesh, H100, BF16, composer="overlap").price(plan).hidden_comm_s == 0.0
