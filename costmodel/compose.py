@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 from costmodel.collectives import Cadence, Collective, Purpose
 
-if TYPE_CHECKING:  # step.py prices and calls compose(): the types only, no import cycle
-    from costmodel.step import CommEvent, PricedStep
+if TYPE_CHECKING:
+    from costmodel.items import CommEvent, PricedStep
     from planner.placement import Spec
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
@@ -42,11 +42,11 @@ from costmodel.comm import collective_time_s
 from costmodel.compose import POLICIES, StepCost, compose
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
-    ComputeCost,
     compute_cost,
     local_shapes,
     tensor_bytes,
 )
+from costmodel.items import CommEvent, LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import HardwareProfile
@@ -65,66 +65,6 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 # Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
 RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True, slots=True)
-class CommEvent:
-    kind: Collective
-    axes: tuple[int, ...]
-    size_bytes: float
-    time_s: float
-    phase: Phase
-    purpose: Purpose
-    tensor: str
-    cadence: Cadence = Cadence.MICRO_BATCH
-
-
-@dataclass(frozen=True, slots=True)
-class LossCost:
-    """The loss on the model's output, charged to the node producing it (`costmodel/loss.py`)."""
-    kind: str
-    compute_s: float
-    events: tuple[CommEvent, ...]  # the output brought to where the loss needs it
-    saved_bytes: float
-
-    @property
-    def time_s(self) -> float:
-        return self.compute_s + sum(e.time_s for e in self.events)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeCost:
-    compute: ComputeCost
-    activation_bytes: float  # its saved outputs, local (and the loss's, on the output's producer)
-    loss: LossCost | None = None
-    # In a recomputed layer: its forward again in backward, and what it would have saved (live only
-    # while its layer's backward runs); `activation_bytes` is then the layer's input it keeps, if any.
-    recompute_s: float = 0.0
-    recomputed_bytes: float = 0.0
-
-    @property
-    def time_s(self) -> float:
-        return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0)
-
-
-@dataclass
-class PricedStep:
-    """What one step's work costs, item by item, before composition (`compose.py` adds it up)."""
-
-    micro_batches: int = 1  # gradient accumulation steps: per-micro-batch items run this many times
-    node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
-    backward_s: float = 0.0  # of that, one micro-batch's backward (recomputation included): what overlaps
-    params: frozenset[str] = frozenset()  # the parameters (their gathers and reductions may overlap)
-    bucket_bytes: float = GRAD_BUCKET_BYTES  # the gradient buckets' capacity
-    events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
-    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
-    optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
-    optimizer_fixed_s: float = 0.0  # per step (a calibrated optimizer's fixed cost)
-    overhead_s: float = 0.0  # the executor's fixed host cost per step
-    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # category → owner → bytes per device
-    flops_matmul: float = 0.0  # per device, forward + backward
-    placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
-    reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
 
 
 class CostModel:
@@ -328,6 +268,10 @@ class CostModel:
                     add(Collective.ALL_REDUCE, a, grad_local, Phase.BACKWARD, Purpose.GRAD_SYNC)
             elif st is not None:
                 back = conjugate(st)
+                if back is Collective.ALL_REDUCE and isinstance(src.placements[a], Shard):
+                    # S(d) → P forward (gathered, then made addends): the addends' gradient goes back to
+                    # the source's shards in one reduce_scatter (as DTensor runs it), not all_reduce + slice.
+                    back = Collective.REDUCE_SCATTER
                 if back is not None:
                     # A slice's gradient is gathered back to the source's size (its local size × k).
                     size = st.size_bytes * self.mesh.shape[a] if st.collective is None and isinstance(st.dst, Shard) \

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
+from executor.zero import ZeroBucket
 from planner import placement as mp
 from planner.graph import OpNode
 from planner.placement import Spec, chunk, gradient_spec, split_axes
@@ -483,82 +483,3 @@ def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         raise RuntimeError("a parameter received no gradient")
     return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-
-
-@dataclass
-class ZeroBucket:
-    """ZeRO-1/2 on one gradient bucket reduced over one mesh axis: its parameters are views of one
-    flat buffer (`weights`, padded to a multiple of the group size), each rank of the axis owns a
-    contiguous shard of it (`shard`, a view: what the optimizer steps, its states a shard's size).
-    ZeRO-1 keeps the whole gradients as views of `grads` and reduce-scatters once per step (the
-    shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2 reduce-scatters every micro-batch
-    into `shard.grad` and frees the whole gradients. After the optimizer step the shards are
-    all-gathered back into `weights`."""
-
-    names: list[str]
-    offsets: dict[str, int]  # where each parameter starts in the flat buffers
-    group: Any
-    rank: int
-    size: int
-    numel: int
-    weights: torch.Tensor
-    grads: torch.Tensor
-    shard: torch.nn.Parameter
-
-    @classmethod
-    def pack(cls, runner: SpmdRunner, axis: int, names: list[str]) -> ZeroBucket:
-        mesh = runner.mesh
-        params = [runner._params[n] for n in names]
-        numel = sum(p.numel() for p in params)
-        size, rank = int(mesh.shape[axis]), int(mesh.get_local_rank(axis))
-        chunk = -(-numel // size)
-        weights = torch.zeros(chunk * size, dtype=params[0].dtype, device=params[0].device)
-        grads = torch.zeros_like(weights)
-        offset, offsets = 0, {}
-        for name, p in zip(names, params, strict=True):
-            n = p.numel()
-            offsets[name] = offset
-            weights[offset:offset + n].copy_(p.detach().reshape(-1))
-            view = nn.Parameter(weights[offset:offset + n].view_as(p))
-            if runner.zero_stage == 1:  # this step's local gradient, kept as a view of the bucket
-                grads[offset:offset + n].copy_(p.grad.reshape(-1))
-                view.grad = grads[offset:offset + n].view_as(p)
-            else:
-                view.grad = p.grad
-            runner._params[name] = view
-            runner.module.params[runner.module.param_names[name]] = view
-            offset += n
-        shard = nn.Parameter(weights[rank * chunk:(rank + 1) * chunk])
-        shard.grad = grads[rank * chunk:(rank + 1) * chunk] if runner.zero_stage == 1 else torch.zeros(chunk,
-                                                                                                       dtype=weights.dtype)
-        return cls(names=names, offsets=offsets, group=mesh.get_group(axis), rank=rank, size=size, numel=numel, weights=weights,
-                   grads=grads, shard=shard)
-
-    def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
-        import torch.distributed as dist
-
-        out = torch.empty_like(self.shard.grad)
-        dist.reduce_scatter_tensor(out, flat, group=self.group)
-        if accumulate:
-            self.shard.grad.add_(out)
-        else:
-            self.shard.grad.copy_(out)
-
-    def gather(self) -> None:
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            dist.all_gather_into_tensor(self.weights, self.shard.detach().clone(), group=self.group)
-
-    def zero_grad(self) -> None:
-        if self.shard.grad is not None:
-            self.shard.grad.zero_()
-        self.grads.zero_()
-
-    def full_gradient(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
-        import torch.distributed as dist
-
-        whole = torch.empty_like(self.weights)
-        dist.all_gather_into_tensor(whole, self.shard.grad.contiguous(), group=self.group)
-        start = self.offsets[name]
-        return whole[start:start + p.numel()].view_as(p)

@@ -29,9 +29,9 @@ from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec, parse_spec
+from planner.placement import Shard, Spec, fully_sharded, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
-from planner.solve import PinError, ShardingILP, SolverOptions, fully_sharded
+from planner.solve import PinError, ShardingILP, SolverOptions
 from planner.strategy import (
     CandidateRecord,
     CollectiveRecord,

@@ -54,7 +54,7 @@ from costmodel.step import CostModel
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind
 from planner.milp import LinearModel
-from planner.placement import Replicate, Shard, Spec
+from planner.placement import Replicate, Spec, fully_sharded
 from planner.rules import OpStrategy, RuleSet
 from planner.strategy import SolverStats
 
@@ -483,16 +483,6 @@ def _merge_identical(vectors: list[tuple[int, ...]], members: list[list[int]]) -
         else:
             groups[vec] = (i, list(mem))
     return list(groups.values())
-
-
-def fully_sharded(shape: tuple[int, ...], mesh: tuple[int, ...], spec: Spec) -> Spec | None:
-    """ZeRO-3 / FSDP as a choice per parameter: stored split on dim 0 over every axis it is replicated
-    on, gathered for use (and again in backward), its gradient reduce-scattered. None when there is no
-    such axis or dim 0 is smaller than the shards."""
-    axes = [a for a, pl in enumerate(spec.placements) if isinstance(pl, Replicate) and mesh[a] > 1]
-    if not axes or not shape or shape[0] < math.prod(mesh[a] for a in axes) * spec.num_shards(0, mesh):
-        return None
-    return Spec(tuple(Shard(0) if a in axes else pl for a, pl in enumerate(spec.placements)))
 
 
 def _takes(i: int, spec: Spec) -> Callable[[OpStrategy], bool]:

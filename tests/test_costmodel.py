@@ -376,3 +376,17 @@ def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
     mse = CostModel(g, mesh, H100, BF16, loss="mse").node_cost(g.node_by_name["mm"],
                                                                 pick(g, mesh, "mm", "[R] [S(1)] → [S(1)]")).loss
     assert mse is not None and mse.events == ()
+
+
+def test_a_split_tensor_made_addends_gets_its_gradient_reduce_scattered(zoo: Callable[[str], Path]) -> None:
+    # S(0) → P (an FSDP-stored bias a row-parallel matmul adds as partial sums): forward gathers it and
+    # keeps it on one rank; backward, the addends' gradient goes back to the shards in one
+    # reduce_scatter of the whole gradient (what DTensor runs), not an all_reduce and a slice.
+    g = load_graph(zoo("mlp"), {"batch": 32})
+    mesh = DeviceMesh.build(4, devices_per_node=8)
+    cm = CostModel(g, mesh, H100, BF16)
+    bias = "fc2.bias"
+    events = cm.edge_events(bias, parse_spec("S(0)"), parse_spec("P"), frozenset({0}))
+    full = g.tensors[bias].numel * BF16.weight_bytes
+    assert [(e.kind, e.phase, e.size_bytes) for e in events] == [
+        (Collective.ALL_GATHER, Phase.FORWARD, full), (Collective.REDUCE_SCATTER, Phase.BACKWARD, full)]

@@ -1,0 +1,72 @@
+"""What pricing a step produces, item by item (`step.py` prices, `compose.py` adds up): each collective
+(`CommEvent`, with its phase, purpose and cadence), each node's compute and saved bytes (`NodeCost`,
+and the loss's, `LossCost`), and the whole step's items (`PricedStep`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel.buckets import GRAD_BUCKET_BYTES
+from costmodel.collectives import Cadence, Collective, Phase, Purpose
+from costmodel.compute import ComputeCost
+from planner.placement import Spec
+
+
+@dataclass(frozen=True, slots=True)
+class CommEvent:
+    kind: Collective
+    axes: tuple[int, ...]
+    size_bytes: float
+    time_s: float
+    phase: Phase
+    purpose: Purpose
+    tensor: str
+    cadence: Cadence = Cadence.MICRO_BATCH
+
+
+@dataclass(frozen=True, slots=True)
+class LossCost:
+    """The loss on the model's output, charged to the node producing it (`costmodel/loss.py`)."""
+    kind: str
+    compute_s: float
+    events: tuple[CommEvent, ...]  # the output brought to where the loss needs it
+    saved_bytes: float
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + sum(e.time_s for e in self.events)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCost:
+    compute: ComputeCost
+    activation_bytes: float  # its saved outputs, local (and the loss's, on the output's producer)
+    loss: LossCost | None = None
+    # In a recomputed layer: its forward again in backward, and what it would have saved (live only
+    # while its layer's backward runs); `activation_bytes` is then the layer's input it keeps, if any.
+    recompute_s: float = 0.0
+    recomputed_bytes: float = 0.0
+
+    @property
+    def time_s(self) -> float:
+        return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0)
+
+
+@dataclass
+class PricedStep:
+    """What one step's work costs, item by item, before composition (`compose.py` adds it up)."""
+
+    micro_batches: int = 1  # gradient accumulation steps: per-micro-batch items run this many times
+    node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
+    backward_s: float = 0.0  # of that, one micro-batch's backward (recomputation included): what overlaps
+    params: frozenset[str] = frozenset()  # the parameters (their gathers and reductions may overlap)
+    bucket_bytes: float = GRAD_BUCKET_BYTES  # the gradient buckets' capacity
+    events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
+    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
+    optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
+    optimizer_fixed_s: float = 0.0  # per step (a calibrated optimizer's fixed cost)
+    overhead_s: float = 0.0  # the executor's fixed host cost per step
+    memory: dict[str, dict[str, float]] = field(default_factory=dict)  # category → owner → bytes per device
+    flops_matmul: float = 0.0  # per device, forward + backward
+    placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
+    reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
