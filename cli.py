@@ -22,6 +22,7 @@ from meshplan.options import (
     parse_export_dims,
     parse_mesh_shape,
     parse_pins,
+    parse_size,
     precision_for,
 )
 from meshplan.render import (
@@ -123,6 +124,10 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters.")
 @click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
               help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
+@click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE",
+              help="Bucket size for gradient reductions and ZeRO's gathers (DDP's bucket_cap_mb), e.g. 4MB, 512KB.")
+@click.option("--zero-threshold", default="0", show_default=True, metavar="SIZE",
+              help="ZeRO-1/2 leave parameters smaller than this whole (MindSpore's parallel_optimizer_threshold).")
 @click.option("--overlap", is_flag=True,
               help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
                    "(default: serial, as the gloo executor runs).")
@@ -137,7 +142,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: int,
-         recompute: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         recompute: str, comm_fusion: str, zero_threshold: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -156,7 +161,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=zero_stage, recompute=recompute, layout=layout, micro_batch_size=micro_batch_size,
-                      composer="overlap" if overlap else "serial")
+                      composer="overlap" if overlap else "serial", bucket_bytes=parse_size(comm_fusion, "--comm-fusion"),
+                      zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True))
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

@@ -72,15 +72,18 @@ class CostModel:
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto",
-                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial") -> None:
+                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
+                 zero_threshold_bytes: float = 0.0) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
         is all-reduced on (3: the parameters' placements are split over those axes, priced as such);
-        `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
+        `zero_threshold_bytes`: parameters smaller (at the training dtype) stay unsharded under ZeRO-1/2
+        (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
         backward (torch.utils.checkpoint per layer), "none" saves every activation."""
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
+        self.zero_threshold_bytes = zero_threshold_bytes
         if recompute not in RECOMPUTE:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE)}, got {recompute!r}")
         if micro_batches < 1:
@@ -169,18 +172,23 @@ class CostModel:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
         return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
-    def zero_degree(self, spec: Spec) -> int:
+    def zero_eligible(self, tensor: str) -> bool:
+        """Whether ZeRO-1/2 shards this parameter: the stage asks for it and it is not below the threshold."""
+        numel = self.graph.tensors[tensor].numel
+        return self.zero_stage > 0 and numel * self.precision.weight_bytes >= self.zero_threshold_bytes
+
+    def zero_degree(self, tensor: str, spec: Spec) -> int:
         """Ranks sharing a parameter's optimizer states (and, stage 2, gradients) when the exact axes are
         not known yet (the solver's view): every axis the parameter is stored replicated on, as a ZeRO
         data-parallel group; 1 without ZeRO. `price_items` uses the axes its gradient is reduced on."""
-        if self.zero_stage == 0:
+        if not self.zero_eligible(tensor):
             return 1
         return math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
 
     def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> float:
         """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
         (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
-        dp = self.zero_degree(spec) if zero_degree is None else zero_degree
+        dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
         local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / (dp if self.zero_stage else 1)
         dev = self.profile.device
         if dev.optimizer_step is not None:
@@ -190,7 +198,7 @@ class CostModel:
     def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> tuple[float, float, float]:
         """Bytes per device of a parameter's weights, gradients and optimizer states at `spec`, under
         the ZeRO stage (the paper's forms, `memory.model_state_bytes`)."""
-        dp = self.zero_degree(spec) if zero_degree is None else zero_degree
+        dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
         local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
         p = self.precision
         return (local * p.weight_bytes, local * p.grad_bytes / (dp if self.zero_stage >= 2 else 1),
@@ -375,7 +383,7 @@ class CostModel:
         axes: dict[str, set[int]] = {}
         for e in priced.events:
             if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and e.tensor in self.param_owner
-                    and e.tensor not in resharded):
+                    and e.tensor not in resharded and self.zero_eligible(e.tensor)):
                 axes.setdefault(e.tensor, set()).update(e.axes)
         cadence = Cadence.STEP if self.zero_stage == 1 else Cadence.MICRO_BATCH
         replaced: dict[int, list[CommEvent]] = {}

@@ -380,10 +380,15 @@ class SpmdRunner:
 
         grads = {name: (tuple(sorted(axes)), float(p.numel() * p.element_size()))
                  for name, axes in self.partial_grads.items() if axes and (p := self._params[name]).grad is not None}
+        cap, threshold = self.strategy.training.bucket_bytes, self.strategy.training.zero_threshold_bytes
+        zeroed = {n for n, (_, nbytes) in grads.items() if self.zero_stage and nbytes >= threshold}
         self._buckets = []
-        for axes, names in pack_buckets(grads):
+        packed = [(axes, names, True) for axes, names in pack_buckets({n: grads[n] for n in zeroed}, cap)]
+        packed += [(axes, names, False) for axes, names in pack_buckets({n: g for n, g in grads.items()
+                                                                         if n not in zeroed}, cap)]
+        for axes, names, zero in packed:
             self._bucketed.update(names)
-            if self.zero_stage:
+            if zero:
                 if len(axes) != 1:
                     raise RuntimeError(f"ZeRO over a gradient reduced on several mesh axes ({', '.join(names[:3])}) "
                                        "is not run yet; plan with --zero 0")

@@ -99,3 +99,22 @@ def parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
             raise PinError(f"--pin {p!r} is not TENSOR=PLACEMENTS (e.g. --pin ids=S(0),R)")
         out[name] = spec
     return out
+
+
+_UNITS = {"B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": 2**30, "GIB": 2**30}
+
+
+def parse_size(text: str, option: str, *, allow_zero: bool = False) -> float:
+    """"25MB" → bytes (binary units, as DDP's bucket_cap_mb and MindSpore's comm_fusion count them)."""
+    from planner.errors import MeshplanError
+
+    t = text.strip().upper()
+    unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u)), "B")
+    number = t[:len(t) - len(unit)] if t.endswith(unit) else t
+    try:
+        value = float(number) * _UNITS[unit]
+    except ValueError:
+        raise MeshplanError(f"{option} {text}: give a size such as 25MB, 512KB or 1048576") from None
+    if value < 0 or (value == 0 and not allow_zero):
+        raise MeshplanError(f"{option} {text}: give a positive size, e.g. 25MB")
+    return value

@@ -58,7 +58,9 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     mesh, settings = strategy.mesh, strategy.settings
     cm = CostModel(graph, mesh, profile, PRECISIONS[settings.dtype], loss=settings.loss,
                    micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage,
-                   recompute=strategy.training.recompute_policy, composer=strategy.cost.composer)
+                   recompute=strategy.training.recompute_policy, composer=strategy.cost.composer,
+                   grad_bucket_bytes=strategy.training.bucket_bytes,
+                   zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes
     c = strategy.cost
     baselines = [{"name": f"plan ({settings.mode})", "mesh": mesh.describe_shape(), "step_time_s": c.step_time_s,
@@ -133,7 +135,8 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
         except MeshplanError as e:
             out["fsdp+tp"] = str(e).split(": ", 1)[-1].split(";")[0]
     full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
-                     zero_stage=cm.zero_stage, recompute="full", composer=cm.composer) if graph.layers and cm.recompute != "full" else None
+                     zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
+                     grad_bucket_bytes=cm.grad_bucket_bytes, zero_threshold_bytes=cm.zero_threshold_bytes) if graph.layers and cm.recompute != "full" else None
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

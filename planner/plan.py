@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from costmodel.buckets import GRAD_BUCKET_BYTES
 from costmodel.collectives import Phase
 from costmodel.compose import POLICIES, StepCost
 from costmodel.memory import PRECISIONS, Precision
@@ -82,6 +83,8 @@ class PlanRequest:
     layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
+    bucket_bytes: float = GRAD_BUCKET_BYTES  # communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb)
+    zero_threshold_bytes: float = 0.0  # MindSpore's parallel_optimizer_threshold: smaller parameters unsharded
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -113,6 +116,8 @@ class PlanRequest:
                 raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
                                     f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
                                     f"divides it")
+        if self.bucket_bytes <= 0:
+            raise MeshplanError(f"--comm-fusion {self.bucket_bytes:g} bytes: give a positive bucket size, e.g. 25MB")
         if self.composer not in POLICIES:
             raise MeshplanError(f"composer {self.composer}: choose {', '.join(POLICIES)}")
         if self.recompute not in (*RECOMPUTE, "auto"):
@@ -233,7 +238,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
         cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute, composer=req.composer)
+                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute, composer=req.composer,
+                       grad_bucket_bytes=req.bucket_bytes, zero_threshold_bytes=req.zero_threshold_bytes)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -287,7 +293,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                 recompute={group.prefix: recompute for group in graph.layers} if recompute != "none" else {},
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
-                                layout=str(layout) if layout is not None else None)
+                                layout=str(layout) if layout is not None else None, bucket_bytes=req.bucket_bytes,
+                                zero_threshold_bytes=req.zero_threshold_bytes)
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates

@@ -22,6 +22,7 @@ from typing import Any
 
 import jsonschema
 
+from costmodel.buckets import GRAD_BUCKET_BYTES
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from planner.errors import MeshplanError
 from planner.graph import OpGraph
@@ -76,6 +77,8 @@ class TrainingSettings:
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
     layout: str | None = None  # the hand layout the plan was held to (torchtitan's degrees), if any
+    bucket_bytes: float = GRAD_BUCKET_BYTES  # communication fusion: the gradient (and ZeRO gather) buckets' size
+    zero_threshold_bytes: float = 0.0  # ZeRO-1/2 leave parameters smaller than this unsharded
 
     @property
     def recompute_policy(self) -> str:
@@ -254,7 +257,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "loss": s.settings.loss},
         "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
                      "recompute": dict(s.training.recompute), "global_batch_size": s.training.global_batch_size,
-                     "micro_batch_size": s.training.micro_batch_size, "layout": s.training.layout},
+                     "micro_batch_size": s.training.micro_batch_size, "layout": s.training.layout,
+                     "bucket_bytes": s.training.bucket_bytes, "zero_threshold_bytes": s.training.zero_threshold_bytes},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
@@ -323,7 +327,8 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     d["profile"].setdefault("source", d["profile"]["name"])
     d["settings"].setdefault("loss", "auto")
     d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
-                     "micro_batch_size": None, "layout": None}
+                     "micro_batch_size": None, "layout": None, "bucket_bytes": GRAD_BUCKET_BYTES,
+                     "zero_threshold_bytes": 0.0}
     d["pipeline"] = {"stages": []}
     d["cost"] = {"composer": "serial", "hidden_comm_s": 0.0, "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
     d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
@@ -374,7 +379,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                               pins=dict(st["pins"]), batch=st["batch"], loss=st["loss"]),
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
                                   recompute=dict(tr["recompute"]), global_batch_size=tr["global_batch_size"],
-                                  micro_batch_size=tr["micro_batch_size"], layout=tr["layout"]),
+                                  micro_batch_size=tr["micro_batch_size"], layout=tr["layout"],
+                                  bucket_bytes=tr["bucket_bytes"], zero_threshold_bytes=tr["zero_threshold_bytes"]),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from costmodel.buckets import pack_buckets
 from costmodel.collectives import Cadence, Collective, Phase, Purpose
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
@@ -22,6 +23,7 @@ from planner.mesh import DeviceMesh
 from planner.placement import R, Shard, Spec
 from planner.plan import PlanRequest, make_plan
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
+from planner.strategy import load_strategy
 
 H100 = load_profile("h100-sxm")
 BF16 = PRECISIONS["bf16"]
@@ -125,6 +127,8 @@ def test_planner_takes_the_fewest_micro_steps_that_fit(zoo: Callable[[str], Path
      "--global-batch-size 12 is not divisible by micro-batch 4 × 2 data-parallel ranks"),
     (["--global-batch-size", "16", "--micro-batch-size", "4"], "--micro-batch-size needs the data-parallel degree"),
     (["--micro-batch-size", "4"], "give --global-batch-size too"),
+    (["--comm-fusion", "lots"], "--comm-fusion lots: give a size such as 25MB"),
+    (["--comm-fusion", "0MB"], "--comm-fusion 0MB: give a positive size"),
     (["--accumulation-steps", "2", "--dim", "batch=8"], "give --global-batch-size"),
     (["--global-batch-size", "64", "--dim", "batch=8"], "both set the batch"),
     (["--global-batch-size", "64", "--accumulation-steps", "two"], "give a positive integer or auto"),
@@ -372,3 +376,54 @@ def test_overlap_hides_gradient_buckets_under_backward(zoo: Callable[[str], Path
     assert overlapped.compute_s == serial.compute_s and overlapped.memory == serial.memory
     # One bucket holding every gradient (the default 25 MiB): nothing to overlap it with.
     assert CostModel(g, mesh, H100, BF16, composer="overlap").price(plan).hidden_comm_s == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1])
+def test_comm_fusion_buckets_as_planned(zero: int, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # --comm-fusion 16KB: the mlp's fp32 gradients (Ψ·4 bytes over 4 tensors) no longer fit one bucket;
+    # the executor packs the buckets the plan priced (DDP's all-reduce, or ZeRO-1's reduce-scatter and
+    # gather, one per bucket) and the step still equals one process.
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    model = zoo("mlp")
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "batch=64", "--devices", "2", "--mesh", "2",
+                                  "--mode", "data-parallel", "--profile", "cpu", "--zero", str(zero),
+                                  "--comm-fusion", "16KB", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    s = load_strategy(out)
+    assert s.training.bucket_bytes == 16 * 1024
+    g = load_graph(model, {"batch": 64})
+    buckets = len(pack_buckets({p.name: ((0,), p.numel * 4.0) for p in g.params}, 16 * 1024))
+    assert buckets > 1
+    got = run(str(out), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1, verify=True))
+    assert got["max_abs_diff"] < 1e-5, got
+    assert got["collectives_executed"] == got["collectives_planned"]
+    want = {"all_reduce": buckets} if zero == 0 else {"reduce_scatter": buckets, "all_gather": buckets}
+    assert got["collectives_planned"] == want
+
+
+@pytest.mark.slow
+def test_zero_threshold_leaves_small_parameters_whole(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # ZeRO-1 with a 2 KB threshold (MindSpore's parallel_optimizer_threshold): the mlp's biases (1 KB, 256 B in
+    # fp32) keep their all-reduce and whole optimizer states, the weights are reduce-scattered and
+    # gathered; the executor splits them the same way and still equals one process.
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    model = zoo("mlp")
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "batch=64", "--devices", "2", "--mesh", "2",
+                                  "--mode", "data-parallel", "--profile", "cpu", "--zero", "1",
+                                  "--zero-threshold", "2KB", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    s = load_strategy(out)
+    kinds = {c.tensor: c.kind for n in s.nodes.values() for c in n.collectives if c.phase is not Phase.OPTIMIZER}
+    assert kinds == {"fc1.weight": Collective.REDUCE_SCATTER, "fc2.weight": Collective.REDUCE_SCATTER,
+                     "fc1.bias": Collective.ALL_REDUCE, "fc2.bias": Collective.ALL_REDUCE}
+    got = run(str(out), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1, verify=True))
+    assert got["max_abs_diff"] < 1e-5, got
+    assert got["collectives_executed"] == got["collectives_planned"] == {"all_reduce": 1, "reduce_scatter": 1,
+                                                                         "all_gather": 1}
