@@ -194,30 +194,37 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
 
 
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
-    """The best plan for the request: over accumulation steps (fewest that fit in memory first) and,
-    without --mesh, over mesh shapes."""
+    """The best plan for the request: without recomputation at the fewest micro-steps that fit, and
+    (under --recompute auto) with full recomputation at fewer micro-steps, if any fit, whichever is
+    faster; without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
     steps, policies = req.step_candidates(), req.recompute_candidates()
     failures: list[MeshplanError] = []
     graphs: dict[int, OpGraph] = {}
-    for recompute in policies:  # the cheapest lever that fits: no recomputation, then fewer micro-steps
-        for k in steps:
+    found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+    for recompute in policies:  # without recomputation first, then with it where it could pay
+        for k in steps:  # the fewest micro-steps that fit: more only add per-micro-step costs
+            if found and k >= min(k0 for k0, _ in found):
+                break  # recomputation at as many micro-steps or more is only slower
             dims = req.dims_for(k)
             if k not in graphs:
                 say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
                 graphs[k] = load_graph(req.model, dims)
             try:
-                return _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
+                found.append((k, _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)))
+                break
             except PinError:
                 raise
             except MeshplanError as e:  # out of memory: try more, smaller micro-steps, then recomputation
                 if len(steps) * len(policies) == 1:
                     raise
                 failures.append(e)
-    raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
-                        f"recomputation {policies[-1]}, {failures[-1]}")
+    if not found:
+        raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
+                            f"recomputation {policies[-1]}, {failures[-1]}")
+    return min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
 
 
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
