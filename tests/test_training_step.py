@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -23,7 +24,7 @@ from planner.mesh import DeviceMesh
 from planner.placement import R, Shard, Spec
 from planner.plan import PlanRequest, make_plan
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
-from planner.strategy import load_strategy
+from planner.strategy import Strategy, load_strategy
 
 H100 = load_profile("h100-sxm")
 BF16 = PRECISIONS["bf16"]
@@ -35,6 +36,20 @@ def data_parallel_plan(g: OpGraph, mesh: DeviceMesh) -> dict[str, OpStrategy]:
         return str(s.input_specs[0]) == "S(0)" and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
 
     return {n.name: next(filter(dp, strategies_for(n, g, mesh).strategies)) for n in g.compute_nodes}
+
+
+def run_equals_one_process(s: Strategy, model: Path, tmp: Path, optimizer: str = "adamw") -> dict[str, Any]:
+    """Run a strategy on its mesh's ranks (a step, then one more; verified against one process) and
+    check it equals one process (< 1e-5, fp32) and runs the planned collectives, per kind and count."""
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    s.save(tmp / "s.json")
+    r = run(str(tmp / "s.json"), str(model), nproc=s.mesh.num_devices, timeout_s=240,
+            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
+    assert r["max_abs_diff"] < 1e-5, r
+    assert r["collectives_executed"] == r["collectives_planned"]
+    return r
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
@@ -160,18 +175,11 @@ def test_accumulated_step_equals_the_whole_batch_at_once(name: str, dims: dict[s
     # k micro-batches, gradients accumulated and reduced once, against one process taking the whole
     # global batch in one forward and backward (the model bound at the global batch): same loss,
     # gradients and parameters after 1 + 2 steps; the collectives run are the planned ones.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
                                  mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k))
     assert s.training.micro_batches == k and s.model.dims["batch"] == global_batch // k
-    s.save(tmp_path / "s.json")
-    r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
-            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer="sgd"))
-    assert r["max_abs_diff"] < 1e-5, r
-    assert r["collectives_executed"] == r["collectives_planned"]
+    run_equals_one_process(s, model, tmp_path, "sgd")
 
 
 ZERO_CASES = [
@@ -197,20 +205,13 @@ def test_zero_step_equals_one_process(name: str, dims: dict[str, int], global_ba
     # reduce-scatters and all-gathers run are the planned ones, per kind and count. AdamW is checked
     # without accumulation: with it, elements whose gradient is ~1e-8 (rows no token of the batch
     # reaches) turn fp32 summation-order noise into lr-sized Adam updates, on one process as well.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
                                  mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k,
                                  zero_stage=zero))
     kinds = {c.kind for n in s.nodes.values() for c in n.collectives if c.purpose is not Purpose.RESHARD}
     assert {Collective.REDUCE_SCATTER, Collective.ALL_GATHER} <= kinds and Collective.ALL_REDUCE not in kinds
-    s.save(tmp_path / "s.json")
-    r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
-            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
-    assert r["max_abs_diff"] < 1e-5, r
-    assert r["collectives_executed"] == r["collectives_planned"]
+    run_equals_one_process(s, model, tmp_path, optimizer)
 
 
 def test_full_recomputation_closed_forms(zoo: Callable[[str], Path]) -> None:
@@ -276,19 +277,12 @@ def test_recomputed_step_equals_one_process(name: str, dims: dict[str, int], glo
     # Every repeated layer checkpointed (torch.utils.checkpoint, non-reentrant, no early stop): its
     # forward, tensor-parallel reshards included, runs again in backward — counted in the plan too.
     # The second case combines accumulation, recomputation and ZeRO-2 on 4 ranks.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
                                  mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k,
                                  zero_stage=zero, recompute="full"))
     assert s.training.recompute_policy == "full"
-    s.save(tmp_path / "s.json")
-    r = run(str(tmp_path / "s.json"), str(model), nproc=math.prod(mesh), timeout_s=240,
-            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
-    assert r["max_abs_diff"] < 1e-5, r
-    assert r["collectives_executed"] == r["collectives_planned"]
+    run_equals_one_process(s, model, tmp_path, optimizer)
 
 
 def test_layout_holds_the_plan_to_its_degrees(zoo: Callable[[str], Path]) -> None:
@@ -343,18 +337,11 @@ def test_fsdp_and_layouts_equal_one_process(name: str, dims: dict[str, int], glo
                                             zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # ZeRO-3 (parameters stored split, gathered for use by DTensor), FSDP by layout (2 micro-steps of
     # 2 sequences per rank), and HSDP on 4 ranks with ZeRO-1 over dp_replicate: equal to one process.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=devices, global_batch_size=global_batch,
                                  micro_batch_size=micro, layout=layout, zero_stage=zero,
                                  mesh_shape=None if layout else (devices,)))
-    s.save(tmp_path / "s.json")
-    r = run(str(tmp_path / "s.json"), str(model), nproc=devices, timeout_s=240,
-            opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
-    assert r["max_abs_diff"] < 1e-5, r
-    assert r["collectives_executed"] == r["collectives_planned"]
+    run_equals_one_process(s, model, tmp_path, optimizer)
 
 
 def test_overlap_hides_gradient_buckets_under_backward(zoo: Callable[[str], Path]) -> None:
@@ -384,9 +371,6 @@ def test_comm_fusion_buckets_as_planned(zero: int, zoo: Callable[[str], Path], t
     # --comm-fusion 16KB: the mlp's fp32 gradients (Ψ·4 bytes over 4 tensors) no longer fit one bucket;
     # the executor packs the buckets the plan priced (DDP's all-reduce, or ZeRO-1's reduce-scatter and
     # gather, one per bucket) and the step still equals one process.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo("mlp")
     out = tmp_path / "s.json"
     r = CliRunner().invoke(main, ["plan", str(model), "--dim", "batch=64", "--devices", "2", "--mesh", "2",
@@ -398,9 +382,7 @@ def test_comm_fusion_buckets_as_planned(zero: int, zoo: Callable[[str], Path], t
     g = load_graph(model, {"batch": 64})
     buckets = len(pack_buckets({p.name: ((0,), p.numel * 4.0) for p in g.params}, 16 * 1024))
     assert buckets > 1
-    got = run(str(out), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1, verify=True))
-    assert got["max_abs_diff"] < 1e-5, got
-    assert got["collectives_executed"] == got["collectives_planned"]
+    got = run_equals_one_process(s, model, tmp_path)
     want = {"all_reduce": buckets} if zero == 0 else {"reduce_scatter": buckets, "all_gather": buckets}
     assert got["collectives_planned"] == want
 
@@ -410,9 +392,6 @@ def test_zero_threshold_leaves_small_parameters_whole(zoo: Callable[[str], Path]
     # ZeRO-1 with a 2 KB threshold (MindSpore's parallel_optimizer_threshold): the mlp's biases (1 KB, 256 B in
     # fp32) keep their all-reduce and whole optimizer states, the weights are reduce-scattered and
     # gathered; the executor splits them the same way and still equals one process.
-    from executor.launch import run
-    from executor.train import RunOptions
-
     model = zoo("mlp")
     out = tmp_path / "s.json"
     r = CliRunner().invoke(main, ["plan", str(model), "--dim", "batch=64", "--devices", "2", "--mesh", "2",
@@ -423,7 +402,6 @@ def test_zero_threshold_leaves_small_parameters_whole(zoo: Callable[[str], Path]
     kinds = {c.tensor: c.kind for n in s.nodes.values() for c in n.collectives if c.phase is not Phase.OPTIMIZER}
     assert kinds == {"fc1.weight": Collective.REDUCE_SCATTER, "fc2.weight": Collective.REDUCE_SCATTER,
                      "fc1.bias": Collective.ALL_REDUCE, "fc2.bias": Collective.ALL_REDUCE}
-    got = run(str(out), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1, verify=True))
-    assert got["max_abs_diff"] < 1e-5, got
-    assert got["collectives_executed"] == got["collectives_planned"] == {"all_reduce": 1, "reduce_scatter": 1,
+    got = run_equals_one_process(s, model, tmp_path)
+    assert got["collectives_planned"] == {"all_reduce": 1, "reduce_scatter": 1,
                                                                          "all_gather": 1}
