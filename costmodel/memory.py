@@ -56,8 +56,8 @@ def model_state_bytes(num_params: float, precision: Precision, *, zero_stage: in
 
 
 # What the backward pass of an op reads: its inputs, its outputs, or nothing beyond the gradient.
-_SAVES_OUTPUT = frozenset({"Softmax", "LogSoftmax", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal", "Relu"})
-_SAVES_NOTHING = frozenset({
+SAVES_OUTPUT = frozenset({"Softmax", "LogSoftmax", "Tanh", "Sigmoid", "Exp", "Sqrt", "Reciprocal", "Relu"})
+SAVES_NOTHING = frozenset({
     "Add", "Sub", "Neg", "Identity", "Cast", "CastLike", "Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze",
     "Expand", "Slice", "Concat", "Split", "SplitToSequence", "SequenceAt", "ReduceMean", "ReduceSum",
     "GlobalAveragePool", "AveragePool", "Equal", "And", "Or", "Not", "IsNaN", "IsInf", "Less", "Greater",
@@ -80,9 +80,9 @@ def saved_tensors(graph: OpGraph) -> frozenset[str]:
     for n in graph.compute_nodes:
         if n.op_type == "MatMul" and any(t in scores for t in n.inputs):
             out.update(n.outputs[:1])
-        if n.op_type in _SAVES_NOTHING:
+        if n.op_type in SAVES_NOTHING:
             continue
-        names = n.outputs[:1] if n.op_type in _SAVES_OUTPUT else n.inputs
+        names = n.outputs[:1] if n.op_type in SAVES_OUTPUT else n.inputs
         for t in names:
             info = graph.tensors.get(t)
             if info is not None and info.is_float and info.kind in (TensorKind.ACTIVATION, TensorKind.INPUT):

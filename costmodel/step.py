@@ -48,7 +48,7 @@ from costmodel.compute import (
 )
 from costmodel.items import CommEvent, LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
-from costmodel.memory import Precision, attention_score_tensors, saved_tensors
+from costmodel.memory import SAVES_NOTHING, SAVES_OUTPUT, Precision, attention_score_tensors, saved_tensors
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
@@ -65,6 +65,8 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 # Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
 RECOMPUTE = ("none", "selective", "full")
+# Ops whose output is a view of their input (torch): saving the output keeps the input's storage.
+VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice"})
 
 
 class CostModel:
@@ -107,6 +109,9 @@ class CostModel:
         self.grad_bucket_fill = min(grad_bucket_bytes, max(1.0, sum(
             float(t.numel) * precision.grad_bytes for t in graph.params)))
         self.saved = saved_tensors(graph)
+        # A view of a parameter (a transposed weight) shares its storage: saved, it costs nothing more.
+        self.param_views = frozenset(t for n in graph.compute_nodes if n.op_type in VIEW_OPS and n.inputs
+                                     and graph.tensors[n.inputs[0]].kind is TensorKind.PARAM for t in n.outputs)
         self.needs_grad = _gradient_tensors(graph)
         self.on_chip = attention_score_tensors(graph)
         self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
@@ -126,7 +131,8 @@ class CostModel:
         shapes = local_shapes(node, g, specs, self.mesh)
         compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
                                needs_grad=self.needs_grad)
-        act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
+        act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs
+                  if t in self.saved and t not in self.param_views)
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
@@ -209,32 +215,45 @@ class CostModel:
 
     # -- one edge --------------------------------------------------------------------------------
 
-    def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
-        """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient."""
+    def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
+                    saved: bool = True) -> tuple[CommEvent, ...]:
+        """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient;
+        `saved`: the consumer's backward reads the tensor (a gathered parameter is then gathered again)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split)
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, saved)
         hit = self._edge_cache.get(key)
         if hit is None:
-            hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split)
+            hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split, saved)
         return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
 
     def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
-                    recomputed: bool = False) -> float:
+                    recomputed: bool = False, saved: bool = True) -> float:
         """Seconds of `edge_events` in one step, each event once per micro-batch or once per step, the
         forward ones twice when the consumer's layer is recomputed (what the solver needs, cached by
         shape and specs)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed)
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches
             t = self._edge_time_cache[key] = sum(
                 e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
                                                                             else 1)
-                for e in self.edge_events(tensor, src, dst, consumer_split))
+                for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved))
         return t
 
-    def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int]) -> tuple[CommEvent, ...]:
+    def reads_in_backward(self, node: OpNode, index: int) -> bool:
+        """Whether backward reads input `index` of an op (what decides a gathered parameter's second
+        gather): not ops that save nothing or only their output, not a Gemm's bias, not an embedding's
+        table; a view op's input when its consumer saves the view (a transposed weight)."""
+        op = node.op_type
+        if op in VIEW_OPS:
+            return any(t in self.saved for t in node.outputs)
+        return not (op in SAVES_NOTHING or op in SAVES_OUTPUT or (op == "Gemm" and index == 2)
+                    or (op == "Gather" and index == 0))
+
+    def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
+                     saved: bool = True) -> tuple[CommEvent, ...]:
         info = self.graph.tensors[tensor]
         is_param = info.kind is TensorKind.PARAM
         itemsize = (self.precision.weight_bytes if is_param else
@@ -265,7 +284,7 @@ class CostModel:
         grad = gradient_spec(dst, consumer_split)  # as the executor receives it (planner/placement.py)
         for a in range(self.mesh.ndim):
             st = by_axis.get(a)
-            if is_param and st is not None and st.collective is Collective.ALL_GATHER:
+            if is_param and saved and st is not None and st.collective is Collective.ALL_GATHER:
                 # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
                 # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
                 add(Collective.ALL_GATHER, a, st.size_bytes, Phase.BACKWARD, Purpose.REGATHER)
@@ -322,7 +341,7 @@ class CostModel:
             if nc.loss is not None:
                 priced.events.extend(nc.loss.events)
                 mine.extend(nc.loss.events)
-            for t, need in zip(node.inputs, strategy.input_specs, strict=True):
+            for i, (t, need) in enumerate(zip(node.inputs, strategy.input_specs, strict=True)):
                 if need is None or not t:
                     continue
                 info = g.tensors[t]
@@ -333,7 +352,9 @@ class CostModel:
                 if info.kind is TensorKind.CONSTANT:
                     continue  # every rank holds constants whole: any placement is a local slice
                 have = need if info.kind is TensorKind.INPUT else placed[t]
-                events = tuple(e for e in self.edge_events(t, have, need, split) if not _seen_reduction(e, reduced))
+                events = tuple(e for e in self.edge_events(t, have, need, split,
+                                                           saved=self.reads_in_backward(node, i))
+                               if not _seen_reduction(e, reduced))
                 if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too
                     events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
                 priced.events.extend(events)

@@ -29,8 +29,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
     is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
     (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
-    CPU performs an all_to_all as all_gather + local chunk; ZeRO-3's backward re-gather is not
-    performed (gathered parameters stay resident), so it is left out."""
+    CPU performs an all_to_all as all_gather + local chunk."""
     from costmodel.buckets import pack_buckets
 
     params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
@@ -44,8 +43,6 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     bucketed: dict[tuple[Collective, Cadence], dict[str, tuple[set[int], float]]] = {}
     for node in strategy.nodes.values():
         for c in node.collectives:
-            if c.purpose is Purpose.REGATHER:
-                continue
             if c.purpose in bucketed_kinds and c.tensor in params and c.tensor not in resharded:
                 group = bucketed.setdefault((c.kind, c.cadence), {})
                 axes, nbytes = group.get(c.tensor, (set(), c.bytes))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -132,6 +133,8 @@ class SpmdRunner:
 
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
+        self._gathered: dict[int, tuple[str, list[Placement], torch.Tensor]] = {}  # this forward's gathered parameters
+        self.on_saved: Any = None  # called with every tensor saved for backward (memory measurement)
         self.zero_stage = strategy.training.zero_stage % 3  # ZeRO-3 is in the placements: DTensor gathers them
         self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
@@ -243,6 +246,7 @@ class SpmdRunner:
         local.update(zip(g.inputs, inputs, strict=True))
         params = self._params
         self.partial_grads = {name: set() for name in params}
+        self._gathered = {}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
@@ -282,6 +286,12 @@ class SpmdRunner:
                                            want_out, kernels)
                 local.update(zip(node.outputs, outs, strict=False))
 
+        with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+            self._run_program(run)
+        self._gathered = {}
+        return [local[t] for t in g.outputs]
+
+    def _run_program(self, run: Any) -> None:
         i = 0
         while i < len(self._program):
             end = self._segments.get(i)
@@ -292,7 +302,6 @@ class SpmdRunner:
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
                     checkpoint(run, i, end, use_reentrant=False)
                 i = end
-        return [local[t] for t in g.outputs]
 
     def _recomputed_segments(self) -> dict[int, int]:
         """Program index where each repeated layer starts → where it ends (exclusive), for the layers
@@ -335,7 +344,34 @@ class SpmdRunner:
             source = _grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=_contiguous_stride(shape), grad_placements=stored)
-        return redistribute(wrapped[name], want).to_local(grad_placements=grad)
+        local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
+        if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
+            root = local._base if local._base is not None else local  # views of it are saved as such too
+            # Held until forward ends (so its id names it alone); saved only as how to gather it again.
+            self._gathered[id(root)] = (name, want, root)
+        return local
+
+    def _pack_saved(self, t: torch.Tensor) -> Any:
+        """What autograd keeps of a tensor saved for backward: a gathered parameter (or a view of one)
+        only as the recipe to gather it again (ZeRO-3 / FSDP's reshard after forward); anything else
+        as it is (seen by `on_saved`, the run's memory measurement)."""
+        base = t._base if t._base is not None else t
+        hit = self._gathered.get(id(base))
+        if hit is None:
+            if self.on_saved is not None:
+                self.on_saved(t)
+            return t
+        return _Regather(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.requires_grad)
+
+    def _unpack_saved(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Regather):
+            return x
+        shape = self.graph.tensors[x.name].shape
+        with torch.no_grad():
+            full = DTensor.from_local(self._params[x.name].detach(), self.mesh, self.stored[x.name],
+                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))
+            local = redistribute(full, x.want).to_local()
+        return local.as_strided(x.size, x.stride, x.offset)
 
     def reduce_gradients(self) -> int:
         """After the step's last micro-batch: all-reduce the partial local gradients, packed into buckets
@@ -488,3 +524,15 @@ def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         raise RuntimeError("a parameter received no gradient")
     return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """A gathered parameter saved for backward, kept as how to gather it again."""
+
+    name: str
+    want: list[Placement]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    requires_grad: bool

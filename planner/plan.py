@@ -386,11 +386,12 @@ def propagate(graph: OpGraph, rules: RuleSet, cm: CostModel,
         for s in options:
             split = cm.split_axes(s)
             c = cm.node_cost(node, s).time_s * cm.micro_batches
-            for t, need in zip(node.inputs, s.input_specs, strict=True):
+            for i, (t, need) in enumerate(zip(node.inputs, s.input_specs, strict=True)):
                 if need is None or not t or graph.tensors[t].kind is TensorKind.INPUT:
                     continue
                 c += cm.edge_time_s(t, placed.get(t, pins.get(t, _stored(graph, t, need))), need, split,
-                                    recomputed=node.name in cm.layer_of)
+                                    recomputed=node.name in cm.layer_of,
+                                    saved=cm.reads_in_backward(node, i))
             if c < best_cost:
                 best, best_cost = s, c
         choice[node.name] = best

@@ -290,7 +290,8 @@ class ShardingILP:
         return spec, split
 
     def _edge_s(self, e: _Edge, src: Spec, dst: Spec, split: frozenset[int]) -> float:
-        return self.cost.edge_time_s(e.tensor, src, dst, split, recomputed=e.consumer_node in self.cost.layer_of)
+        return self.cost.edge_time_s(e.tensor, src, dst, split, recomputed=e.consumer_node in self.cost.layer_of,
+                                     saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node], e.in_index))
 
     # -- variables -----------------------------------------------------------------------------------
 
