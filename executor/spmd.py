@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,7 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
-from executor.zero import ZeroBucket
+from executor.zero import Regather, ZeroBucket
 from planner import placement as mp
 from planner.graph import OpNode
 from planner.placement import Spec, chunk, gradient_spec, split_axes
@@ -75,7 +74,7 @@ def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch
     return out
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     stride, acc = [], 1
     for s in reversed(shape):
         stride.append(acc)
@@ -133,8 +132,7 @@ class SpmdRunner:
 
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
-        self._gathered: dict[int, tuple[str, list[Placement], torch.Tensor]] = {}  # this forward's gathered parameters
-        self.on_saved: Any = None  # called with every tensor saved for backward (memory measurement)
+        self.regather = Regather(self)  # ZeRO-3 / FSDP: gathered parameters gathered again for backward
         self.zero_stage = strategy.training.zero_stage % 3  # ZeRO-3 is in the placements: DTensor gathers them
         self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
@@ -246,7 +244,6 @@ class SpmdRunner:
         local.update(zip(g.inputs, inputs, strict=True))
         params = self._params
         self.partial_grads = {name: set() for name in params}
-        self._gathered = {}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
@@ -272,7 +269,7 @@ class SpmdRunner:
             if t not in wrapped:
                 shape = g.tensors[t].shape
                 wrapped[t] = DTensor.from_local(
-                    local[t], mesh, spec[t], shape=torch.Size(shape), stride=_contiguous_stride(shape),
+                    local[t], mesh, spec[t], shape=torch.Size(shape), stride=contiguous_stride(shape),
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
             return redistribute(wrapped[t], want).to_local(grad_placements=grad)
 
@@ -286,9 +283,8 @@ class SpmdRunner:
                                            want_out, kernels)
                 local.update(zip(node.outputs, outs, strict=False))
 
-        with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+        with self.regather.saving():
             self._run_program(run)
-        self._gathered = {}
         return [local[t] for t in g.outputs]
 
     def _run_program(self, run: Any) -> None:
@@ -324,7 +320,7 @@ class SpmdRunner:
         if have == want:
             return local
         shape = self.graph.tensors[t].shape
-        y = DTensor.from_local(local, self.mesh, have, shape=torch.Size(shape), stride=_contiguous_stride(shape),
+        y = DTensor.from_local(local, self.mesh, have, shape=torch.Size(shape), stride=contiguous_stride(shape),
                                grad_placements=[Replicate() if isinstance(p, Partial) else p for p in have])
         return redistribute(y, want).to_local(grad_placements=want)
 
@@ -343,35 +339,11 @@ class SpmdRunner:
             shape = self.graph.tensors[name].shape
             source = _grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
-                                               stride=_contiguous_stride(shape), grad_placements=stored)
+                                               stride=contiguous_stride(shape), grad_placements=stored)
         local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
         if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
-            root = local._base if local._base is not None else local  # views of it are saved as such too
-            # Held until forward ends (so its id names it alone); saved only as how to gather it again.
-            self._gathered[id(root)] = (name, want, root)
+            self.regather.gathered(name, want, local)
         return local
-
-    def _pack_saved(self, t: torch.Tensor) -> Any:
-        """What autograd keeps of a tensor saved for backward: a gathered parameter (or a view of one)
-        only as the recipe to gather it again (ZeRO-3 / FSDP's reshard after forward); anything else
-        as it is (seen by `on_saved`, the run's memory measurement)."""
-        base = t._base if t._base is not None else t
-        hit = self._gathered.get(id(base))
-        if hit is None:
-            if self.on_saved is not None:
-                self.on_saved(t)
-            return t
-        return _Regather(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset(), t.requires_grad)
-
-    def _unpack_saved(self, x: Any) -> torch.Tensor:
-        if not isinstance(x, _Regather):
-            return x
-        shape = self.graph.tensors[x.name].shape
-        with torch.no_grad():
-            full = DTensor.from_local(self._params[x.name].detach(), self.mesh, self.stored[x.name],
-                                      shape=torch.Size(shape), stride=_contiguous_stride(shape))
-            local = redistribute(full, x.want).to_local()
-        return local.as_strided(x.size, x.stride, x.offset)
 
     def reduce_gradients(self) -> int:
         """After the step's last micro-batch: all-reduce the partial local gradients, packed into buckets
@@ -476,7 +448,7 @@ class SpmdRunner:
         """The whole parameter (or gradient) from this rank's shard: a gather over the mesh."""
         shape = self.graph.tensors[name].shape
         return DTensor.from_local(value, self.mesh, self.stored[name], shape=torch.Size(shape),
-                                  stride=_contiguous_stride(shape)).full_tensor()
+                                  stride=contiguous_stride(shape)).full_tensor()
 
     def _constant(self, name: str, value: Any, want: list[Placement] | None) -> Any:
         """A constant's local slice (zero-filled where the plan needs it partial), computed once."""
@@ -524,15 +496,3 @@ def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
     if p.grad is None:
         raise RuntimeError("a parameter received no gradient")
     return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-
-
-@dataclass(frozen=True)
-class _Regather:
-    """A gathered parameter saved for backward, kept as how to gather it again."""
-
-    name: str
-    want: list[Placement]
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    requires_grad: bool

@@ -184,7 +184,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         loss = torch.zeros(())
         fwd_s = bwd_s = 0.0
         peak = 0
-        runner.on_saved = pack if measure else None  # inside the runner's forward (its own hooks)
+        runner.regather.on_saved = pack if measure else None  # inside the runner's forward (its own hooks)
         with comm if comm is not None else contextlib.nullcontext():
             for i in range(k):
                 saved.clear()

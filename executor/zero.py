@@ -1,8 +1,12 @@
-"""ZeRO-1/2 in the executor: a gradient bucket whose optimizer states (and gradients) are sharded over
-one mesh axis, with its parameters fused into one flat buffer (the seed's ZeRO-1 tensor fusion)."""
+"""ZeRO in the executor. ZeRO-1/2: a gradient bucket whose optimizer states (and gradients) are sharded
+over one mesh axis, with its parameters fused into one flat buffer (the seed's ZeRO-1 tensor fusion).
+ZeRO-3 / FSDP: a parameter gathered from its shards for use is saved for backward only as how to
+gather it again (FSDP's reshard after forward), and gathered again when backward needs it."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -90,3 +94,63 @@ class ZeroBucket:
         dist.all_gather_into_tensor(whole, self.shard.grad.contiguous(), group=self.group)
         start = self.offsets[name]
         return whole[start:start + p.numel()].view_as(p)
+
+
+@dataclass(frozen=True)
+class _Saved:
+    """A gathered parameter (or a view of it) saved for backward, kept as how to gather it again."""
+
+    name: str
+    want: list[Any]
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+class Regather:
+    """Saved-tensor hooks over the runner's forward: tensors autograd saves that are (views of) gathered
+    parameters become `_Saved` recipes, gathered again in backward (one planned
+    re-gather each, through DTensor); every other saved tensor is kept and shown to `on_saved` (the run's memory
+    measurement, whose own hooks the runner's replace inside its forward)."""
+
+    def __init__(self, runner: SpmdRunner) -> None:
+        self.runner = runner
+        # This forward's gathered parameters by the id of their storage's tensor, held until forward
+        # ends so that the id names them alone.
+        self._gathered: dict[int, tuple[str, list[Any], torch.Tensor]] = {}
+        self.on_saved: Callable[[torch.Tensor], Any] | None = None
+
+    def gathered(self, name: str, want: list[Any], local: torch.Tensor) -> None:
+        root = local._base if local._base is not None else local  # views of it are saved as such too
+        self._gathered[id(root)] = (name, want, root)
+
+    @contextlib.contextmanager
+    def saving(self) -> Iterator[None]:
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._gathered = {}
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base if t._base is not None else t
+        hit = self._gathered.get(id(base))
+        if hit is None:
+            if self.on_saved is not None:
+                self.on_saved(t)
+            return t
+        return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset())
+
+    def _unpack(self, x: Any) -> torch.Tensor:
+        if not isinstance(x, _Saved):
+            return x
+        from torch.distributed.tensor import DTensor
+
+        from executor.spmd import contiguous_stride, redistribute
+
+        r = self.runner
+        shape = r.graph.tensors[x.name].shape
+        with torch.no_grad():
+            full = DTensor.from_local(r._params[x.name].detach(), r.mesh, r.stored[x.name], shape=torch.Size(shape),
+                                      stride=contiguous_stride(shape))
+            return redistribute(full, x.want).to_local().as_strided(x.size, x.stride, x.offset)
