@@ -239,7 +239,8 @@ class CostModel:
             t = self._edge_time_cache[key] = sum(
                 e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
                                                                             else 1)
-                for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved))
+                for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved)
+                if not (recomputed and e.purpose is Purpose.REGATHER))
         return t
 
     def reads_in_backward(self, node: OpNode, index: int) -> bool:
@@ -355,7 +356,9 @@ class CostModel:
                 events = tuple(e for e in self.edge_events(t, have, need, split,
                                                            saved=self.reads_in_backward(node, i))
                                if not _seen_reduction(e, reduced))
-                if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too
+                if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too;
+                    # a parameter's gather among them is the one backward uses (no second re-gather)
+                    events = tuple(e for e in events if e.purpose is not Purpose.REGATHER)
                     events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
                 priced.events.extend(events)
                 mine.extend(events)

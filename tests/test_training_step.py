@@ -322,24 +322,26 @@ def test_zero3_stores_every_parameter_split(zoo: Callable[[str], Path]) -> None:
 
 
 FSDP_CASES = [
-    # (model, dims, global batch, micro-batch size, devices, layout, zero stage, optimizer)
-    ("gpt2-tiny", {"seq": 32}, 8, None, 2, None, 3, "adamw"),
-    ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd"),
-    ("llama-tiny", {"seq": 32}, 16, 2, 4, "dp_replicate=2,dp_shard=2", 1, "sgd"),
+    # (model, dims, global batch, micro-batch size, devices, layout, zero stage, optimizer, recompute)
+    ("gpt2-tiny", {"seq": 32}, 8, None, 2, None, 3, "adamw", "none"),
+    ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd", "none"),
+    ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd", "full"),
+    ("llama-tiny", {"seq": 32}, 16, 2, 4, "dp_replicate=2,dp_shard=2", 1, "sgd", "none"),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "dims", "global_batch", "micro", "devices", "layout", "zero", "optimizer"), FSDP_CASES,
-                         ids=[f"{c[0]}-{c[5] or 'auto'}-zero{c[6]}" for c in FSDP_CASES])
+@pytest.mark.parametrize(("name", "dims", "global_batch", "micro", "devices", "layout", "zero", "optimizer", "recompute"),
+                         FSDP_CASES, ids=[f"{c[0]}-{c[5] or 'auto'}-zero{c[6]}-recompute-{c[8]}" for c in FSDP_CASES])
 def test_fsdp_and_layouts_equal_one_process(name: str, dims: dict[str, int], global_batch: int, micro: int | None,
-                                            devices: int, layout: str | None, zero: int, optimizer: str,
+                                            devices: int, layout: str | None, zero: int, optimizer: str, recompute: str,
                                             zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    # ZeRO-3 (parameters stored split, gathered for use by DTensor), FSDP by layout (2 micro-steps of
-    # 2 sequences per rank), and HSDP on 4 ranks with ZeRO-1 over dp_replicate: equal to one process.
+    # ZeRO-3 (parameters stored split, gathered for use by DTensor and again for backward), FSDP by
+    # layout (2 micro-steps of 2 sequences per rank; with full recomputation, the recomputed layer's
+    # gathers are the ones backward uses), and HSDP on 4 ranks with ZeRO-1 over dp_replicate.
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=devices, global_batch_size=global_batch,
-                                 micro_batch_size=micro, layout=layout, zero_stage=zero,
+                                 micro_batch_size=micro, layout=layout, zero_stage=zero, recompute=recompute,
                                  mesh_shape=None if layout else (devices,)))
     run_equals_one_process(s, model, tmp_path, optimizer)
 
