@@ -36,7 +36,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy planner costmodel hwprofiles executor cli.py
+	$(VENV)/bin/mypy planner costmodel hwprofiles executor meshplan cli.py
 
 bench: $(STAMP)
 	$(PY) -m bench.run

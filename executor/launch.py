@@ -53,9 +53,9 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
                 kind = Collective.ALL_GATHER
             out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
     for (kind, cadence), group in bucketed.items():
-        for axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in group.items()},
-                                    strategy.training.bucket_bytes):
-            out[kind.value] += len(axes) * (k if cadence is Cadence.MICRO_BATCH else 1)
+        for bucket_axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in group.items()},
+                                           strategy.training.bucket_bytes):
+            out[kind.value] += len(bucket_axes) * (k if cadence is Cadence.MICRO_BATCH else 1)
     return dict(out)
 
 

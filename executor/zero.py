@@ -69,12 +69,19 @@ class ZeroBucket:
     def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
         import torch.distributed as dist
 
-        out = torch.empty_like(self.shard.grad)
+        grad = self.shard_grad
+        out = torch.empty_like(grad)
         dist.reduce_scatter_tensor(out, flat, group=self.group)
         if accumulate:
-            self.shard.grad.add_(out)
+            grad.add_(out)
         else:
-            self.shard.grad.copy_(out)
+            grad.copy_(out)
+
+    @property
+    def shard_grad(self) -> torch.Tensor:
+        """The gradient of this rank's shard (always set: `pack` gives it one)."""
+        assert self.shard.grad is not None
+        return self.shard.grad
 
     def gather(self) -> None:
         import torch.distributed as dist
@@ -91,7 +98,7 @@ class ZeroBucket:
         import torch.distributed as dist
 
         whole = torch.empty_like(self.weights)
-        dist.all_gather_into_tensor(whole, self.shard.grad.contiguous(), group=self.group)
+        dist.all_gather_into_tensor(whole, self.shard_grad.contiguous(), group=self.group)
         start = self.offsets[name]
         return whole[start:start + p.numel()].view_as(p)
 
@@ -139,7 +146,7 @@ class Regather:
             if self.on_saved is not None:
                 self.on_saved(t)
             return t
-        return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), t.storage_offset())
+        return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):

@@ -74,8 +74,9 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     def node_time(node: NodePlan) -> float:
         return node.compute_s + sum(x.time_s for x in node.collectives)
 
-    ops = [{"node": name, "op_type": node.op_type, "module": node.module, "strategy": node.strategy,
-            "time_s": node_time(node)} for name, node in strategy.nodes.items()]
+    ops: list[dict[str, Any]] = [
+        {"node": name, "op_type": node.op_type, "module": node.module, "strategy": node.strategy,
+         "time_s": node_time(node)} for name, node in strategy.nodes.items()]
     ops.sort(key=lambda o: -o["time_s"])
     agg: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
     for node in strategy.nodes.values():
@@ -134,9 +135,11 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
             plans["fsdp+tp"] = (sol.choice, sol.param_specs)
         except MeshplanError as e:
             out["fsdp+tp"] = str(e).split(": ", 1)[-1].split(";")[0]
-    full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
-                     zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
-                     grad_bucket_bytes=cm.grad_bucket_bytes, zero_threshold_bytes=cm.zero_threshold_bytes) if graph.layers and cm.recompute != "full" else None
+    full = None
+    if graph.layers and cm.recompute != "full":
+        full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
+                         zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
+                         grad_bucket_bytes=cm.grad_bucket_bytes, zero_threshold_bytes=cm.zero_threshold_bytes)
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

@@ -177,8 +177,8 @@ class ShardingILP:
                         for st in self._strategies(n.name):
                             spec = st.input_specs[i]
                             if spec is not None:
-                                stored = spec.storable()
-                                if self.param_layout is not None:
+                                stored: Spec | None = spec.storable()
+                                if self.param_layout is not None and stored is not None:
                                     stored = self.param_layout(p, stored)
                                 if stored is not None:
                                     opts[stored] = None
