@@ -18,7 +18,7 @@ not how they are priced.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -83,17 +83,10 @@ def serial(p: PricedStep) -> StepCost:
         priced=p, policy="serial",
         compute_s=sum(p.node_compute_s.values()) * k,
         comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events),
-        optimizer_s=_running_sum(p.optimizer_fixed_s, p.optimizer_s.values()),
+        optimizer_s=sum(p.optimizer_s.values(), p.optimizer_fixed_s),
         overhead_s=p.overhead_s,
         memory={category: sum(items.values()) for category, items in p.memory.items()},
     )
-
-
-def _running_sum(start: float, values: Iterable[float]) -> float:
-    total = start
-    for v in values:
-        total += v
-    return total
 
 
 def overlap(p: PricedStep) -> StepCost:

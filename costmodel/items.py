@@ -4,6 +4,7 @@ and the loss's, `LossCost`), and the whole step's items (`PricedStep`)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from costmodel.buckets import GRAD_BUCKET_BYTES
@@ -70,3 +71,10 @@ class PricedStep:
     flops_matmul: float = 0.0  # per device, forward + backward
     placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
     reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
+
+    def replace_events(self, by_id: Mapping[int, Sequence[CommEvent]]) -> None:
+        """Each event whose id is a key replaced by its events, in the step's list and its node's."""
+        if by_id:
+            self.events = [x for e in self.events for x in by_id.get(id(e), (e,))]
+            self.node_events = {n: [x for e in evs for x in by_id.get(id(e), (e,))]
+                                for n, evs in self.node_events.items()}

@@ -40,19 +40,21 @@ PRECISIONS = {
 }
 
 
+def model_states(num_params: float, precision: Precision, *, zero_stage: int = 0,
+                 dp_degree: int = 1) -> tuple[float, float, float]:
+    """Per-device bytes of weights, gradients and optimizer states of `num_params` parameters under a
+    ZeRO stage over `dp_degree` ranks (Rajbhandari et al. 2020, §5: stage 1 shards the optimizer
+    states, 2 the gradients too, 3 the weights too)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage}")
+    nd = max(dp_degree, 1)
+    w, g, k = (b * num_params for b in (precision.weight_bytes, precision.grad_bytes, precision.optimizer_bytes))
+    return (w / nd if zero_stage >= 3 else w, g / nd if zero_stage >= 2 else g, k / nd if zero_stage >= 1 else k)
+
+
 def model_state_bytes(num_params: float, precision: Precision, *, zero_stage: int = 0, dp_degree: int = 1) -> float:
     """Per-device bytes of weights, gradients and optimizer states of `num_params` parameters."""
-    w, g, k = precision.weight_bytes, precision.grad_bytes, precision.optimizer_bytes
-    nd = max(dp_degree, 1)
-    if zero_stage == 0:
-        return (w + g + k) * num_params
-    if zero_stage == 1:
-        return (w + g) * num_params + k * num_params / nd
-    if zero_stage == 2:
-        return w * num_params + (g + k) * num_params / nd
-    if zero_stage == 3:
-        return (w + g + k) * num_params / nd
-    raise ValueError(f"zero_stage: must be 0, 1, 2 or 3, got {zero_stage}")
+    return sum(model_states(num_params, precision, zero_stage=zero_stage, dp_degree=dp_degree))
 
 
 # What the backward pass of an op reads: its inputs, its outputs, or nothing beyond the gradient.

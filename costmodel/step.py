@@ -48,7 +48,14 @@ from costmodel.compute import (
 )
 from costmodel.items import CommEvent, LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
-from costmodel.memory import SAVES_NOTHING, SAVES_OUTPUT, Precision, attention_score_tensors, saved_tensors
+from costmodel.memory import (
+    SAVES_NOTHING,
+    SAVES_OUTPUT,
+    Precision,
+    attention_score_tensors,
+    model_states,
+    saved_tensors,
+)
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
@@ -80,8 +87,9 @@ class CostModel:
         `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
         is all-reduced on (3: the parameters' placements are split over those axes, priced as such);
         `zero_threshold_bytes`: parameters smaller (at the training dtype) stay unsharded under ZeRO-1/2
-        (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated layer's input and runs its forward again in
-        backward (torch.utils.checkpoint per layer), "none" saves every activation."""
+        (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated
+        layer's input and runs its forward again in backward (torch.utils.checkpoint per layer),
+        "none" (and "selective") saves every activation; `composer`: the step composer's policy."""
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
@@ -195,7 +203,7 @@ class CostModel:
         """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
         (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
         dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / (dp if self.zero_stage else 1)
+        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
         dev = self.profile.device
         if dev.optimizer_step is not None:
             return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
@@ -203,12 +211,10 @@ class CostModel:
 
     def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> tuple[float, float, float]:
         """Bytes per device of a parameter's weights, gradients and optimizer states at `spec`, under
-        the ZeRO stage (the paper's forms, `memory.model_state_bytes`)."""
+        the ZeRO stage (`memory.model_states`; ZeRO-3 is already in `spec`)."""
         dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
         local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
-        p = self.precision
-        return (local * p.weight_bytes, local * p.grad_bytes / (dp if self.zero_stage >= 2 else 1),
-                local * p.optimizer_bytes / (dp if self.zero_stage >= 1 else 1))
+        return model_states(local, self.precision, zero_stage=self.zero_stage, dp_degree=dp)
 
     def param_state_bytes(self, tensor: str, spec: Spec) -> float:
         return sum(self.param_states(tensor, spec))
@@ -391,11 +397,8 @@ class CostModel:
         """A parameter moved to another placement for some use is reduced by the runtime in backward
         (DTensor), in every micro-batch, not bucketed after the last one."""
         resharded = {t for t, *_ in priced.reshards if t in self.param_owner}
-        fix = {id(e): replace(e, cadence=Cadence.MICRO_BATCH) for e in priced.events
-               if e.tensor in resharded and e.cadence is Cadence.STEP}
-        if fix:
-            priced.events = [fix.get(id(e), e) for e in priced.events]
-            priced.node_events = {n: [fix.get(id(e), e) for e in evs] for n, evs in priced.node_events.items()}
+        priced.replace_events({id(e): [replace(e, cadence=Cadence.MICRO_BATCH)] for e in priced.events
+                               if e.tensor in resharded and e.cadence is Cadence.STEP})
 
     def _apply_zero(self, priced: PricedStep) -> dict[str, int]:
         """ZeRO-1/2 on the parameters whose gradient is all-reduced (used where stored): the all-reduce
@@ -422,9 +425,7 @@ class CostModel:
                               Purpose.GRAD_REDUCE_SCATTER, t, cadence),
                     CommEvent(Collective.ALL_GATHER, e.axes, weights, ag_s, Phase.OPTIMIZER, Purpose.PARAM_GATHER, t,
                               Cadence.STEP)]
-        priced.events = [x for e in priced.events for x in replaced.get(id(e), [e])]
-        priced.node_events = {n: [x for e in evs for x in replaced.get(id(e), [e])]
-                              for n, evs in priced.node_events.items()}
+        priced.replace_events(replaced)
         return {t: math.prod(self.mesh.shape[a] for a in a_set) for t, a_set in axes.items()}
 
     def _price_buckets(self, cost: PricedStep, zeroed: set[str]) -> None:
@@ -436,7 +437,7 @@ class CostModel:
         bucketed = {(Collective.ALL_REDUCE, Purpose.GRAD_SYNC): lambda t: t not in zeroed,
                     (Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER): lambda t: t in zeroed,
                     (Collective.ALL_GATHER, Purpose.PARAM_GATHER): lambda t: t in zeroed}
-        priced: dict[int, CommEvent] = {}
+        priced: dict[int, list[CommEvent]] = {}
         for (kind, purpose), wanted in bucketed.items():
             syncs: dict[str, list[CommEvent]] = {}
             for e in cost.events:
@@ -451,10 +452,8 @@ class CostModel:
                     for t in names:
                         for e in syncs[t]:
                             if e.axes == (a,):
-                                priced[id(e)] = replace(e, time_s=bucket_s * e.size_bytes / total)
-        if priced:
-            cost.events = [priced.get(id(e), e) for e in cost.events]
-            cost.node_events = {n: [priced.get(id(e), e) for e in evs] for n, evs in cost.node_events.items()}
+                                priced[id(e)] = [replace(e, time_s=bucket_s * e.size_bytes / total)]
+        cost.replace_events(priced)
 
 
 def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:

@@ -361,6 +361,7 @@ class SpmdRunner:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
         if self.zero_stage == 1:
             for b in self._zero:
+                assert b.grads is not None  # ZeRO-1 buckets keep the whole gradients
                 b.reduce_scatter(b.grads)
         return len(self._buckets) + len(self._zero)
 

@@ -23,18 +23,16 @@ class ZeroBucket:
     flat buffer (`weights`, padded to a multiple of the group size), each rank of the axis owns a
     contiguous shard of it (`shard`, a view: what the optimizer steps, its states a shard's size).
     ZeRO-1 keeps the whole gradients as views of `grads` and reduce-scatters once per step (the
-    shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2 reduce-scatters every micro-batch
-    into `shard.grad` and frees the whole gradients. After the optimizer step the shards are
-    all-gathered back into `weights`."""
+    shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2 has no whole gradient buffer: it
+    reduce-scatters every micro-batch's gradients into `shard.grad` and frees them. After the
+    optimizer step the shards are all-gathered back into `weights`."""
 
     names: list[str]
     offsets: dict[str, int]  # where each parameter starts in the flat buffers
     group: Any
-    rank: int
-    size: int
-    numel: int
+    numel: int  # of the parameters (the buffers are padded beyond it)
     weights: torch.Tensor
-    grads: torch.Tensor
+    grads: torch.Tensor | None  # ZeRO-1 only
     shard: torch.nn.Parameter
 
     @classmethod
@@ -45,25 +43,24 @@ class ZeroBucket:
         size, rank = int(mesh.shape[axis]), int(mesh.get_local_rank(axis))
         chunk = -(-numel // size)
         weights = torch.zeros(chunk * size, dtype=params[0].dtype, device=params[0].device)
-        grads = torch.zeros_like(weights)
+        grads = torch.zeros_like(weights) if runner.zero_stage == 1 else None
         offset, offsets = 0, {}
         for name, p in zip(names, params, strict=True):
             n = p.numel()
             offsets[name] = offset
             weights[offset:offset + n].copy_(p.detach().reshape(-1))
             view = nn.Parameter(weights[offset:offset + n].view_as(p))
-            if runner.zero_stage == 1:  # this step's local gradient, kept as a view of the bucket
+            view.grad = p.grad
+            if grads is not None:  # this step's local gradient, kept as a view of the bucket
                 grads[offset:offset + n].copy_(p.grad.reshape(-1))
                 view.grad = grads[offset:offset + n].view_as(p)
-            else:
-                view.grad = p.grad
             runner._params[name] = view
             runner.module.params[runner.module.param_names[name]] = view
             offset += n
         shard = nn.Parameter(weights[rank * chunk:(rank + 1) * chunk])
-        shard.grad = grads[rank * chunk:(rank + 1) * chunk] if runner.zero_stage == 1 else torch.zeros(chunk,
-                                                                                                       dtype=weights.dtype)
-        return cls(names=names, offsets=offsets, group=mesh.get_group(axis), rank=rank, size=size, numel=numel, weights=weights,
+        shard.grad = (grads[rank * chunk:(rank + 1) * chunk] if grads is not None
+                      else torch.zeros(chunk, dtype=weights.dtype, device=weights.device))
+        return cls(names=names, offsets=offsets, group=mesh.get_group(axis), numel=numel, weights=weights,
                    grads=grads, shard=shard)
 
     def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
@@ -90,9 +87,9 @@ class ZeroBucket:
             dist.all_gather_into_tensor(self.weights, self.shard.detach().clone(), group=self.group)
 
     def zero_grad(self) -> None:
-        if self.shard.grad is not None:
-            self.shard.grad.zero_()
-        self.grads.zero_()
+        self.shard_grad.zero_()
+        if self.grads is not None:
+            self.grads.zero_()
 
     def full_gradient(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
         import torch.distributed as dist

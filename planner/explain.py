@@ -117,7 +117,7 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
     try:
         pins = data_parallel_pins(graph, mesh)
     except MeshplanError as e:  # a batch smaller than the mesh
-        note = str(e).split(": ", 1)[-1].split(";")[0]
+        note = _reason(e)
         pins = None
         out["data-parallel"] = out["fsdp"] = note
     plans: dict[str, tuple[dict[str, OpStrategy], dict[str, Spec]]] = {}
@@ -134,7 +134,7 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
                               param_layout=layout.param_layout(graph, named)).solve()
             plans["fsdp+tp"] = (sol.choice, sol.param_specs)
         except MeshplanError as e:
-            out["fsdp+tp"] = str(e).split(": ", 1)[-1].split(";")[0]
+            out["fsdp+tp"] = _reason(e)
     full = None
     if graph.layers and cm.recompute != "full":
         full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
@@ -145,6 +145,12 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
         if full is not None:
             out[f"{name} + full recompute"] = full.price(choice, params)
     return out
+
+
+def _reason(e: MeshplanError) -> str:
+    """Why a baseline cannot be priced, for its table cell: the error's message without the option
+    that caused it or the advice after it."""
+    return str(e).split(": ", 1)[-1].split(";")[0]
 
 
 def _row(name: str, cost: StepCost, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from costmodel.compose import POLICIES, StepCost
 from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
-from planner.errors import MeshplanError
+from planner.errors import DimBindingError, MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
@@ -211,7 +211,14 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
             dims = req.dims_for(k)
             if k not in graphs:
                 say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
-                graphs[k] = load_graph(req.model, dims)
+                try:
+                    graphs[k] = load_graph(req.model, dims)
+                except DimBindingError as e:
+                    if req.global_batch_size is None or "batch" not in e.unknown:
+                        raise
+                    raise DimBindingError(
+                        f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
+                        "export the model with a dynamic dim named batch, or plan one step with --dim") from e
             try:
                 found.append((k, _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)))
                 break

@@ -33,7 +33,8 @@ def bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -
     unknown = sorted(set(dims) - set(needed))
     if unknown:
         hint = ", ".join(needed) if needed else "none: every input shape is static"
-        raise DimBindingError(f"--dim names {', '.join(unknown)} not in the model; its symbolic dims: {hint}")
+        raise DimBindingError(f"--dim names {', '.join(unknown)} not in the model; its symbolic dims: {hint}",
+                              unknown=tuple(unknown))
     unbound = [d for d in needed if d not in dims]
     if unbound:
         flags = " ".join(f"--dim {d}=N" for d in unbound)

@@ -285,6 +285,18 @@ def test_recomputed_step_equals_one_process(name: str, dims: dict[str, int], glo
     run_equals_one_process(s, model, tmp_path, optimizer)
 
 
+def test_global_batch_on_a_static_model_from_elsewhere(tmp_path: Path) -> None:
+    # The onnx wheel's SqueezeNet has a static batch of 1: a global batch has no dim to bind.
+    import onnx
+
+    model = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_squeezenet.onnx"
+    r = CliRunner().invoke(main, ["plan", str(model), "--devices", "2", "--global-batch-size", "4",
+                                  "-o", str(tmp_path / "s.json")])
+    assert r.exit_code == 2, r.output
+    assert "--global-batch-size binds the model's symbolic dim 'batch'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
 def test_layout_holds_the_plan_to_its_degrees(zoo: Callable[[str], Path]) -> None:
     # HSDP on 4 ranks: dp_replicate=2 × dp_shard=2. The batch is split over both axes; every parameter
     # whose dim 0 has at least 2 rows is stored split on dim 0 over dp_shard (FSDP) and whole over
