@@ -20,9 +20,11 @@ from meshplan.options import (
     dim_option,
     mesh_options,
     parse_export_dims,
+    parse_fusion,
     parse_mesh_shape,
     parse_pins,
     parse_size,
+    parse_zero,
     precision_for,
 )
 from meshplan.render import (
@@ -120,12 +122,15 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="Sequences per optimizer step, split into micro-steps (instead of --dim batch).")
 @click.option("--accumulation-steps", default="auto", show_default=True, metavar="K|auto",
               help="Micro-steps per optimizer step with --global-batch-size (auto: the fewest that fit).")
-@click.option("--zero", "zero_stage", type=int, default=0, show_default=True, metavar="0|1|2|3",
-              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters.")
+@click.option("--zero", "zero_stage", default="auto", show_default=True, metavar="0|1|2|3|auto",
+              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters; "
+                   "auto: each parameter's stage chosen by the ILP.")
 @click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
               help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
-@click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE",
-              help="Bucket size for gradient reductions and ZeRO's gathers (DDP's bucket_cap_mb), e.g. 4MB, 512KB.")
+@click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE|KIND=SIZE,...|auto",
+              help="Bucket caps for gradient all-reduces and ZeRO's reduce-scatters and gathers (DDP's bucket_cap_mb, "
+                   "MindSpore's comm_fusion): one size for all, per kind (allreduce=25MB,allgather=50MB,"
+                   "reducescatter=25MB), or auto (the planner's choice).")
 @click.option("--zero-threshold", default="0", show_default=True, metavar="SIZE",
               help="ZeRO-1/2 leave parameters smaller than this whole (MindSpore's parallel_optimizer_threshold).")
 @click.option("--overlap", is_flag=True,
@@ -141,7 +146,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
-         strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: int,
+         strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, comm_fusion: str, zero_threshold: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -160,8 +165,9 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
-                      zero_stage=zero_stage, recompute=recompute, layout=layout, micro_batch_size=micro_batch_size,
-                      composer="overlap" if overlap else "serial", bucket_bytes=parse_size(comm_fusion, "--comm-fusion"),
+                      zero_stage=parse_zero(zero_stage), recompute=recompute, layout=layout,
+                      micro_batch_size=micro_batch_size, composer="overlap" if overlap else "serial",
+                      fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True))
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))

@@ -99,11 +99,13 @@ def overlap(p: PricedStep) -> StepCost:
     exposed."""
     base = serial(p)
     k = p.micro_batches
-    grads = [e for e in p.events if e.cadence is Cadence.STEP and e.purpose in _BUCKETED]
+    grad_s = last_bucket = 0.0
+    for purpose, cap in ((Purpose.GRAD_SYNC, p.fusion.allreduce), (Purpose.GRAD_REDUCE_SCATTER, p.fusion.reducescatter)):
+        grads = [e for e in p.events if e.cadence is Cadence.STEP and e.purpose is purpose]
+        s, nbytes = sum(e.time_s for e in grads), sum(e.size_bytes for e in grads)
+        grad_s += s
+        last_bucket = max(last_bucket, s * min(1.0, cap / nbytes) if nbytes else 0.0)  # one bucket's worth waits
     gathers = [e for e in p.events if e.purpose in _PREFETCHED and e.kind is Collective.ALL_GATHER and e.tensor in p.params]
-    grad_s = sum(e.time_s for e in grads)
-    grad_bytes = sum(e.size_bytes for e in grads)
-    last_bucket = grad_s * min(1.0, p.bucket_bytes / grad_bytes) if grad_bytes else 0.0  # one bucket's worth
     hidden_grads = min(max(0.0, grad_s - last_bucket), p.backward_s)
     gather_s = sum(e.time_s for e in gathers)
     first = max((e.time_s for e in gathers), default=0.0)  # the first (the largest) gather waits
@@ -113,7 +115,6 @@ def overlap(p: PricedStep) -> StepCost:
                     optimizer_s=base.optimizer_s, overhead_s=base.overhead_s, memory=base.memory, hidden_comm_s=hidden)
 
 
-_BUCKETED = frozenset({Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER})
 _PREFETCHED = frozenset({Purpose.RESHARD, Purpose.REGATHER})
 
 POLICIES: dict[str, Callable[[PricedStep], StepCost]] = {"serial": serial, "overlap": overlap}

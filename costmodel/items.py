@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from costmodel.buckets import GRAD_BUCKET_BYTES
+from costmodel.buckets import CommFusion
 from costmodel.collectives import Cadence, Collective, Phase, Purpose
 from costmodel.compute import ComputeCost
 from planner.placement import Spec
@@ -61,7 +61,7 @@ class PricedStep:
     node_compute_s: dict[str, float] = field(default_factory=dict)  # forward + backward (+ the loss's kernels)
     backward_s: float = 0.0  # of that, one micro-batch's backward (recomputation included): what overlaps
     params: frozenset[str] = frozenset()  # the parameters (their gathers and reductions may overlap)
-    bucket_bytes: float = GRAD_BUCKET_BYTES  # the gradient buckets' capacity
+    fusion: CommFusion = field(default_factory=CommFusion)  # the bucket caps its gradient collectives were packed by
     events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
     node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
     optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
@@ -71,6 +71,7 @@ class PricedStep:
     flops_matmul: float = 0.0  # per device, forward + backward
     placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
     reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
+    zero_stages: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where applied
 
     def replace_events(self, by_id: Mapping[int, Sequence[CommEvent]]) -> None:
         """Each event whose id is a key replaced by its events, in the step's list and its node's."""

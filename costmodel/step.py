@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from costmodel.buckets import GRAD_BUCKET_BYTES, pack_buckets
+from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_units
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
 from costmodel.compose import POLICIES, StepCost, compose
@@ -80,12 +80,14 @@ class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
-                 enable_all_to_all: bool = True, grad_bucket_bytes: float = GRAD_BUCKET_BYTES, loss: str = "auto",
+                 enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
                  zero_threshold_bytes: float = 0.0) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
-        `zero_stage`: 1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient
-        is all-reduced on (3: the parameters' placements are split over those axes, priced as such);
+        `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
+        1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
+        on (3: the parameters' placements are split over those axes, priced as such); `fusion`: the
+        bucket caps of gradient all-reduces and ZeRO's reduce-scatters and gathers (`buckets.py`);
         `zero_threshold_bytes`: parameters smaller (at the training dtype) stay unsharded under ZeRO-1/2
         (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated
         layer's input and runs its forward again in backward (torch.utils.checkpoint per layer),
@@ -111,11 +113,11 @@ class CostModel:
         self.loss = loss_kind(graph, loss)
         self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
-        self.grad_bucket_bytes = grad_bucket_bytes
+        self.fusion = fusion or CommFusion()
         # What one bucket holds when every gradient is reduced whole: a gradient's share of a bucket's
         # latency, as an edge is priced alone (`price` packs the plan's actual buckets).
-        self.grad_bucket_fill = min(grad_bucket_bytes, max(1.0, sum(
-            float(t.numel) * precision.grad_bytes for t in graph.params)))
+        total = max(1.0, sum(float(t.numel) * precision.grad_bytes for t in graph.params))
+        self.bucket_fill = {kind: min(self.fusion.as_dict()[name], total) for kind, name in _FUSED.items()}
         self.saved = saved_tensors(graph)
         # A view of a parameter (a transposed weight) shares its storage: saved, it costs nothing more.
         self.param_views = frozenset(t for n in graph.compute_nodes if n.op_type in VIEW_OPS and n.inputs
@@ -187,37 +189,64 @@ class CostModel:
         return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
     def zero_eligible(self, tensor: str) -> bool:
-        """Whether ZeRO-1/2 shards this parameter: the stage asks for it and it is not below the threshold."""
-        numel = self.graph.tensors[tensor].numel
-        return self.zero_stage > 0 and numel * self.precision.weight_bytes >= self.zero_threshold_bytes
+        """Whether ZeRO-1/2 may shard this parameter: it is not below the threshold."""
+        return self.graph.tensors[tensor].numel * self.precision.weight_bytes >= self.zero_threshold_bytes
 
-    def zero_degree(self, tensor: str, spec: Spec) -> int:
+    def stage_of(self, tensor: str, zero: Mapping[str, int] | None = None) -> int:
+        """A parameter's ZeRO-1/2 stage: as the plan says (`zero`, parameter → stage), else the model's
+        stage; 0 below the threshold."""
+        stage = self.zero_stage if zero is None else zero.get(tensor, 0)
+        return stage if stage and self.zero_eligible(tensor) else 0
+
+    def zero_degree(self, tensor: str, spec: Spec, stage: int | None = None) -> int:
         """Ranks sharing a parameter's optimizer states (and, stage 2, gradients) when the exact axes are
         not known yet (the solver's view): every axis the parameter is stored replicated on, as a ZeRO
         data-parallel group; 1 without ZeRO. `price_items` uses the axes its gradient is reduced on."""
-        if not self.zero_eligible(tensor):
+        stage = self.stage_of(tensor) if stage is None else stage if self.zero_eligible(tensor) else 0
+        if not stage:
             return 1
         return math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
 
-    def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> float:
+    def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *, stage: int | None = None) -> float:
         """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
         (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
-        dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
+        dp = self.zero_degree(tensor, spec, stage) if zero_degree is None else zero_degree
         local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
         dev = self.profile.device
         if dev.optimizer_step is not None:
             return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
         return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
 
-    def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None) -> tuple[float, float, float]:
+    def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None, *,
+                     stage: int | None = None) -> tuple[float, float, float]:
         """Bytes per device of a parameter's weights, gradients and optimizer states at `spec`, under
-        the ZeRO stage (`memory.model_states`; ZeRO-3 is already in `spec`)."""
-        dp = self.zero_degree(tensor, spec) if zero_degree is None else zero_degree
+        its ZeRO stage (`memory.model_states`; ZeRO-3 is already in `spec`)."""
+        stage = self.stage_of(tensor) if stage is None else stage
+        dp = self.zero_degree(tensor, spec, stage) if zero_degree is None else zero_degree
         local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
-        return model_states(local, self.precision, zero_stage=self.zero_stage, dp_degree=dp)
+        return model_states(local, self.precision, zero_stage=stage if dp > 1 else 0, dp_degree=dp)
 
-    def param_state_bytes(self, tensor: str, spec: Spec) -> float:
-        return sum(self.param_states(tensor, spec))
+    def param_state_bytes(self, tensor: str, spec: Spec, *, stage: int | None = None) -> float:
+        return sum(self.param_states(tensor, spec, stage=stage))
+
+    def zero_events(self, tensor: str, spec: Spec, axes: tuple[int, ...], grad_bytes: float,
+                    stage: int) -> list[CommEvent]:
+        """ZeRO-1/2 in place of a gradient's all-reduce over `axes`: reduce-scatters over each axis in
+        turn (each on what the previous left: the shard shrinks), once per step at stage 1 and per
+        micro-batch at stage 2 (gradients kept sharded), and after the optimizer step the updated shard
+        all-gathered back over the axes in reverse (ring: the all-reduce's volume in all)."""
+        weights = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
+        cadence = Cadence.STEP if stage == 1 else Cadence.MICRO_BATCH
+        rs, ag, g, w = [], [], grad_bytes, weights
+        for a in axes:
+            rs.append(CommEvent(Collective.REDUCE_SCATTER, (a,), g,
+                                collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, g, (a,)),
+                                Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER, tensor, cadence))
+            ag.append(CommEvent(Collective.ALL_GATHER, (a,), w,
+                                collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, w, (a,)),
+                                Phase.OPTIMIZER, Purpose.PARAM_GATHER, tensor, Cadence.STEP))
+            g, w = g / self.mesh.shape[a], w / self.mesh.shape[a]
+        return rs + ag[::-1]
 
     # -- one edge --------------------------------------------------------------------------------
 
@@ -232,21 +261,38 @@ class CostModel:
             hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split, saved)
         return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
 
+    def _bucket_share(self, kind: Collective, axis: int, size: float, t: float) -> float:
+        """A bucketed collective's time `t` for `size` bytes as one member of a bucket pays it alone (the
+        solver's view): its bandwidth term and its bytes' share of one bucket's latency."""
+        one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
+        latency = 2 * one - two  # the intercept of the affine α-β time
+        fill = self.bucket_fill.get(kind, self.bucket_fill[Collective.ALL_REDUCE])
+        return t - latency * (1.0 - min(1.0, size / fill))
+
     def edge_time_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
-                    recomputed: bool = False, saved: bool = True) -> float:
+                    recomputed: bool = False, saved: bool = True, zero_stage: int = 0) -> float:
         """Seconds of `edge_events` in one step, each event once per micro-batch or once per step, the
-        forward ones twice when the consumer's layer is recomputed (what the solver needs, cached by
-        shape and specs)."""
+        forward ones twice when the consumer's layer is recomputed; a parameter used where it is stored
+        at ZeRO stage 1 or 2 has its gradient all-reduce replaced by `zero_events` (what the solver
+        needs, cached by shape and specs)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved)
+        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.zero_eligible(tensor) else 0
+        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved, stage)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches
+            events = [e for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved)
+                      if not (recomputed and e.purpose is Purpose.REGATHER)]
+            synced = [e for e in events if e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE]
+            if stage and synced:
+                axes = tuple(sorted({a for e in synced for a in e.axes}))
+                events = [e for e in events if e not in synced] + [
+                    replace(z, time_s=self._bucket_share(z.kind, z.axes[0], z.size_bytes, z.time_s))
+                    for z in self.zero_events(tensor, src, axes, synced[0].size_bytes, stage)]
             t = self._edge_time_cache[key] = sum(
                 e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
                                                                             else 1)
-                for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved)
-                if not (recomputed and e.purpose is Purpose.REGATHER))
+                for e in events)
         return t
 
     def reads_in_backward(self, node: OpNode, index: int) -> bool:
@@ -272,9 +318,7 @@ class CostModel:
             if is_param and phase is Phase.BACKWARD and purpose is not Purpose.RESHARD:
                 # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency. (The
                 # backward of a parameter's own reshard, e.g. R → P, runs alone: full latency.)
-                one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
-                latency = 2 * one - two  # the intercept of the affine α-β time
-                t -= latency * (1.0 - min(1.0, size / self.grad_bucket_fill))
+                t = self._bucket_share(kind, axis, size, t)
             else:  # issued on its own by the executor (a redistribute): its host cost too
                 t += self.profile.device.reshard_overhead_s or 0.0
             events.append(CommEvent(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
@@ -316,20 +360,20 @@ class CostModel:
     # -- a whole plan ----------------------------------------------------------------------------
 
     def price(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
-              buckets: bool = True, policy: str | None = None) -> StepCost:
+              buckets: bool = True, policy: str | None = None, zero: Mapping[str, int] | None = None) -> StepCost:
         """The step under a plan: its items priced (`price_items`), then composed under `policy` (by
         default the model's `composer`)."""
-        return compose(self.price_items(choice, param_specs, buckets=buckets), policy or self.composer)
+        return compose(self.price_items(choice, param_specs, buckets=buckets, zero=zero), policy or self.composer)
 
     def price_items(self, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec] | None = None, *,
-                    buckets: bool = True) -> PricedStep:
+                    buckets: bool = True, zero: Mapping[str, int] | None = None) -> PricedStep:
         """Every item of a plan's step, priced alone: a strategy per compute node; parameters at
         `param_specs`, by default at the spec their first consumer requires. `buckets=False`: gradient
         all-reduces priced edge by edge, as the ILP sees them (each its share of one full bucket's
-        latency), instead of packed."""
+        latency), instead of packed. `zero`: each parameter's ZeRO-1/2 stage (default: the model's)."""
         g, p = self.graph, self.precision
         priced = PricedStep(micro_batches=self.micro_batches, params=frozenset(self.param_owner),
-                            bucket_bytes=self.grad_bucket_bytes)
+                            fusion=self.fusion)
         placed = priced.placed
         placed.update(param_specs or {})  # tensor → the spec it is produced (or stored) in
         mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
@@ -383,15 +427,23 @@ class CostModel:
             priced.optimizer_fixed_s = dev.optimizer_step.fixed_s
         priced.overhead_s = dev.step_overhead_s or 0.0
         self._resharded_params_per_micro_batch(priced)
-        zero = self._apply_zero(priced) if self.zero_stage else {}
+        degree = self._apply_zero(priced, zero)
         for t in self.param_owner:
-            dp = zero.get(t, 1)
+            dp, stage = degree.get(t, 1), priced.zero_stages.get(t, 0)
             priced.optimizer_s[t] = self.optimizer_s(t, placed[t], dp)
-            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.param_states(t, placed[t], dp)
+            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.param_states(t, placed[t], dp,
+                                                                                               stage=stage)
         priced.memory = mem
         if buckets:
-            self._price_buckets(priced, set(zero))
+            self._price_buckets(priced)
         return priced
+
+    def rebucket(self, priced: PricedStep, fusion: CommFusion) -> StepCost:
+        """The same plan's step with its gradient collectives packed by other bucket caps (the items are
+        not priced again: `_price_buckets` prices buckets from the events' sizes)."""
+        step = replace(priced, fusion=fusion)
+        self._price_buckets(step)
+        return compose(step, self.composer)
 
     def _resharded_params_per_micro_batch(self, priced: PricedStep) -> None:
         """A parameter moved to another placement for some use is reduced by the runtime in backward
@@ -400,60 +452,75 @@ class CostModel:
         priced.replace_events({id(e): [replace(e, cadence=Cadence.MICRO_BATCH)] for e in priced.events
                                if e.tensor in resharded and e.cadence is Cadence.STEP})
 
-    def _apply_zero(self, priced: PricedStep) -> dict[str, int]:
-        """ZeRO-1/2 on the parameters whose gradient is all-reduced (used where stored): the all-reduce
-        becomes a reduce-scatter onto the ranks' shards (per step at stage 1; per micro-batch at stage 2,
-        whose gradients are kept sharded), and after the optimizer step on its shard each rank's updated
-        part is all-gathered (ring reduce-scatter + all-gather: the all-reduce's volume). Returns each
-        such parameter's ZeRO degree (the product of the axes it is reduced over)."""
+    def _apply_zero(self, priced: PricedStep, zero: Mapping[str, int] | None) -> dict[str, int]:
+        """ZeRO-1/2 on the parameters at a stage (`stage_of`) whose gradient is all-reduced where they are
+        stored: the all-reduce becomes `zero_events`. Records each such parameter's stage in the priced
+        step and returns its ZeRO degree (the product of the axes it is reduced over)."""
         resharded = {t for t, *_ in priced.reshards}
-        axes: dict[str, set[int]] = {}
+        synced: dict[str, list[CommEvent]] = {}
         for e in priced.events:
             if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and e.tensor in self.param_owner
-                    and e.tensor not in resharded and self.zero_eligible(e.tensor)):
-                axes.setdefault(e.tensor, set()).update(e.axes)
-        cadence = Cadence.STEP if self.zero_stage == 1 else Cadence.MICRO_BATCH
+                    and e.tensor not in resharded and self.stage_of(e.tensor, zero)):
+                synced.setdefault(e.tensor, []).append(e)
         replaced: dict[int, list[CommEvent]] = {}
-        for e in priced.events:
-            if e.tensor in axes and e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE:
-                t, spec = e.tensor, priced.placed[e.tensor]
-                weights = float(self.graph.tensors[t].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
-                rs_s = collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, e.size_bytes, e.axes)
-                ag_s = collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, weights, e.axes)
-                replaced[id(e)] = [
-                    CommEvent(Collective.REDUCE_SCATTER, e.axes, e.size_bytes, rs_s, Phase.BACKWARD,
-                              Purpose.GRAD_REDUCE_SCATTER, t, cadence),
-                    CommEvent(Collective.ALL_GATHER, e.axes, weights, ag_s, Phase.OPTIMIZER, Purpose.PARAM_GATHER, t,
-                              Cadence.STEP)]
+        degree: dict[str, int] = {}
+        for t, evs in synced.items():
+            axes = tuple(sorted({a for e in evs for a in e.axes}))
+            stage = priced.zero_stages[t] = self.stage_of(t, zero)
+            replaced[id(evs[0])] = self.zero_events(t, priced.placed[t], axes, evs[0].size_bytes, stage)
+            replaced.update({id(e): [] for e in evs[1:]})
+            degree[t] = math.prod(self.mesh.shape[a] for a in axes)
         priced.replace_events(replaced)
-        return {t: math.prod(self.mesh.shape[a] for a in a_set) for t, a_set in axes.items()}
+        return degree
 
-    def _price_buckets(self, cost: PricedStep, zeroed: set[str]) -> None:
-        """Parameter gradients' collectives as they run: a parameter used where it is stored has its
-        gradient all-reduce (ZeRO-1/2: its reduce-scatter, and its updated shard's all-gather) packed
-        with the others of the same kind over the same axes (`buckets.py`), one collective per bucket
-        and axis; each parameter's event carries its bytes' share of that collective's time."""
+    def _price_buckets(self, cost: PricedStep) -> None:
+        """Parameter gradients' collectives as they run (`buckets.py`): the all-reduces of parameters
+        used where stored packed by the all-reduce cap; ZeRO's reduce-scatters per fused unit, its
+        gathers per group of units; one collective per bucket and axis, each parameter's event carrying
+        its bytes' share of that collective's time."""
         resharded = {t for t, *_ in cost.reshards}
-        bucketed = {(Collective.ALL_REDUCE, Purpose.GRAD_SYNC): lambda t: t not in zeroed,
-                    (Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER): lambda t: t in zeroed,
-                    (Collective.ALL_GATHER, Purpose.PARAM_GATHER): lambda t: t in zeroed}
-        priced: dict[int, list[CommEvent]] = {}
-        for (kind, purpose), wanted in bucketed.items():
-            syncs: dict[str, list[CommEvent]] = {}
+        zeroed = cost.zero_stages
+
+        def of(kind: Collective, purpose: Purpose) -> dict[str, list[CommEvent]]:
+            out: dict[str, list[CommEvent]] = {}
             for e in cost.events:
-                t = e.tensor
-                if e.purpose is purpose and e.kind is kind and t in self.param_owner and t not in resharded and wanted(t):
-                    syncs.setdefault(t, []).append(e)
-            grads = {t: (tuple(sorted({a for e in evs for a in e.axes})), evs[0].size_bytes) for t, evs in syncs.items()}
-            for axes, names in pack_buckets(grads, self.grad_bucket_bytes):
-                total = sum(grads[t][1] for t in names)
-                for a in axes:
-                    bucket_s = collective_time_s(self.profile, self.mesh, kind, total, (a,))
-                    for t in names:
-                        for e in syncs[t]:
-                            if e.axes == (a,):
-                                priced[id(e)] = [replace(e, time_s=bucket_s * e.size_bytes / total)]
+                if e.purpose is purpose and e.kind is kind and e.tensor in self.param_owner and e.tensor not in resharded:
+                    out.setdefault(e.tensor, []).append(e)
+            return out
+
+        priced: dict[int, list[CommEvent]] = {}
+
+        def share(kind: Collective, names: list[str] | tuple[str, ...], syncs: dict[str, list[CommEvent]]) -> None:
+            evs = [e for t in names for e in syncs[t]]
+            for a in sorted({a for e in evs for a in e.axes}):
+                on_axis = [e for e in evs if e.axes == (a,)]
+                total = sum(e.size_bytes for e in on_axis)
+                bucket_s = collective_time_s(self.profile, self.mesh, kind, total, (a,))
+                priced.update({id(e): [replace(e, time_s=bucket_s * e.size_bytes / total)] for e in on_axis})
+
+        syncs = {t: evs for t, evs in of(Collective.ALL_REDUCE, Purpose.GRAD_SYNC).items() if t not in zeroed}
+        grads = {t: (_axes(evs), evs[0].size_bytes) for t, evs in syncs.items()}
+        fusion = cost.fusion
+        for _, names in pack_buckets(grads, fusion.allreduce):
+            share(Collective.ALL_REDUCE, names, syncs)
+        scatters = of(Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER)
+        gathers = of(Collective.ALL_GATHER, Purpose.PARAM_GATHER)
+        units = zero_units({t: (_axes(evs), max(e.size_bytes for e in evs)) for t, evs in scatters.items()
+                            if t in zeroed}, zeroed, fusion)
+        for unit in units:
+            share(Collective.REDUCE_SCATTER, unit.names, scatters)
+        weights = {t: max(e.size_bytes for e in gathers[t]) for u in units for t in u.names}
+        for group in gather_groups(units, weights, fusion.allgather):
+            share(Collective.ALL_GATHER, [t for i in group for t in units[i].names], gathers)
         cost.replace_events(priced)
+
+
+def _axes(events: list[CommEvent]) -> tuple[int, ...]:
+    return tuple(sorted({a for e in events for a in e.axes}))
+
+
+_FUSED = {Collective.ALL_REDUCE: "allreduce", Collective.ALL_GATHER: "allgather",
+          Collective.REDUCE_SCATTER: "reducescatter"}
 
 
 def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:

@@ -30,33 +30,46 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
     (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
     CPU performs an all_to_all as all_gather + local chunk."""
-    from costmodel.buckets import pack_buckets
+    from costmodel.buckets import gather_groups, pack_buckets, zero_units
 
     params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
     resharded = {r.tensor for r in strategy.reshards}
     axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
     k = strategy.training.micro_batches
+    fusion = strategy.training.comm_fusion
     out: Counter[str] = Counter()
-    # A parameter's gradient all-reduce (ZeRO: its reduce-scatter and the updated shard's gather) when
-    # it is used where stored: bucketed, per kind.
-    bucketed_kinds = {Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER}
-    bucketed: dict[tuple[Collective, Cadence], dict[str, tuple[set[int], float]]] = {}
+    # A parameter's gradient all-reduce (ZeRO: its reduce-scatters and the updated shard's gathers) when
+    # it is used where stored: bucketed (`costmodel.buckets`) — tensor → (axes, bytes) per purpose.
+    bucketed: dict[Purpose, dict[str, tuple[set[int], float]]] = {p: {} for p in _BUCKETED}
+    stages: dict[str, int] = {}
     for node in strategy.nodes.values():
         for c in node.collectives:
-            if c.purpose in bucketed_kinds and c.tensor in params and c.tensor not in resharded:
-                group = bucketed.setdefault((c.kind, c.cadence), {})
-                axes, nbytes = group.get(c.tensor, (set(), c.bytes))
-                group[c.tensor] = (axes | {axis_index[a] for a in c.axes}, nbytes)
+            if c.purpose in _BUCKETED and c.tensor in params and c.tensor not in resharded:
+                axes, nbytes = bucketed[c.purpose].get(c.tensor, (set(), 0.0))
+                bucketed[c.purpose][c.tensor] = (axes | {axis_index[a] for a in c.axes}, max(nbytes, c.bytes))
+                if c.purpose is Purpose.GRAD_REDUCE_SCATTER:
+                    stages[c.tensor] = 2 if c.cadence is Cadence.MICRO_BATCH else 1
                 continue
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":
                 kind = Collective.ALL_GATHER
             out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
-    for (kind, cadence), group in bucketed.items():
-        for bucket_axes, _ in pack_buckets({t: (tuple(sorted(a)), b) for t, (a, b) in group.items()},
-                                           strategy.training.bucket_bytes):
-            out[kind.value] += len(bucket_axes) * (k if cadence is Cadence.MICRO_BATCH else 1)
+
+    def grads(purpose: Purpose) -> dict[str, tuple[tuple[int, ...], float]]:
+        return {t: (tuple(sorted(axes)), b) for t, (axes, b) in bucketed[purpose].items()}
+
+    for bucket_axes, _ in pack_buckets(grads(Purpose.GRAD_SYNC), fusion.allreduce):
+        out[Collective.ALL_REDUCE.value] += len(bucket_axes)
+    units = zero_units(grads(Purpose.GRAD_REDUCE_SCATTER), stages, fusion)
+    for unit in units:
+        out[Collective.REDUCE_SCATTER.value] += len(unit.axes) * (k if unit.stage == 2 else 1)
+    weights = {t: b for t, (_, b) in bucketed[Purpose.PARAM_GATHER].items()}
+    for group in gather_groups(units, weights, fusion.allgather):
+        out[Collective.ALL_GATHER.value] += len(units[group[0]].axes)
     return dict(out)
+
+
+_BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER)
 
 
 def check_step(strategy: Strategy, graph: OpGraph) -> None:

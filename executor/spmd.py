@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
 from executor.ops import fused_attention, run_op
-from executor.zero import Regather, ZeroBucket
+from executor.zero import Regather, ZeroBucket, gather_units
 from planner import placement as mp
 from planner.graph import OpNode
 from planner.placement import Spec, chunk, gradient_spec, split_axes
@@ -133,8 +133,13 @@ class SpmdRunner:
     def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
         self.regather = Regather(self)  # ZeRO-3 / FSDP: gathered parameters gathered again for backward
-        self.zero_stage = strategy.training.zero_stage % 3  # ZeRO-3 is in the placements: DTensor gathers them
+        # ZeRO-1/2 per parameter as planned (files from before per-parameter stages: every parameter at or
+        # above the threshold at the plan's stage). ZeRO-3 is in the placements: DTensor gathers them.
+        tr = strategy.training
+        self.zero_stages = tr.zero_stages
+        self._has_zero2 = 2 in tr.zero_stages.values() if tr.zero_stages is not None else tr.zero_stage % 3 == 2
         self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
+        self._gathers: list[list[ZeroBucket]] = []  # the buckets gathered together after the optimizer step
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
         self.graph = module.graph
         self._constants: dict[tuple[str, tuple[Placement, ...]], torch.Tensor] = {}
@@ -359,8 +364,8 @@ class SpmdRunner:
         for axes, flat in self._buckets:
             for a in axes:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
-        if self.zero_stage == 1:
-            for b in self._zero:
+        for b in self._zero:
+            if b.stage == 1:
                 assert b.grads is not None  # ZeRO-1 buckets keep the whole gradients
                 b.reduce_scatter(b.grads)
         return len(self._buckets) + len(self._zero)
@@ -368,11 +373,13 @@ class SpmdRunner:
     def after_micro_batch(self) -> None:
         """ZeRO-2: each micro-batch's gradients reduce-scattered at once and added to this rank's shard;
         the whole gradients freed until the next backward."""
-        if self.zero_stage != 2:
+        if not self._has_zero2:
             return
         if self._buckets is None:
             self._pack()
         for b in self._zero:
+            if b.stage != 2:
+                continue
             params = [self._params[n] for n in b.names]
             flat = torch.zeros_like(b.weights)
             torch.cat([p.grad.reshape(-1) for p in params], out=flat[:b.numel])  # every one set: see `_pack`
@@ -385,24 +392,25 @@ class SpmdRunner:
         buckets (`costmodel.buckets`). Without ZeRO each gradient becomes a view of its bucket; with it,
         the parameters of a bucket become views of one flat buffer too (the seed's tensor fusion), of
         which each rank of the data-parallel group owns a contiguous shard for the optimizer."""
-        from costmodel.buckets import pack_buckets
+        from costmodel.buckets import gather_groups, pack_buckets, zero_units
 
         grads = {name: (tuple(sorted(axes)), float(p.numel() * p.element_size()))
                  for name, axes in self.partial_grads.items() if axes and (p := self._params[name]).grad is not None}
-        cap, threshold = self.strategy.training.bucket_bytes, self.strategy.training.zero_threshold_bytes
-        zeroed = {n for n, (_, nbytes) in grads.items() if self.zero_stage and nbytes >= threshold}
+        tr = self.strategy.training
+        if self.zero_stages is not None:
+            stages = {n: s for n, s in self.zero_stages.items() if n in grads}
+        else:
+            stages = {n: tr.zero_stage % 3 for n, (_, nbytes) in grads.items()
+                      if tr.zero_stage % 3 and nbytes >= tr.zero_threshold_bytes}
         self._buckets = []
-        packed = [(axes, names, True) for axes, names in pack_buckets({n: grads[n] for n in zeroed}, cap)]
-        packed += [(axes, names, False) for axes, names in pack_buckets({n: g for n, g in grads.items()
-                                                                         if n not in zeroed}, cap)]
-        for axes, names, zero in packed:
+        units = zero_units({n: grads[n] for n in stages}, stages, tr.comm_fusion)
+        for unit in units:
+            self._bucketed.update(unit.names)
+            self._zero.append(ZeroBucket.pack(self, unit))
+        self._gathers = [[self._zero[i] for i in group] for group in gather_groups(
+            units, {n: grads[n][1] for u in units for n in u.names}, tr.comm_fusion.allgather)]
+        for axes, names in pack_buckets({n: g for n, g in grads.items() if n not in stages}, tr.comm_fusion.allreduce):
             self._bucketed.update(names)
-            if zero:
-                if len(axes) != 1:
-                    raise RuntimeError(f"ZeRO over a gradient reduced on several mesh axes ({', '.join(names[:3])}) "
-                                       "is not run yet; plan with --zero 0")
-                self._zero.append(ZeroBucket.pack(self, axes[0], names))
-                continue
             params = [self._params[n] for n in names]
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # every one set: see `grads`
             offset = 0
@@ -419,8 +427,8 @@ class SpmdRunner:
 
     def after_optimizer_step(self) -> None:
         """ZeRO: every rank's updated shard all-gathered into the flat parameters (the module's views)."""
-        for b in self._zero:
-            b.gather()
+        for group in self._gathers:
+            gather_units(group)
 
     def zero_grad(self) -> None:
         """Before a step: bucketed gradients zeroed in place (one fill per bucket, their views kept),
@@ -430,7 +438,7 @@ class SpmdRunner:
         for b in self._zero:
             b.zero_grad()
         for name, p in self._params.items():
-            if name not in self._bucketed or (self.zero_stage == 2 and any(name in b.names for b in self._zero)):
+            if name not in self._bucketed or any(b.stage == 2 and name in b.names for b in self._zero):
                 p.grad = None
 
     def gradient(self, name: str) -> torch.Tensor:
@@ -443,7 +451,7 @@ class SpmdRunner:
     def grad_shard_bytes(self) -> int:
         """Bytes of gradient shards held apart from the parameters' gradients (ZeRO-2)."""
         return sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self._zero
-                   if self.zero_stage == 2 and b.shard.grad is not None)
+                   if b.stage == 2 and b.shard.grad is not None)
 
     def full_parameter(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """The whole parameter (or gradient) from this rank's shard: a gather over the mesh."""

@@ -1,11 +1,12 @@
 """ZeRO in the executor. ZeRO-1/2: a gradient bucket whose optimizer states (and gradients) are sharded
-over one mesh axis, with its parameters fused into one flat buffer (the seed's ZeRO-1 tensor fusion).
+over its mesh axes, with its parameters fused into one flat buffer (the seed's ZeRO-1 tensor fusion).
 ZeRO-3 / FSDP: a parameter gathered from its shards for use is saved for backward only as how to
 gather it again (FSDP's reshard after forward), and gathered again when backward needs it."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -14,36 +15,42 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from costmodel.buckets import ZeroUnit
     from executor.spmd import SpmdRunner
 
 
 @dataclass
 class ZeroBucket:
-    """ZeRO-1/2 on one gradient bucket reduced over one mesh axis: its parameters are views of one
-    flat buffer (`weights`, padded to a multiple of the group size), each rank of the axis owns a
-    contiguous shard of it (`shard`, a view: what the optimizer steps, its states a shard's size).
-    ZeRO-1 keeps the whole gradients as views of `grads` and reduce-scatters once per step (the
-    shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2 has no whole gradient buffer: it
-    reduce-scatters every micro-batch's gradients into `shard.grad` and frees them. After the
-    optimizer step the shards are all-gathered back into `weights`."""
+    """ZeRO-1/2 on one fused unit (`costmodel.buckets.ZeroUnit`): its parameters are views of one flat
+    buffer (`weights`, padded to a multiple of the group size), each rank owns a contiguous shard of it
+    (`shard`, a view: what the optimizer steps, its states a shard's size). Over several mesh axes the
+    buffer is reduce-scattered over the first axis, then the part left over the second, and so on;
+    the shard is where that leaves this rank. ZeRO-1 keeps the whole gradients as views of `grads` and
+    reduce-scatters once per step (the shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2
+    has no whole gradient buffer: it reduce-scatters every micro-batch's gradients into `shard.grad` and
+    frees them. After the optimizer step the shards are all-gathered back into `weights`
+    (`gather_units`, several units in one collective per axis)."""
 
     names: list[str]
     offsets: dict[str, int]  # where each parameter starts in the flat buffers
-    group: Any
+    axes: tuple[int, ...]
+    groups: list[Any]  # the process group of each axis
+    stage: int
     numel: int  # of the parameters (the buffers are padded beyond it)
     weights: torch.Tensor
     grads: torch.Tensor | None  # ZeRO-1 only
     shard: torch.nn.Parameter
 
     @classmethod
-    def pack(cls, runner: SpmdRunner, axis: int, names: list[str]) -> ZeroBucket:
+    def pack(cls, runner: SpmdRunner, unit: ZeroUnit) -> ZeroBucket:
         mesh = runner.mesh
+        names = list(unit.names)
         params = [runner._params[n] for n in names]
         numel = sum(p.numel() for p in params)
-        size, rank = int(mesh.shape[axis]), int(mesh.get_local_rank(axis))
-        chunk = -(-numel // size)
-        weights = torch.zeros(chunk * size, dtype=params[0].dtype, device=params[0].device)
-        grads = torch.zeros_like(weights) if runner.zero_stage == 1 else None
+        sizes = [int(mesh.shape[a]) for a in unit.axes]
+        chunk = -(-numel // math.prod(sizes))
+        weights = torch.zeros(chunk * math.prod(sizes), dtype=params[0].dtype, device=params[0].device)
+        grads = torch.zeros_like(weights) if unit.stage == 1 else None
         offset, offsets = 0, {}
         for name, p in zip(names, params, strict=True):
             n = p.numel()
@@ -57,22 +64,29 @@ class ZeroBucket:
             runner._params[name] = view
             runner.module.params[runner.module.param_names[name]] = view
             offset += n
-        shard = nn.Parameter(weights[rank * chunk:(rank + 1) * chunk])
-        shard.grad = (grads[rank * chunk:(rank + 1) * chunk] if grads is not None
+        start, length = 0, weights.numel()
+        for a, size in zip(unit.axes, sizes, strict=True):  # each reduce-scatter keeps this rank's part
+            length //= size
+            start += int(mesh.get_local_rank(a)) * length
+        shard = nn.Parameter(weights[start:start + chunk])
+        shard.grad = (grads[start:start + chunk] if grads is not None
                       else torch.zeros(chunk, dtype=weights.dtype, device=weights.device))
-        return cls(names=names, offsets=offsets, group=mesh.get_group(axis), numel=numel, weights=weights,
-                   grads=grads, shard=shard)
+        return cls(names=names, offsets=offsets, axes=unit.axes, groups=[mesh.get_group(a) for a in unit.axes],
+                   stage=unit.stage, numel=numel, weights=weights, grads=grads, shard=shard)
 
     def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
         import torch.distributed as dist
 
+        part = flat
+        for group in self.groups:
+            out = torch.empty(part.numel() // dist.get_world_size(group), dtype=part.dtype, device=part.device)
+            dist.reduce_scatter_tensor(out, part.contiguous(), group=group)
+            part = out
         grad = self.shard_grad
-        out = torch.empty_like(grad)
-        dist.reduce_scatter_tensor(out, flat, group=self.group)
         if accumulate:
-            grad.add_(out)
+            grad.add_(part)
         else:
-            grad.copy_(out)
+            grad.copy_(part)
 
     @property
     def shard_grad(self) -> torch.Tensor:
@@ -80,24 +94,41 @@ class ZeroBucket:
         assert self.shard.grad is not None
         return self.shard.grad
 
-    def gather(self) -> None:
-        import torch.distributed as dist
-
-        with torch.no_grad():
-            dist.all_gather_into_tensor(self.weights, self.shard.detach().clone(), group=self.group)
-
     def zero_grad(self) -> None:
         self.shard_grad.zero_()
         if self.grads is not None:
             self.grads.zero_()
 
     def full_gradient(self, name: str, p: torch.nn.Parameter) -> torch.Tensor:
-        import torch.distributed as dist
-
-        whole = torch.empty_like(self.weights)
-        dist.all_gather_into_tensor(whole, self.shard_grad.contiguous(), group=self.group)
+        (whole,) = _gather([self.shard_grad.detach()], self.groups)
         start = self.offsets[name]
         return whole[start:start + p.numel()].view_as(p)
+
+
+def gather_units(units: list[ZeroBucket]) -> None:
+    """After the optimizer step: the units' updated shards all-gathered into their flat parameters, one
+    all-gather per axis for them all (MindSpore's allgather fusion)."""
+    with torch.no_grad():
+        for unit, whole in zip(units, _gather([u.shard.detach() for u in units], units[0].groups), strict=True):
+            unit.weights.copy_(whole)
+
+
+def _gather(pieces: list[torch.Tensor], groups: list[Any]) -> list[torch.Tensor]:
+    """Undo the reduce-scatters: over the axes in reverse, the pieces concatenated, all-gathered, and
+    each piece's part of every rank's contribution put back together (rank-major)."""
+    import torch.distributed as dist
+
+    for group in reversed(groups):
+        n = dist.get_world_size(group)
+        cat = torch.cat([p.reshape(-1) for p in pieces])
+        out = torch.empty(n * cat.numel(), dtype=cat.dtype, device=cat.device)
+        dist.all_gather_into_tensor(out, cat, group=group)
+        rows, offset, parts = out.view(n, cat.numel()), 0, []
+        for p in pieces:
+            parts.append(rows[:, offset:offset + p.numel()].reshape(-1))
+            offset += p.numel()
+        pieces = parts
+    return pieces
 
 
 @dataclass(frozen=True)

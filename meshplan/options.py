@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
+
+if TYPE_CHECKING:
+    from costmodel.buckets import CommFusion
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -118,3 +121,37 @@ def parse_size(text: str, option: str, *, allow_zero: bool = False) -> float:
     if value < 0 or (value == 0 and not allow_zero):
         raise MeshplanError(f"{option} {text}: give a positive size, e.g. 25MB")
     return value
+
+
+def parse_zero(text: str) -> int | None:
+    """`--zero 0|1|2|3|auto` → the stage, or None for auto."""
+    from planner.errors import MeshplanError
+
+    t = text.strip().lower()
+    if t == "auto":
+        return None
+    if t not in ("0", "1", "2", "3"):
+        raise MeshplanError(f"--zero {text}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
+    return int(t)
+
+
+def parse_fusion(text: str) -> CommFusion | None:
+    """`--comm-fusion` → bucket caps: "25MB" (every kind), "allreduce=25MB,allgather=50MB" (the kinds not
+    named keep DDP's 25 MB), or "auto" (None: the planner chooses)."""
+    from costmodel.buckets import FUSION_KINDS, CommFusion
+    from planner.errors import MeshplanError
+
+    t = text.strip()
+    if t.lower() == "auto":
+        return None
+    if "=" not in t:
+        return CommFusion.uniform(parse_size(t, "--comm-fusion"))
+    sizes: dict[str, float] = {}
+    for item in t.split(","):
+        kind, _, size = item.partition("=")
+        kind = kind.strip().lower()
+        if kind not in FUSION_KINDS or not size.strip():
+            raise MeshplanError(f"--comm-fusion {text}: {item.strip()!r} is not KIND=SIZE with KIND one of "
+                                f"{', '.join(FUSION_KINDS)} (e.g. allreduce=25MB,allgather=50MB), a size, or auto")
+        sizes[kind] = parse_size(size, f"--comm-fusion {kind}")
+    return CommFusion(**sizes)

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -13,7 +14,7 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from hwprofiles.report import CalibrationReport
-    from planner.strategy import Strategy
+    from planner.strategy import Strategy, TrainingSettings
 
 console = Console()
 err_console = Console(stderr=True)
@@ -85,8 +86,9 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
     tr = s.training
     if tr.global_batch_size is not None:
         head.add_row("batch", f"{tr.global_batch_size} per step = {tr.micro_batches} micro-step(s) × "
-                     f"{tr.micro_batch_size} per data-parallel rank; ZeRO stage {tr.zero_stage}; recomputation "
-                     f"{tr.recompute_policy}")
+                     f"{tr.micro_batch_size} per data-parallel rank; ZeRO {zero_text(tr)}; recomputation "
+                     f"{recompute_text(tr)}")
+        head.add_row("comm fusion", str(tr.comm_fusion))
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
     if c.hidden_comm_s:
         overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"
@@ -224,7 +226,7 @@ def render_layout_comparison(held: Strategy, best: Strategy) -> None:
     for name, s in ((f"layout {held.training.layout}", held), ("ILP's best", best)):
         tr, limit = s.training, s.settings.memory_limit_bytes
         t.add_row(name, " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)),
-                  f"{tr.micro_batches} × {tr.micro_batch_size}", str(tr.zero_stage), tr.recompute_policy,
+                  f"{tr.micro_batches} × {tr.micro_batch_size}", zero_text(tr), recompute_text(tr),
                   f"{s.cost.step_time_s * 1e3:.1f} ms", fmt_bytes(s.cost.memory_bytes_per_device),
                   "yes" if limit is None or s.cost.memory_bytes_per_device <= limit else "no")
     console.print(t)
@@ -235,3 +237,23 @@ def render_layout_comparison(held: Strategy, best: Strategy) -> None:
                       f"{fmt_bytes(limit)}); the ILP's best that fits takes {best.cost.step_time_s * 1e3:.1f} ms")
     else:
         console.print(f"the layout's step is {ratio:.2f}× the ILP's best")
+
+
+def zero_text(tr: TrainingSettings) -> str:
+    """The plan's ZeRO: its stage, and how many parameters (tied ones counted alone) take each."""
+    if tr.zero_stages is None:
+        return f"stage {tr.zero_stage}"
+    counts = Counter(tr.zero_stages.values())
+    parts = ", ".join(f"{n} at stage {stage}" for stage, n in sorted(counts.items()))
+    return f"stage {tr.zero_stage}" + (f" ({parts} parameters)" if parts else "")
+
+
+def recompute_text(tr: TrainingSettings) -> str:
+    """The recomputation policy per layer group, with the layers recomputed where not all are."""
+    if not tr.recompute:
+        return "none"
+    out = []
+    for group, policy in tr.recompute.items():
+        n = tr.recompute_layers.get(group)
+        out.append(f"{policy}" + (f" on {n} layer(s) of {group}" if n is not None else ""))
+    return "; ".join(out)

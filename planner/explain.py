@@ -59,7 +59,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     cm = CostModel(graph, mesh, profile, PRECISIONS[settings.dtype], loss=settings.loss,
                    micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage,
                    recompute=strategy.training.recompute_policy, composer=strategy.cost.composer,
-                   grad_bucket_bytes=strategy.training.bucket_bytes,
+                   fusion=strategy.training.comm_fusion,
                    zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes
     c = strategy.cost
@@ -139,7 +139,7 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
     if graph.layers and cm.recompute != "full":
         full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
                          zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
-                         grad_bucket_bytes=cm.grad_bucket_bytes, zero_threshold_bytes=cm.zero_threshold_bytes)
+                         fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes)
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

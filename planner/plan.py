@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from costmodel.buckets import GRAD_BUCKET_BYTES
+from costmodel.buckets import CommFusion
 from costmodel.collectives import Phase
 from costmodel.compose import POLICIES, StepCost
 from costmodel.memory import PRECISIONS, Precision
@@ -78,12 +78,14 @@ class PlanRequest:
     # is bound at one micro-step's batch, global / steps. Without it, `--dim batch` is one step.
     global_batch_size: int | None = None
     accumulation_steps: int | None = None
-    zero_stage: int = 0
+    zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
     recompute: str = "auto"  # none | selective | full | auto (none unless only full fits)
     layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
-    bucket_bytes: float = GRAD_BUCKET_BYTES  # communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb)
+    # Communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb): bucket caps per kind, or None:
+    # auto (the fastest of FUSION_CANDIDATES per kind, priced on the plan found).
+    fusion: CommFusion | None = field(default_factory=CommFusion)
     zero_threshold_bytes: float = 0.0  # MindSpore's parallel_optimizer_threshold: smaller parameters unsharded
 
     def __post_init__(self) -> None:
@@ -116,14 +118,12 @@ class PlanRequest:
                 raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
                                     f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
                                     f"divides it")
-        if self.bucket_bytes <= 0:
-            raise MeshplanError(f"--comm-fusion {self.bucket_bytes:g} bytes: give a positive bucket size, e.g. 25MB")
         if self.composer not in POLICIES:
             raise MeshplanError(f"composer {self.composer}: choose {', '.join(POLICIES)}")
         if self.recompute not in (*RECOMPUTE, "auto"):
             raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2 or 3 (ZeRO's stages)")
+        if self.zero_stage not in (None, 0, 1, 2, 3):
+            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
         if self.zero_stage == 3 and (self.mode not in ("auto", "semi") or self.search != "ilp"):
             raise MeshplanError(f"--zero 3 places the parameters through the ILP: use --mode auto or semi (for data "
                                 f"parallelism with FSDP, --layout dp_shard=N), not {self.mode}")
@@ -170,6 +170,15 @@ class PlanRequest:
         if self.global_batch_size is None:
             return dict(self.dims)
         return {**self.dims, "batch": self.global_batch_size // steps}
+
+
+    def zero_options(self) -> tuple[int, ...]:
+        """The ZeRO-1/2 stages a parameter may take (ZeRO-3 is a placement, chosen by the ILP)."""
+        return (0, 1, 2) if self.zero_stage is None else (self.zero_stage % 3,)
+
+
+# Bucket caps `--comm-fusion auto` chooses among, per fused kind.
+FUSION_CANDIDATES = tuple(float(mib * 2**20) for mib in (1, 4, 25, 100, 400))
 
 
 def _divisors(n: int) -> list[int]:
@@ -252,8 +261,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
         cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                       micro_batches=steps, zero_stage=req.zero_stage, recompute=recompute, composer=req.composer,
-                       grad_bucket_bytes=req.bucket_bytes, zero_threshold_bytes=req.zero_threshold_bytes)
+                       micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=recompute, composer=req.composer,
+                       fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes)
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -263,16 +272,27 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
             if req.mode in ("auto", "semi") and req.search == "ilp":
                 say(f"mesh {mesh}: solving")
                 # A hand layout is priced as it is, fitting or not (the table says which).
-                ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=None if layout is not None else limit,
-                                  pins=pins, follow=req.follow,
-                                  options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
-                                  param_layout=_param_layout(req, layout, graph, mesh))
-                sol = ilp.solve()
-                choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
+                no_zero: frozenset[str] = frozenset()
+                while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
+                    # stored: a parameter the solver sharded but pricing finds otherwise is held at stage 0
+                    ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=None if layout is not None else limit,
+                                      pins=pins, follow=req.follow,
+                                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
+                                      param_layout=_param_layout(req, layout, graph, mesh),
+                                      zero_stages=req.zero_options(), no_zero=no_zero)
+                    sol = ilp.solve()
+                    choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
+                    cost = cm.price(choice, param_specs, zero=sol.zero)
+                    unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
+                    if not unsharded:
+                        break
+                    no_zero |= unsharded
             else:
                 say(f"mesh {mesh}: propagating")
                 choice, param_specs, stats = propagate(graph, rules, cm, pins)
-            cost = cm.price(choice, param_specs)
+                cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit)
+            if req.fusion is None:
+                cost = _best_fusion(cm, cost)
             if cost.memory_bytes > limit and req.mode != "auto" and layout is None:
                 raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.1f} GiB per device "
                                     f"but --memory-limit is {limit / 2**30:.1f} GiB; raise --memory-limit, add "
@@ -303,11 +323,14 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         for c in candidates)
     micro = _batch(graph)
     dp = cost.placed[graph.inputs[0]].num_shards(0, mesh.shape) if graph.inputs and graph.inputs[0] in cost.placed else 1
-    training = TrainingSettings(micro_batches=steps, zero_stage=req.zero_stage,
+    zero = dict(cost.priced.zero_stages)
+    training = TrainingSettings(micro_batches=steps,
+                                zero_stage=req.zero_stage if req.zero_stage is not None else max(zero.values(), default=0),
+                                zero_stages=zero, comm_fusion=cost.priced.fusion,
                                 recompute={group.prefix: recompute for group in graph.layers} if recompute != "none" else {},
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
-                                layout=str(layout) if layout is not None else None, bucket_bytes=req.bucket_bytes,
+                                layout=str(layout) if layout is not None else None,
                                 zero_threshold_bytes=req.zero_threshold_bytes)
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
@@ -329,6 +352,30 @@ def _param_layout(req: PlanRequest, layout: Layout | None, graph: OpGraph,
         return fully_sharded(graph.tensors[param].shape, mesh.shape, stored) or stored
 
     return zero3
+
+
+def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],
+                       stages: tuple[int, ...], limit: float) -> StepCost:
+    """A propagated plan (no ILP to choose per parameter): every parameter at one ZeRO stage, the
+    fastest that fits (less memory among equals; the smallest if none fits)."""
+    priced = [cm.price(choice, param_specs, zero=dict.fromkeys(param_specs, s)) for s in stages]
+    fitting = [c for c in priced if c.memory_bytes <= limit]
+    if not fitting:
+        return min(priced, key=lambda c: c.memory_bytes)
+    return min(fitting, key=lambda c: (c.step_time_s, c.memory_bytes))
+
+
+def _best_fusion(cm: CostModel, cost: StepCost) -> StepCost:
+    """`--comm-fusion auto`: per fused kind in turn, the bucket cap among FUSION_CANDIDATES that makes
+    the step fastest (the larger among equals: fewer collectives), the plan's items priced once."""
+    best = cost
+    for kind in ("allreduce", "reducescatter", "allgather"):
+        for size in FUSION_CANDIDATES:
+            fusion = replace(best.priced.fusion, **{kind: size})
+            trial = cm.rebucket(best.priced, fusion)
+            if trial.step_time_s <= best.step_time_s:
+                best = trial
+    return best
 
 
 def profile_source(name_or_path: str) -> str:

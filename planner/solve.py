@@ -11,7 +11,9 @@ Shrinking first, so that decisions are few while every node keeps its own strate
 Each graph node n maps to a decision d(n) and a function σ_n from d's choices to n's strategies.
 
 Decisions d: compute decisions (a node and its followers) and parameter decisions (the spec a tied
-parameter is stored in; choices: every spec some consumer strategy requires for it).
+parameter is stored in, and its ZeRO-1/2 stage; choices: every spec some consumer strategy requires
+for it, and its fully sharded form (ZeRO-3 / FSDP), each at every stage the request allows where the
+spec leaves the parameter replicated on some axis).
 Edges e = (u → v, tensor t) with d(u) ≠ d(v), tied like their ends, with multiplicity m_e.
 
 Variables
@@ -25,7 +27,8 @@ Objective (integer nanoseconds of one training step)
   d under choice i (for a parameter: the optimizer step on its local, ZeRO-sharded part), plus
   the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
   reshard of t and the backward work on its gradient (`CostModel.edge_events`; per-micro-batch
-  collectives × k, a parameter's gradient reduction once). Each edge is priced
+  collectives × k, a parameter's gradient reduction once, or at ZeRO-1/2 its reduce-scatters and
+  gathers, `CostModel.zero_events`). Each edge is priced
   alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
   per consumer, where execution (and `CostModel.price`) reduces once — the objective is then an upper
   bound of the priced step.
@@ -87,6 +90,7 @@ class Solution:
     choice: dict[str, OpStrategy]  # every compute node
     param_specs: dict[str, Spec]  # every parameter
     stats: SolverStats
+    zero: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where one was chosen
     constraints_by_family: dict[str, int] = field(default_factory=dict)
 
 
@@ -130,10 +134,15 @@ class ShardingILP:
 
     def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, memory_limit_bytes: float | None = None,
                  pins: Mapping[str, Spec] | None = None, options: SolverOptions | None = None,
-                 follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None) -> None:
+                 follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None,
+                 zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset()) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
-        FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it."""
+        FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
+        `zero_stages`: the ZeRO-1/2 stages a parameter may take (default: the cost model's stage);
+        `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored)."""
         self.graph, self.rules, self.cost = graph, rules, cost
+        self.no_zero = no_zero
+        self.zero_options = zero_stages if zero_stages is not None else (cost.zero_stage,)
         self.memory_limit_bytes = memory_limit_bytes
         self.pins = dict(pins or {})
         self.param_layout = param_layout
@@ -166,7 +175,8 @@ class ShardingILP:
                 if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and t not in self.param_rep:
                     self.param_rep[t] = rep_node.inputs[i] if rep_node.inputs[i] in g.tensors else t
         self.params = sorted(set(self.param_rep.values()))
-        self.param_specs: dict[str, list[Spec]] = {}
+        self.param_specs: dict[str, list[Spec]] = {}  # per choice: the stored spec, and its ZeRO stage
+        self.param_stages: dict[str, list[int]] = {}
         for p in self.params:
             opts: dict[Spec, None] = {}
             for n in g.compute_nodes:
@@ -187,7 +197,19 @@ class ShardingILP:
                                         opts[fsdp] = None
             if p not in self.pins and not opts:
                 raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change --layout")
-            self.param_specs[p] = [self.pins[p]] if p in self.pins else list(opts)
+            choices = [(spec, stage) for spec in ([self.pins[p]] if p in self.pins else list(opts))
+                       for stage in self._stages(p, spec)]
+            self.param_specs[p] = [spec for spec, _ in choices]
+            self.param_stages[p] = [stage for _, stage in choices]
+
+    def _stages(self, param: str, spec: Spec) -> list[int]:
+        """The ZeRO-1/2 stages worth a choice for a parameter stored at `spec`: those allowed, where it is
+        replicated on some axis and not below the threshold (elsewhere only 0: nothing to shard)."""
+        replicated = any(isinstance(p, Replicate) and n > 1
+                         for p, n in zip(spec.placements, self.rules.mesh.shape, strict=True))
+        if not replicated or not self.cost.zero_eligible(param) or param in self.no_zero:
+            return [0]
+        return sorted(set(self.zero_options))
 
     def _fully_sharded(self, param: str, spec: Spec) -> Spec | None:
         return fully_sharded(self.graph.tensors[param].shape, self.rules.mesh.shape, spec)
@@ -274,11 +296,13 @@ class ShardingILP:
         _, m = self.sigma[NodeDecision(node)]
         return self._strategies(node)[m[choice]]
 
-    def _producer_spec(self, e: _Edge, choice: int) -> Spec:
+    def _producer_spec(self, e: _Edge, choice: int) -> tuple[Spec, int]:
+        """The spec the edge's tensor is produced (stored) in, and (a parameter's) ZeRO stage."""
         if isinstance(e.producer, ParamDecision):
-            return self.param_specs[e.producer.param][choice]
+            p = e.producer.param
+            return self.param_specs[p][choice], self.param_stages[p][choice]
         assert e.producer_node is not None
-        return self._node_strategy(e.producer_node, choice).output_specs[e.out_index]
+        return self._node_strategy(e.producer_node, choice).output_specs[e.out_index], 0
 
     def _consumer_class(self, e: _Edge, choice: int) -> tuple[Spec, frozenset[int]]:
         """What an edge's cost depends on at the consumer: the spec it requires and the axes on which
@@ -289,9 +313,10 @@ class ShardingILP:
         split = frozenset(a for a in self.cost.split_axes(st) if isinstance(spec.placements[a], Replicate))
         return spec, split
 
-    def _edge_s(self, e: _Edge, src: Spec, dst: Spec, split: frozenset[int]) -> float:
-        return self.cost.edge_time_s(e.tensor, src, dst, split, recomputed=e.consumer_node in self.cost.layer_of,
-                                     saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node], e.in_index))
+    def _edge_s(self, e: _Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int]) -> float:
+        return self.cost.edge_time_s(e.tensor, src[0], dst, split, recomputed=e.consumer_node in self.cost.layer_of,
+                                     saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node], e.in_index),
+                                     zero_stage=src[1])
 
     # -- variables -----------------------------------------------------------------------------------
 
@@ -316,7 +341,7 @@ class ShardingILP:
                     dst, split = self._consumer_class(e, c)
                     self.inner_cost[e.producer][c] += e.multiplicity * self._edge_s(e, self._producer_spec(e, c), dst, split)
                 continue
-            producer_class: dict[Spec, list[int]] = defaultdict(list)
+            producer_class: dict[tuple[Spec, int], list[int]] = defaultdict(list)
             for c in range(self.decisions[e.producer]):
                 producer_class[self._producer_spec(e, c)].append(c)
             consumer_class: dict[tuple[Spec, frozenset[int]], list[int]] = defaultdict(list)
@@ -360,9 +385,10 @@ class ShardingILP:
         for owner, (d, m) in self.sigma.items():
             if isinstance(owner, ParamDecision):
                 p = owner.param
-                mem[d] = [self.cost.param_state_bytes(p, spec) * pmult[p] for spec in self.param_specs[p]]
-                costs[d] = [c + self.cost.optimizer_s(p, spec) * pmult[p] for c, spec in zip(costs[d], self.param_specs[p],
-                                                                                             strict=True)]
+                at = list(zip(self.param_specs[p], self.param_stages[p], strict=True))
+                mem[d] = [self.cost.param_state_bytes(p, spec, stage=stage) * pmult[p] for spec, stage in at]
+                costs[d] = [c + self.cost.optimizer_s(p, spec, stage=stage) * pmult[p]
+                            for c, (spec, stage) in zip(costs[d], at, strict=True)]
                 continue
             node = owner.node
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
@@ -428,7 +454,8 @@ class ShardingILP:
     def _hint_replicated(self) -> None:
         for d, xs in self.x.items():
             if isinstance(d, ParamDecision):
-                best = next((i for i, s in enumerate(self.param_specs[d.param]) if s.is_replicated), 0)
+                best = next((i for i, (s, z) in enumerate(zip(self.param_specs[d.param], self.param_stages[d.param],
+                                                                   strict=True)) if s.is_replicated and not z), 0)
             else:
                 best = next((i for i in range(len(xs)) if self._node_strategy(d.node, i).is_replicated), 0)
             for i, var in enumerate(xs):
@@ -465,6 +492,7 @@ class ShardingILP:
             d, m = self.sigma[NodeDecision(self.rep[n.name])]
             choice[n.name] = self.rules.by_node[n.name].strategies[m[picked[d]]]
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
+        zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         obj, bound = result.objective / NS_PER_S, result.bound / NS_PER_S
         stats = SolverStats(
             status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
@@ -472,7 +500,8 @@ class ShardingILP:
             num_constraints=self.model.num_constraints,
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
         )
-        return Solution(choice=choice, param_specs=param_specs, stats=stats, constraints_by_family=dict(self.constraint_counts))
+        return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero,
+                        constraints_by_family=dict(self.constraint_counts))
 
 
 def _merge_identical(vectors: list[tuple[int, ...]], members: list[list[int]]) -> list[tuple[int, list[int]]]:

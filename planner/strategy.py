@@ -22,7 +22,7 @@ from typing import Any
 
 import jsonschema
 
-from costmodel.buckets import GRAD_BUCKET_BYTES
+from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from planner.errors import MeshplanError
 from planner.graph import OpGraph
@@ -77,8 +77,25 @@ class TrainingSettings:
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
     layout: str | None = None  # the hand layout the plan was held to (torchtitan's degrees), if any
-    bucket_bytes: float = GRAD_BUCKET_BYTES  # communication fusion: the gradient (and ZeRO gather) buckets' size
+    comm_fusion: CommFusion = field(default_factory=CommFusion)  # bucket caps per fused kind
     zero_threshold_bytes: float = 0.0  # ZeRO-1/2 leave parameters smaller than this unsharded
+    # Parameter → ZeRO stage (1: optimizer states, 2: also gradients sharded over the axes its gradient
+    # is reduced on); absent: unsharded states. Written by the planner; None in files from before it,
+    # where every parameter at or above the threshold has `zero_stage`.
+    zero_stages: Mapping[str, int] | None = None
+    recompute_layers: Mapping[str, int] = field(default_factory=dict)  # group → its first n layers recomputed
+
+    @property
+    def bucket_bytes(self) -> float:
+        """The gradient all-reduce buckets' cap (DDP's bucket_cap_mb)."""
+        return self.comm_fusion.allreduce
+
+    def recomputed_layers(self, group: str, layers: int) -> int:
+        """How many of a group's `layers` are recomputed (the first ones): as planned, all where the
+        group is recomputed without a count, none where it is not recomputed."""
+        if group not in self.recompute:
+            return 0
+        return min(layers, self.recompute_layers.get(group, layers))
 
     @property
     def recompute_policy(self) -> str:
@@ -258,7 +275,10 @@ def _document(s: Strategy) -> dict[str, Any]:
         "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
                      "recompute": dict(s.training.recompute), "global_batch_size": s.training.global_batch_size,
                      "micro_batch_size": s.training.micro_batch_size, "layout": s.training.layout,
-                     "bucket_bytes": s.training.bucket_bytes, "zero_threshold_bytes": s.training.zero_threshold_bytes},
+                     "comm_fusion": s.training.comm_fusion.as_dict(),
+                     "zero_threshold_bytes": s.training.zero_threshold_bytes,
+                     "recompute_layers": dict(s.training.recompute_layers),
+                     **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
@@ -327,8 +347,7 @@ def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
     d["profile"].setdefault("source", d["profile"]["name"])
     d["settings"].setdefault("loss", "auto")
     d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
-                     "micro_batch_size": None, "layout": None, "bucket_bytes": GRAD_BUCKET_BYTES,
-                     "zero_threshold_bytes": 0.0}
+                     "micro_batch_size": None, "layout": None, "zero_threshold_bytes": 0.0}
     d["pipeline"] = {"stages": []}
     d["cost"] = {"composer": "serial", "hidden_comm_s": 0.0, "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
     d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
@@ -380,7 +399,11 @@ def _build(d: Mapping[str, Any]) -> Strategy:
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
                                   recompute=dict(tr["recompute"]), global_batch_size=tr["global_batch_size"],
                                   micro_batch_size=tr["micro_batch_size"], layout=tr["layout"],
-                                  bucket_bytes=tr["bucket_bytes"], zero_threshold_bytes=tr["zero_threshold_bytes"]),
+                                  comm_fusion=CommFusion(**tr["comm_fusion"]) if "comm_fusion" in tr else
+                                  CommFusion.uniform(tr.get("bucket_bytes", GRAD_BUCKET_BYTES)),
+                                  zero_threshold_bytes=tr["zero_threshold_bytes"],
+                                  zero_stages=dict(tr["zero_stages"]) if "zero_stages" in tr else None,
+                                  recompute_layers=dict(tr.get("recompute_layers", {}))),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),

@@ -11,7 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from costmodel.buckets import pack_buckets
+from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.collectives import Cadence, Collective, LinkLevel, Phase
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
@@ -219,7 +219,7 @@ def test_gradient_sync_is_bucketed(zoo: Callable[[str], Path]) -> None:
     assert sum(e.time_s for e in syncs) == pytest.approx(2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * total / 370e9)
     assert cost.comm_s == pytest.approx(sum(e.time_s for e in cost.events))
     # With 4 KiB buckets every bucket pays its own latency.
-    small = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096).price(plan)
+    small = CostModel(g, mesh, H100, BF16, fusion=CommFusion.uniform(4096)).price(plan)
     packed = pack_buckets({p.name: ((0,), p.numel * BF16.grad_bytes) for p in g.params}, 4096)
     assert len(packed) > 1
     assert small.comm_s == pytest.approx(len(packed) * 2 * (n - 1) * 1e-6 + 2 * (n - 1) / n * total / 370e9)

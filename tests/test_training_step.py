@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.buckets import pack_buckets
+from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.collectives import Cadence, Collective, Phase, Purpose
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
@@ -133,7 +133,7 @@ def test_planner_takes_the_fewest_micro_steps_that_fit(zoo: Callable[[str], Path
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--global-batch-size", "64", "--accumulation-steps", "3"], "not divisible by --accumulation-steps 3"),
-    (["--zero", "5"], "--zero 5: choose 0, 1, 2 or 3"),
+    (["--zero", "5"], "--zero 5: choose 0, 1, 2, 3 (ZeRO's stages) or auto"),
     (["--layout", "dp_shard=4"], "multiplies to 4 devices, not --devices 2"),
     (["--layout", "dp_shard=1,fsdp=2"], "--layout fsdp: unknown key"),
     (["--layout", "pp=2"], "pipeline, context and expert parallelism are not planned yet"),
@@ -365,8 +365,8 @@ def test_overlap_hides_gradient_buckets_under_backward(zoo: Callable[[str], Path
     g = load_graph(zoo("mlp"), {"batch": 32})
     mesh = DeviceMesh.build(4, devices_per_node=8)
     plan = data_parallel_plan(g, mesh)
-    serial = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096).price(plan)
-    cm = CostModel(g, mesh, H100, BF16, grad_bucket_bytes=4096, composer="overlap")
+    serial = CostModel(g, mesh, H100, BF16, fusion=CommFusion.uniform(4096)).price(plan)
+    cm = CostModel(g, mesh, H100, BF16, fusion=CommFusion.uniform(4096), composer="overlap")
     priced, overlapped = cm.price_items(plan), cm.price(plan)
     grads = [e for e in serial.events if e.purpose is Purpose.GRAD_SYNC]
     grad_s, grad_bytes = sum(e.time_s for e in grads), sum(e.size_bytes for e in grads)
