@@ -57,8 +57,7 @@ def test_zero_over_two_axes_closed_form(stage: int, zoo: Callable[[str], Path]) 
     assert Collective.ALL_REDUCE not in {e.kind for e in cost.events}
     want = sum(collective_time_s(H100, mesh, kind, size, (a,))
                for kind, sizes in ((Collective.REDUCE_SCATTER, rs), (Collective.ALL_GATHER, ag)) for a, size in sizes.items())
-    scatter_times = (stage == 2 and cost.priced.micro_batches or 1)
-    assert sum(e.time_s for e in cost.events) == pytest.approx(want) and scatter_times == 1
+    assert sum(e.time_s for e in cost.events) == pytest.approx(want)  # one micro-batch: stage 2 scatters once too
 
 
 def test_zero_edge_priced_as_its_stage(zoo: Callable[[str], Path]) -> None:
