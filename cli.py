@@ -126,7 +126,10 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters; "
                    "auto: each parameter's stage chosen by the ILP.")
 @click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
-              help="Activation recomputation of the repeated layers (auto: full only when nothing else fits).")
+              help="Activation recomputation of the repeated layers (auto: the ILP decides how many layers of each "
+                   "group, only where memory needs it).")
+@click.option("--recompute-layers", type=int, default=None, metavar="N",
+              help="With --recompute full: only the first N layers of each group (Megatron's --recompute-num-layers).")
 @click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE|KIND=SIZE,...|auto",
               help="Bucket caps for gradient all-reduces and ZeRO's reduce-scatters and gathers (DDP's bucket_cap_mb, "
                    "MindSpore's comm_fusion): one size for all, per kind (allreduce=25MB,allgather=50MB,"
@@ -147,7 +150,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
-         recompute: str, comm_fusion: str, zero_threshold: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -165,7 +168,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
-                      zero_stage=parse_zero(zero_stage), recompute=recompute, layout=layout,
+                      zero_stage=parse_zero(zero_stage), recompute=recompute, recompute_layers=recompute_layers,
+                      layout=layout,
                       micro_batch_size=micro_batch_size, composer="overlap" if overlap else "serial",
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True))
@@ -175,7 +179,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
         if layout is not None:  # the same cluster and global batch, every lever the ILP's
             status.update("the ILP's best for comparison")
             best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None,
-                                        recompute="auto"), progress=lambda msg: status.update(f"best: {msg}"))
+                                        recompute="auto", recompute_layers=None), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
     if as_json:

@@ -82,7 +82,7 @@ class CostModel:
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
-                 zero_threshold_bytes: float = 0.0) -> None:
+                 zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -90,8 +90,10 @@ class CostModel:
         bucket caps of gradient all-reduces and ZeRO's reduce-scatters and gathers (`buckets.py`);
         `zero_threshold_bytes`: parameters smaller (at the training dtype) stay unsharded under ZeRO-1/2
         (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated
-        layer's input and runs its forward again in backward (torch.utils.checkpoint per layer),
-        "none" (and "selective") saves every activation; `composer`: the step composer's policy."""
+        layer's input and runs its forward again in backward (torch.utils.checkpoint per layer) — of
+        every layer, or of the first `recompute_layers[group]` layers of a group (Megatron's block
+        method) —, "none" (and "selective") saves every activation; `composer`: the step composer's
+        policy."""
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
@@ -108,6 +110,7 @@ class CostModel:
         # Recomputed layers: node → its layer's key; node → the layer inputs it is the first to read.
         self.layer_of: dict[str, tuple[int, int]] = {}
         self.layer_inputs: dict[str, tuple[str, ...]] = {}
+        self.recompute_layers = dict(recompute_layers or {})
         if recompute == "full":
             self._find_recomputed_layers()
         self.loss = loss_kind(graph, loss)
@@ -154,12 +157,12 @@ class CostModel:
         return NodeCost(compute=compute, activation_bytes=act, loss=loss)
 
     def _find_recomputed_layers(self) -> None:
-        """Every layer of every repeated-layer group is a checkpointed segment; its inputs are the
+        """Every (recomputed) layer of every repeated-layer group is a checkpointed segment; its inputs are the
         float activations its nodes read that no node of the layer produces (charged to the first
         node reading them)."""
         g = self.graph
         for gi, group in enumerate(g.layers):
-            for li, names in enumerate(group.nodes):
+            for li, names in enumerate(group.nodes[:self.recompute_layers.get(group.prefix, len(group.nodes))]):
                 produced = {t for n in names for t in g.node_by_name[n].outputs}
                 seen: set[str] = set()
                 for n in names:

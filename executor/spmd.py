@@ -181,7 +181,7 @@ class SpmdRunner:
         self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
                          for n in self.graph.compute_nodes if n.name not in self.fused_away]
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
-        self._segments = self._recomputed_segments() if strategy.training.recompute_policy == "full" else {}
+        self._segments = self._recomputed_segments()
         self._params = {name: module.params[key] for name, key in module.param_names.items()}
         self._buckets: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # packed at the first reduction
         self._bucketed: set[str] = set()
@@ -305,12 +305,16 @@ class SpmdRunner:
                 i = end
 
     def _recomputed_segments(self) -> dict[int, int]:
-        """Program index where each repeated layer starts → where it ends (exclusive), for the layers
-        whose ops are one contiguous run of the program (every layer of the zoo's models)."""
+        """Program index where each recomputed layer starts → where it ends (exclusive): the first layers
+        of each group the plan recomputes fully, those whose ops are one contiguous run of the program
+        (every layer of the zoo's models)."""
         at = {entry[0].name: i for i, entry in enumerate(self._program)}
         out = {}
+        tr = self.strategy.training
         for group in self.graph.layers:
-            for names in group.nodes:
+            if tr.recompute.get(group.prefix) != "full":
+                continue
+            for names in group.nodes[:tr.recomputed_layers(group.prefix, group.num_layers)]:
                 idx = sorted(at[n] for n in names if n in at)
                 if idx and idx[-1] - idx[0] + 1 == len(idx):
                     out[idx[0]] = idx[-1] + 1

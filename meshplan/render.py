@@ -244,8 +244,8 @@ def zero_text(tr: TrainingSettings) -> str:
     if tr.zero_stages is None:
         return f"stage {tr.zero_stage}"
     counts = Counter(tr.zero_stages.values())
-    parts = ", ".join(f"{n} at stage {stage}" for stage, n in sorted(counts.items()))
-    return f"stage {tr.zero_stage}" + (f" ({parts} parameters)" if parts else "")
+    parts = ", ".join(f"{n} parameters at stage {stage}" for stage, n in sorted(counts.items()))
+    return f"stage {tr.zero_stage}" + (f" ({parts})" if parts else "")
 
 
 def recompute_text(tr: TrainingSettings) -> str:

@@ -59,6 +59,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     cm = CostModel(graph, mesh, profile, PRECISIONS[settings.dtype], loss=settings.loss,
                    micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage,
                    recompute=strategy.training.recompute_policy, composer=strategy.cost.composer,
+                   recompute_layers=strategy.training.recompute_layers,
                    fusion=strategy.training.comm_fusion,
                    zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 
 from costmodel.buckets import CommFusion
@@ -79,7 +80,8 @@ class PlanRequest:
     global_batch_size: int | None = None
     accumulation_steps: int | None = None
     zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
-    recompute: str = "auto"  # none | selective | full | auto (none unless only full fits)
+    recompute: str = "auto"  # none | selective | full | auto (the ILP decides how many layers per group)
+    recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
     layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
@@ -122,6 +124,11 @@ class PlanRequest:
             raise MeshplanError(f"composer {self.composer}: choose {', '.join(POLICIES)}")
         if self.recompute not in (*RECOMPUTE, "auto"):
             raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
+        if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 0):
+            raise MeshplanError(f"--recompute-layers {self.recompute_layers}: counts the layers of each group that "
+                                "full recomputation covers; give --recompute full and a count of 0 or more")
+        if self.recompute_layers is not None and (self.mode not in ("auto", "semi") or self.search != "ilp"):
+            raise MeshplanError("--recompute-layers is decided with the sharding by the ILP: use --mode auto or semi")
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
         if self.zero_stage == 3 and (self.mode not in ("auto", "semi") or self.search != "ilp"):
@@ -163,8 +170,11 @@ class PlanRequest:
 
     def recompute_candidates(self) -> list[str]:
         """Recomputation policies to try, cheapest first (selective is priced as none: attention runs
-        fused, its scores recomputed in backward, whatever the policy)."""
-        return ["none", "full"] if self.recompute == "auto" else [self.recompute]
+        fused, its scores recomputed in backward, whatever the policy). Under auto the ILP decides how
+        many layers of each group to recompute ("auto"); without an ILP, none and then full."""
+        if self.recompute != "auto":
+            return [self.recompute]
+        return ["auto"] if self.mode in ("auto", "semi") and self.search == "ilp" else ["none", "full"]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
@@ -203,9 +213,10 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
 
 
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
-    """The best plan for the request: without recomputation at the fewest micro-steps that fit, and
-    (under --recompute auto) with full recomputation at fewer micro-steps, if any fit, whichever is
-    faster; without --mesh, over mesh shapes."""
+    """The best plan for the request: at the fewest micro-steps that fit; under --recompute auto with
+    the layers recomputed that the ILP chooses, and then at more micro-steps while that keeps the plan
+    recomputing and getting faster (without an ILP: no recomputation at the fewest micro-steps that fit,
+    or full recomputation at fewer); without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
@@ -215,7 +226,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
     for recompute in policies:  # without recomputation first, then with it where it could pay
         for k in steps:  # the fewest micro-steps that fit: more only add per-micro-step costs
-            if found and k >= min(k0 for k0, _ in found):
+            if found and k >= min(k0 for k0, _ in found) and recompute != "auto":
                 break  # recomputation at as many micro-steps or more is only slower
             dims = req.dims_for(k)
             if k not in graphs:
@@ -230,7 +241,10 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                         "export the model with a dynamic dim named batch, or plan one step with --dim") from e
             try:
                 found.append((k, _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)))
-                break
+                plan = found[-1][1][0]
+                if recompute != "auto" or not plan.training.recompute or \
+                        plan.step_time_s > min(f[1][0].step_time_s for f in found):
+                    break  # more micro-steps pay off only while they spare recomputation
             except PinError:
                 raise
             except MeshplanError as e:  # out of memory: try more, smaller micro-steps, then recomputation
@@ -252,7 +266,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
     limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
              else 0.9 * profile.device.mem_capacity_bytes)
-    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats] | None = None
+    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
+                dict[str, int]] | None = None
     candidates: list[Candidate] = []
     errors: list[MeshplanError] = []
     for shape in shapes:
@@ -260,9 +275,12 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
         rules = rules_for_graph(graph, mesh, strict=req.strict)
-        cm = CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                       micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=recompute, composer=req.composer,
-                       fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes)
+        model = partial(_cost_model, req, graph, mesh, profile, precision, steps)
+        # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
+        counted = graph.layers and req.search == "ilp" and req.mode in ("auto", "semi") and (
+            recompute == "auto" or req.recompute_layers is not None)
+        cm = model("none" if counted or recompute == "auto" else recompute)
+        recomputed = {g.prefix: g.num_layers for g in graph.layers} if recompute == "full" else {}
         pins = resolve_pins(graph, mesh, req.pins)
         if req.mode == "data-parallel":
             pins = {**data_parallel_pins(graph, mesh), **pins}
@@ -273,30 +291,42 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 say(f"mesh {mesh}: solving")
                 # A hand layout is priced as it is, fitting or not (the table says which).
                 no_zero: frozenset[str] = frozenset()
+                base = cm
                 while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
                     # stored: a parameter the solver sharded but pricing finds otherwise is held at stage 0
-                    ilp = ShardingILP(graph, rules, cm, memory_limit_bytes=None if layout is not None else limit,
+                    ilp = ShardingILP(graph, rules, base, memory_limit_bytes=None if layout is not None else limit,
                                       pins=pins, follow=req.follow,
                                       options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
                                       param_layout=_param_layout(req, layout, graph, mesh),
-                                      zero_stages=req.zero_options(), no_zero=no_zero)
+                                      zero_stages=req.zero_options(), no_zero=no_zero,
+                                      recompute_model=model("full") if counted else None,
+                                      recompute_layers=req.recompute_layers)
                     sol = ilp.solve()
                     choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
+                    if sol.recompute:  # priced with the layers the solver recomputes
+                        cm, recomputed = model("full", sol.recompute), sol.recompute
+                    else:
+                        cm, recomputed = base, {} if counted else recomputed
                     cost = cm.price(choice, param_specs, zero=sol.zero)
                     unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
                     if not unsharded:
                         break
                     no_zero |= unsharded
+                if req.zero_stage is None:  # the solver prices each gradient alone; bucketed, one stage for
+                    # all on the same placements can come out faster
+                    cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit, cost)
             else:
                 say(f"mesh {mesh}: propagating")
                 choice, param_specs, stats = propagate(graph, rules, cm, pins)
                 cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit)
             if req.fusion is None:
                 cost = _best_fusion(cm, cost)
-            if cost.memory_bytes > limit and req.mode != "auto" and layout is None:
-                raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.1f} GiB per device "
-                                    f"but --memory-limit is {limit / 2**30:.1f} GiB; raise --memory-limit, add "
-                                    "devices, or use --mode auto")
+            if cost.memory_bytes > limit and layout is None:  # the solver's memory row is its own estimate:
+                # a plan priced over the limit is refused, never returned
+                raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.2f} GiB per device "
+                                    f"but --memory-limit is {limit / 2**30:.2f} GiB; raise --memory-limit, add devices, "
+                                    "or use more micro-steps or recomputation" +
+                                    (" or --mode auto" if req.mode != "auto" else ""))
         except PinError:
             raise
         except MeshplanError as e:
@@ -307,10 +337,10 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
             continue
         candidates.append(Candidate(mesh=mesh, cost=cost, stats=stats))
         if best is None or cost.step_time_s < best[0]:
-            best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats)
+            best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats, recomputed)
     if best is None:
         raise errors[0]
-    _, mesh, rules, cm, choice, cost, stats = best
+    _, mesh, rules, cm, choice, cost, stats, recomputed = best
     settings = PlanSettings(
         mode=req.mode, search=req.search if req.mode in ("auto", "semi") else "propagation",
         dtype=precision.name, memory_limit_bytes=limit, solver=req.solver, follow=req.follow,
@@ -327,7 +357,9 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     training = TrainingSettings(micro_batches=steps,
                                 zero_stage=req.zero_stage if req.zero_stage is not None else max(zero.values(), default=0),
                                 zero_stages=zero, comm_fusion=cost.priced.fusion,
-                                recompute={group.prefix: recompute for group in graph.layers} if recompute != "none" else {},
+                                recompute={g: "full" for g in recomputed} if recomputed else
+                                {group.prefix: recompute for group in graph.layers} if recompute == "selective" else {},
+                                recompute_layers=recomputed,
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
                                 layout=str(layout) if layout is not None else None,
@@ -354,11 +386,20 @@ def _param_layout(req: PlanRequest, layout: Layout | None, graph: OpGraph,
     return zero3
 
 
+def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
+                steps: int, policy: str, layers: Mapping[str, int] | None = None) -> CostModel:
+    return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
+                     micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
+                     fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers)
+
+
 def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],
-                       stages: tuple[int, ...], limit: float) -> StepCost:
-    """A propagated plan (no ILP to choose per parameter): every parameter at one ZeRO stage, the
-    fastest that fits (less memory among equals; the smallest if none fits)."""
+                       stages: tuple[int, ...], limit: float, found: StepCost | None = None) -> StepCost:
+    """Every parameter at one ZeRO stage (a propagated plan has no ILP to choose per parameter), the
+    fastest that fits, or `found` (the solver's per-parameter stages) if faster; less memory among
+    equals; the smallest if none fits."""
     priced = [cm.price(choice, param_specs, zero=dict.fromkeys(param_specs, s)) for s in stages]
+    priced += [found] if found is not None else []
     fitting = [c for c in priced if c.memory_bytes <= limit]
     if not fitting:
         return min(priced, key=lambda c: c.memory_bytes)

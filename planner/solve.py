@@ -50,14 +50,16 @@ from __future__ import annotations
 import math
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from costmodel.step import CostModel
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind
 from planner.milp import LinearModel
 from planner.placement import Replicate, Spec, fully_sharded
+from planner.recompute import BIG, GroupTerms, add_counts
 from planner.rules import OpStrategy, RuleSet
 from planner.strategy import SolverStats
 
@@ -91,6 +93,7 @@ class Solution:
     param_specs: dict[str, Spec]  # every parameter
     stats: SolverStats
     zero: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where one was chosen
+    recompute: dict[str, int] = field(default_factory=dict)  # layer group → layers recomputed (the first), where any
     constraints_by_family: dict[str, int] = field(default_factory=dict)
 
 
@@ -135,13 +138,18 @@ class ShardingILP:
     def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, memory_limit_bytes: float | None = None,
                  pins: Mapping[str, Spec] | None = None, options: SolverOptions | None = None,
                  follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None,
-                 zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset()) -> None:
+                 zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
+                 recompute_model: CostModel | None = None, recompute_layers: int | None = None) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `zero_stages`: the ZeRO-1/2 stages a parameter may take (default: the cost model's stage);
-        `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored)."""
+        `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored);
+        `recompute_model`: the graph priced with every layer recomputed — given, how many layers of each
+        group to recompute is decided too (`planner/recompute.py`; `cost` must recompute none), or held
+        at `recompute_layers` (the first N of each group)."""
         self.graph, self.rules, self.cost = graph, rules, cost
         self.no_zero = no_zero
+        self.recompute_model = recompute_model
         self.zero_options = zero_stages if zero_stages is not None else (cost.zero_stage,)
         self.memory_limit_bytes = memory_limit_bytes
         self.pins = dict(pins or {})
@@ -150,6 +158,14 @@ class ShardingILP:
         self.model = LinearModel()
         self.constraint_counts: dict[str, int] = defaultdict(int)
         self._tie_layers()
+        # A recomputed group's representative nodes (its first layer's) → the group's per-layer terms.
+        self.layer_terms: dict[str, GroupTerms] = {}
+        if recompute_model is not None:
+            loss_node = graph.producer.get(cost.loss_tensor)
+            for group in graph.layers:
+                terms = GroupTerms(prefix=group.prefix, layers=group.num_layers,
+                                   fixed=min(recompute_layers, group.num_layers) if recompute_layers is not None else None)
+                self.layer_terms.update({n: terms for n in group.nodes[0] if n != loss_node})
         self._tie_params()
         self._assign_decisions(follow)
         self._collect_edges()
@@ -313,10 +329,22 @@ class ShardingILP:
         split = frozenset(a for a in self.cost.split_axes(st) if isinstance(spec.placements[a], Replicate))
         return spec, split
 
-    def _edge_s(self, e: _Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int]) -> float:
-        return self.cost.edge_time_s(e.tensor, src[0], dst, split, recomputed=e.consumer_node in self.cost.layer_of,
+    def _edge_s(self, e: _Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int], *,
+                recomputed: bool | None = None) -> float:
+        return self.cost.edge_time_s(e.tensor, src[0], dst, split,
+                                     recomputed=e.consumer_node in self.cost.layer_of if recomputed is None else recomputed,
                                      saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node], e.in_index),
                                      zero_stage=src[1])
+
+    def _edge_ns(self, e: _Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int],
+                 terms: GroupTerms | None) -> tuple[int, int]:
+        """An edge's ns in the step (all its instances), and what recomputing one layer of the
+        consumer's group adds to it (0 outside recomputed groups)."""
+        base = self._edge_s(e, src, dst, split)
+        if terms is None:
+            return round(base * e.multiplicity * NS_PER_S), 0
+        again = self._edge_s(e, src, dst, split, recomputed=True) - base
+        return round(base * e.multiplicity * NS_PER_S), round(again * e.multiplicity / terms.layers * NS_PER_S)
 
     # -- variables -----------------------------------------------------------------------------------
 
@@ -340,6 +368,9 @@ class ShardingILP:
                 for c in range(self.decisions[e.producer]):
                     dst, split = self._consumer_class(e, c)
                     self.inner_cost[e.producer][c] += e.multiplicity * self._edge_s(e, self._producer_spec(e, c), dst, split)
+                    if (terms_g := self.layer_terms.get(e.consumer_node)) is not None:
+                        terms_g.time_ns[self.x[e.producer][c]] += self._edge_ns(e, self._producer_spec(e, c), dst, split,
+                                                                                terms_g)[1]
                 continue
             producer_class: dict[tuple[Spec, int], list[int]] = defaultdict(list)
             for c in range(self.decisions[e.producer]):
@@ -349,8 +380,8 @@ class ShardingILP:
                 consumer_class[self._consumer_class(e, c)].append(c)
             # Cost matrix over classes, then merge classes with identical rows (columns): exact, and
             # it shrinks y several-fold where many specs reshard alike.
-            cost = [[round(self._edge_s(e, src, dst, split) * e.multiplicity * NS_PER_S) for (dst, split) in consumer_class]
-                    for src in producer_class]
+            terms_g = self.layer_terms.get(e.consumer_node)
+            cost = [[self._edge_ns(e, src, dst, split, terms_g) for (dst, split) in consumer_class] for src in producer_class]
             rows = _merge_identical([tuple(r) for r in cost], list(producer_class.values()))
             cols = _merge_identical([tuple(cost[i][j] for i in range(len(cost))) for j in range(len(consumer_class))],
                                     list(consumer_class.values()))
@@ -358,9 +389,11 @@ class ShardingILP:
             for a, (ra, _) in enumerate(rows):
                 for b, (cb, _) in enumerate(cols):
                     y[a, b] = var = self.model.bool_var(f"y[{k},{a},{b}]")
-                    ns = cost[ra][cb]
+                    ns, extra = cost[ra][cb]
                     if ns:
                         terms.append((ns, var))
+                    if terms_g is not None and extra:
+                        terms_g.time_ns[var] += extra
             for a, (_, members) in enumerate(rows):
                 self.model.add_equal(f"edge_producer[{k},{a}]", [y[a, b] for b in range(len(cols))],
                                      [self.x[e.producer][i] for i in members])
@@ -398,20 +431,36 @@ class ShardingILP:
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
+            if (terms := self.layer_terms.get(node)) is not None and self.recompute_model is not None:
+                for c, j in enumerate(m):  # one layer of its group recomputed: time added, memory saved
+                    full, var = self.recompute_model.node_cost(gnode, strategies[j]), self.x[d][c]
+                    terms.time_ns[var] += (full.time_s - priced[j].time_s) * self.cost.micro_batches * NS_PER_S
+                    terms.saved_kib[var] += (priced[j].activation_bytes - full.activation_bytes) / KIB
+                    terms.transient_kib[var] += full.recomputed_bytes / KIB
         return costs, mem
 
-    def add_memory(self, mem: dict[Decision, list[float]]) -> None:
+    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
+        """The memory row; `extra`: (variable, KiB) terms of the recomputation counts."""
         if self.memory_limit_bytes is None:
             return
-        floor = self.min_memory_bytes(mem)
+        floor = self.min_memory_bytes(self._with_all_recomputed(mem))
         if floor > self.memory_limit_bytes:
             raise InfeasiblePlanError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
                 f"as its rules allow) but --memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
                 "--memory-limit or add devices")
         terms = [(x, math.ceil(b / KIB)) for v, bs in mem.items() for b, x in zip(bs, self.x[v], strict=True) if b]
-        self.model.add("memory", terms, 0, int(self.memory_limit_bytes // KIB))
+        self.model.add("memory", [*terms, *extra], -BIG, int(self.memory_limit_bytes // KIB))
         self.constraint_counts["memory"] += 1
+
+    def _with_all_recomputed(self, mem: dict[Decision, list[float]]) -> dict[Decision, list[float]]:
+        """Each choice's memory less what recomputing every layer of its group could save (a lower bound
+        for the infeasibility check: the transient layer left out)."""
+        saved: dict[int, float] = defaultdict(float)
+        for terms in {id(t): t for t in self.layer_terms.values()}.values():
+            for var, kib in terms.saved_kib.items():
+                saved[var] += max(kib, 0.0) * KIB * terms.layers
+        return {d: [b - saved.get(x, 0.0) for b, x in zip(bs, self.x[d], strict=True)] for d, bs in mem.items()}
 
     @staticmethod
     def min_memory_bytes(mem: dict[Decision, list[float]]) -> float:
@@ -469,14 +518,15 @@ class ShardingILP:
         self.add_one_choice()
         edge_terms = self.add_edges()
         node_costs, mem = self._costs_and_memory()
-        self.add_memory(mem)
+        counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
+        self.add_memory(mem, counts.memory)
         self.add_pins()
         self._hint_replicated()
         node_terms = [(round(c * NS_PER_S), x) for d, cs in node_costs.items() for c, x in zip(cs, self.x[d], strict=True)]
         # Among plans of equal step time, prefer less memory: 1 ns per MiB per device, far below any
         # real difference in time (reported costs come from pricing the plan, not from this sum).
         tie_break = [(max(1, round(b / 2**20)), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
-        self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c]
+        self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
         o = self.options
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
         if result.status == "INFEASIBLE":
@@ -493,6 +543,7 @@ class ShardingILP:
             choice[n.name] = self.rules.by_node[n.name].strategies[m[picked[d]]]
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
+        recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
         obj, bound = result.objective / NS_PER_S, result.bound / NS_PER_S
         stats = SolverStats(
             status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
@@ -500,13 +551,13 @@ class ShardingILP:
             num_constraints=self.model.num_constraints,
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
         )
-        return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero,
+        return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute,
                         constraints_by_family=dict(self.constraint_counts))
 
 
-def _merge_identical(vectors: list[tuple[int, ...]], members: list[list[int]]) -> list[tuple[int, list[int]]]:
+def _merge_identical(vectors: list[tuple[Any, ...]], members: list[list[int]]) -> list[tuple[int, list[int]]]:
     """Group classes whose cost vectors are equal: (index of one representative, union of members)."""
-    groups: dict[tuple[int, ...], tuple[int, list[int]]] = {}
+    groups: dict[tuple[Any, ...], tuple[int, list[int]]] = {}
     for i, (vec, mem) in enumerate(zip(vectors, members, strict=True)):
         if vec in groups:
             groups[vec][1].extend(mem)

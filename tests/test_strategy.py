@@ -20,8 +20,9 @@ from planner.plan import PlanRequest, make_plan
 from planner.strategy import Strategy, StrategyError, from_dict, from_json, load_strategy
 
 V1 = Path(__file__).parent / "data" / "strategy-v1-mlp.json"
+# What the v1 file was planned with; a v1 plan had no ZeRO (today's default, auto, may choose it).
 V1_REQUEST = dict(dims={"batch": 64}, profile="cpu", devices=4, mesh_shape=(2, 2), mode="semi",
-                  pins={"x": "S(0),R", "fc1.weight": "R,S(0)"})
+                  pins={"x": "S(0),R", "fc1.weight": "R,S(0)"}, zero_stage=0)
 
 
 def _v1_here(zoo: Callable[[str], Path], tmp: Path, *, without_source: bool = False) -> Path:

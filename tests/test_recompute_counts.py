@@ -1,0 +1,48 @@
+"""Recomputation as an ILP decision: how many layers of each group are recomputed (Megatron's
+--recompute-num-layers, the first n), chosen with the sharding under the memory limit."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from planner.errors import MeshplanError
+from planner.plan import PlanRequest, make_plan
+from tests.test_training_step import run_equals_one_process
+
+
+def test_recomputed_layer_count_is_the_best_fixed_count(zoo: Callable[[str], Path]) -> None:
+    # GPT-2-medium (24 layers), 16 × 1024 tokens on 2 H100s at 12 GiB: everything stored does not fit,
+    # every layer recomputed does. The ILP recomputes n of the 24 layers; holding the count fixed at
+    # n − 1 (or fewer) does not fit, and no fixed count gives a faster plan (each recomputed layer
+    # costs one more forward of it).
+    base = dict(model=str(zoo("gpt2-medium")), dims={"seq": 1024}, profile="h100-sxm", devices=2, mesh_shape=(2,),
+                global_batch_size=16, accumulation_steps=1, memory_limit_gib=12.0)
+    auto, _ = make_plan(PlanRequest(**base))
+    (group,) = auto.training.recompute_layers
+    n = auto.training.recompute_layers[group]
+    assert 0 < n < 24 and auto.training.recompute == {group: "full"}
+    assert auto.cost.memory_bytes_per_device <= 12 * 2**30
+    with pytest.raises(MeshplanError, match="memory"):
+        make_plan(PlanRequest(**base, recompute="full", recompute_layers=n - 1))
+    for m in (n, n + 2, 24):
+        fixed, _ = make_plan(PlanRequest(**base, recompute="full", recompute_layers=m))
+        assert fixed.training.recompute_layers == {group: m}
+        assert fixed.cost.step_time_s >= auto.cost.step_time_s * (1 - 1e-6)
+    # Without the limit nothing is recomputed.
+    free, _ = make_plan(PlanRequest(**{**base, "memory_limit_gib": None}))
+    assert free.training.recompute == {} and free.cost.step_time_s < auto.cost.step_time_s
+
+
+@pytest.mark.slow
+def test_first_layers_recomputed_run_as_planned(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # FSDP on 2 ranks with the first of gpt2-tiny's 2 layers recomputed: only that layer's parameter
+    # gathers run again in backward (the other layer gathers its parameters again for backward as
+    # FSDP does), equal to one process, every collective as planned.
+    model = zoo("gpt2-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="cpu", devices=2, global_batch_size=8,
+                                 micro_batch_size=2, layout="dp_shard=2", recompute="full", recompute_layers=1))
+    assert s.training.recompute_layers == {"model.transformer.h": 1}
+    run_equals_one_process(s, model, tmp_path, "sgd")
