@@ -174,7 +174,7 @@ class PlanRequest:
         many layers of each group to recompute ("auto"); without an ILP, none and then full."""
         if self.recompute != "auto":
             return [self.recompute]
-        return ["auto"] if self.mode in ("auto", "semi") and self.search == "ilp" else ["none", "full"]
+        return ["none", "auto" if self.mode in ("auto", "semi") and self.search == "ilp" else "full"]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
@@ -213,10 +213,10 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
 
 
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
-    """The best plan for the request: at the fewest micro-steps that fit; under --recompute auto with
-    the layers recomputed that the ILP chooses, and then at more micro-steps while that keeps the plan
-    recomputing and getting faster (without an ILP: no recomputation at the fewest micro-steps that fit,
-    or full recomputation at fewer); without --mesh, over mesh shapes."""
+    """The best plan for the request: at the fewest micro-steps that fit; under --recompute auto without
+    recomputation where that fits, else with the layers recomputed that the ILP chooses (without an
+    ILP: every layer), and then at more micro-steps while that spares recomputation and gets faster;
+    without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
@@ -224,33 +224,35 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     failures: list[MeshplanError] = []
     graphs: dict[int, OpGraph] = {}
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
-    for recompute in policies:  # without recomputation first, then with it where it could pay
-        for k in steps:  # the fewest micro-steps that fit: more only add per-micro-step costs
-            if found and k >= min(k0 for k0, _ in found) and recompute != "auto":
-                break  # recomputation at as many micro-steps or more is only slower
-            dims = req.dims_for(k)
-            if k not in graphs:
-                say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
-                try:
-                    graphs[k] = load_graph(req.model, dims)
-                except DimBindingError as e:
-                    if req.global_batch_size is None or "batch" not in e.unknown:
-                        raise
-                    raise DimBindingError(
-                        f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
-                        "export the model with a dynamic dim named batch, or plan one step with --dim") from e
+    for k in steps:  # the fewest micro-steps that fit: more only add per-micro-step costs
+        dims = req.dims_for(k)
+        if k not in graphs:
+            say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
             try:
-                found.append((k, _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)))
-                plan = found[-1][1][0]
-                if recompute != "auto" or not plan.training.recompute or \
-                        plan.step_time_s > min(f[1][0].step_time_s for f in found):
-                    break  # more micro-steps pay off only while they spare recomputation
+                graphs[k] = load_graph(req.model, dims)
+            except DimBindingError as e:
+                if req.global_batch_size is None or "batch" not in e.unknown:
+                    raise
+                raise DimBindingError(
+                    f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
+                    "export the model with a dynamic dim named batch, or plan one step with --dim") from e
+        plan = None
+        for recompute in policies:  # without recomputation first, then with it at this many micro-steps
+            try:
+                plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
+                break
             except PinError:
                 raise
-            except MeshplanError as e:  # out of memory: try more, smaller micro-steps, then recomputation
+            except MeshplanError as e:  # out of memory: recomputation, then more, smaller micro-steps
                 if len(steps) * len(policies) == 1:
                     raise
                 failures.append(e)
+        if plan is None:
+            continue
+        found.append((k, plan))
+        if req.recompute != "auto" or not plan[0].training.recompute_layers or \
+                plan[0].step_time_s > min(f[1][0].step_time_s for f in found):
+            break  # more micro-steps pay off only while they spare recomputation
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
@@ -293,7 +295,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 no_zero: frozenset[str] = frozenset()
                 base = cm
                 while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
-                    # stored: a parameter the solver sharded but pricing finds otherwise is held at stage 0
+                    # stored: where a parameter the solver sharded is not, and the plan does not fit without
+                    # its saving, it is held at stage 0 and the ILP solved again
                     ilp = ShardingILP(graph, rules, base, memory_limit_bytes=None if layout is not None else limit,
                                       pins=pins, follow=req.follow,
                                       options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
@@ -309,8 +312,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                         cm, recomputed = base, {} if counted else recomputed
                     cost = cm.price(choice, param_specs, zero=sol.zero)
                     unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
-                    if not unsharded:
-                        break
+                    if not unsharded or cost.memory_bytes <= limit or layout is not None:
+                        break  # priced as it runs (those parameters at stage 0), and it fits
                     no_zero |= unsharded
                 if req.zero_stage is None:  # the solver prices each gradient alone; bucketed, one stage for
                     # all on the same placements can come out faster

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from costmodel.collectives import Collective, Purpose
 from costmodel.step import CostModel
 from planner.errors import MeshplanError
 from planner.graph import OpGraph, TensorKind
@@ -195,6 +196,7 @@ class ShardingILP:
         self.param_stages: dict[str, list[int]] = {}
         for p in self.params:
             opts: dict[Spec, None] = {}
+            used: set[Spec] = set()  # the specs consumers use it at
             for n in g.compute_nodes:
                 if self.rep[n.name] != n.name:
                     continue
@@ -204,6 +206,8 @@ class ShardingILP:
                             spec = st.input_specs[i]
                             if spec is not None:
                                 stored: Spec | None = spec.storable()
+                                if stored is not None:
+                                    used.add(stored)
                                 if self.param_layout is not None and stored is not None:
                                     stored = self.param_layout(p, stored)
                                 if stored is not None:
@@ -214,12 +218,13 @@ class ShardingILP:
             if p not in self.pins and not opts:
                 raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change --layout")
             choices = [(spec, stage) for spec in ([self.pins[p]] if p in self.pins else list(opts))
-                       for stage in self._stages(p, spec)]
+                       for stage in (self._stages(p, spec) if spec in used else [0])]
             self.param_specs[p] = [spec for spec, _ in choices]
             self.param_stages[p] = [stage for _, stage in choices]
 
     def _stages(self, param: str, spec: Spec) -> list[int]:
-        """The ZeRO-1/2 stages worth a choice for a parameter stored at `spec`: those allowed, where it is
+        """The ZeRO-1/2 stages worth a choice for a parameter stored at `spec` (one some consumer uses it
+        at: ZeRO-1/2 shards only a gradient reduced where it is stored): those allowed, where it is
         replicated on some axis and not below the threshold (elsewhere only 0: nothing to shard)."""
         replicated = any(isinstance(p, Replicate) and n > 1
                          for p, n in zip(spec.placements, self.rules.mesh.shape, strict=True))
@@ -337,9 +342,16 @@ class ShardingILP:
                                      zero_stage=src[1])
 
     def _edge_ns(self, e: _Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int],
-                 terms: GroupTerms | None) -> tuple[int, int]:
+                 terms: GroupTerms | None) -> tuple[int, int] | None:
         """An edge's ns in the step (all its instances), and what recomputing one layer of the
-        consumer's group adds to it (0 outside recomputed groups)."""
+        consumer's group adds to it (0 outside recomputed groups); None where the pair cannot be: a
+        parameter at a ZeRO-1/2 stage it chose (`--zero auto`) is used where it is stored and its
+        gradient all-reduced there (its states are sharded only so; a stage the request fixes is
+        priced where it applies, the others held at 0 by `make_plan`)."""
+        if src[1] and len(self.zero_options) > 1 and (src[0] != dst or not any(
+                ev.purpose is Purpose.GRAD_SYNC and ev.kind is Collective.ALL_REDUCE
+                for ev in self.cost.edge_events(e.tensor, src[0], dst, split))):
+            return None
         base = self._edge_s(e, src, dst, split)
         if terms is None:
             return round(base * e.multiplicity * NS_PER_S), 0
@@ -368,9 +380,10 @@ class ShardingILP:
                 for c in range(self.decisions[e.producer]):
                     dst, split = self._consumer_class(e, c)
                     self.inner_cost[e.producer][c] += e.multiplicity * self._edge_s(e, self._producer_spec(e, c), dst, split)
-                    if (terms_g := self.layer_terms.get(e.consumer_node)) is not None:
-                        terms_g.time_ns[self.x[e.producer][c]] += self._edge_ns(e, self._producer_spec(e, c), dst, split,
-                                                                                terms_g)[1]
+                    terms_g = self.layer_terms.get(e.consumer_node)
+                    inner = self._edge_ns(e, self._producer_spec(e, c), dst, split, terms_g)
+                    if terms_g is not None and inner is not None:  # (a node's own edges: never a parameter's)
+                        terms_g.time_ns[self.x[e.producer][c]] += inner[1]
                 continue
             producer_class: dict[tuple[Spec, int], list[int]] = defaultdict(list)
             for c in range(self.decisions[e.producer]):
@@ -388,18 +401,21 @@ class ShardingILP:
             y = {}
             for a, (ra, _) in enumerate(rows):
                 for b, (cb, _) in enumerate(cols):
+                    entry = cost[ra][cb]
+                    if entry is None:
+                        continue
                     y[a, b] = var = self.model.bool_var(f"y[{k},{a},{b}]")
-                    ns, extra = cost[ra][cb]
+                    ns, extra = entry
                     if ns:
                         terms.append((ns, var))
                     if terms_g is not None and extra:
                         terms_g.time_ns[var] += extra
             for a, (_, members) in enumerate(rows):
-                self.model.add_equal(f"edge_producer[{k},{a}]", [y[a, b] for b in range(len(cols))],
+                self.model.add_equal(f"edge_producer[{k},{a}]", [y[a, b] for b in range(len(cols)) if (a, b) in y],
                                      [self.x[e.producer][i] for i in members])
                 self.constraint_counts["edge_producer"] += 1
             for b, (_, members) in enumerate(cols):
-                self.model.add_equal(f"edge_consumer[{k},{b}]", [y[a, b] for a in range(len(rows))],
+                self.model.add_equal(f"edge_consumer[{k},{b}]", [y[a, b] for a in range(len(rows)) if (a, b) in y],
                                      [self.x[e.consumer][j] for j in members])
                 self.constraint_counts["edge_consumer"] += 1
         return terms
