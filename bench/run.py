@@ -49,6 +49,13 @@ def bench_import(repeat: int) -> None:
     console.print(table)
 
 
+def _recompute(training: dict[str, Any]) -> str:
+    """A plan's recomputation: per group its policy, with the layers it covers where counted."""
+    counts = training.get("recompute_layers", {})
+    return ", ".join(f"{policy} {counts[g]}" if g in counts else policy
+                     for g, policy in training["recompute"].items()) or "none"
+
+
 def _plan_run(model: str, dims: dict[str, int], devices: int, mesh: str, out: str, extra: tuple[str, ...] = ()
               ) -> tuple[float, dict[str, object]]:
     """`meshplan plan` end to end in a fresh process (interpreter start and import included)."""
@@ -94,7 +101,7 @@ def bench_plan(repeat: int) -> None:
         table.add_row(name, f"{batch}×{dims['seq']}", f"{statistics.median(walls):.2f}",
                       f"{min(walls):.2f}–{max(walls):.2f}", f"{sv['time_s']:.2f}", sv["status"],  # type: ignore[index]
                       str(sv["num_variables"]), str(tr["micro_batches"]),  # type: ignore[index]
-                      ",".join(sorted(set(tr["recompute"].values()))) or "none",  # type: ignore[index]
+                      _recompute(tr),  # type: ignore[arg-type]
                       f"{cost['step_time_s'] * 1e3:.1f}",  # type: ignore[index]
                       f"{cost['memory_bytes_per_device'] / 2**30:.1f}", f"{rss:.0f}")  # type: ignore[index]
     console.print(table)
