@@ -136,6 +136,12 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
                    "reducescatter=25MB), or auto (the planner's choice).")
 @click.option("--zero-threshold", default="0", show_default=True, metavar="SIZE",
               help="ZeRO-1/2 leave parameters smaller than this whole (MindSpore's parallel_optimizer_threshold).")
+@click.option("--gradients-sum", is_flag=True,
+              help="Sum gradients over the data-parallel ranks, each rank's loss the mean of its own batch "
+                   "(MindSpore's gradients_mean=False; default: averaged).")
+@click.option("--parameter-broadcast", is_flag=True, help="Broadcast the parameters from rank 0 before training.")
+@click.option("--force-fp32-communication", is_flag=True,
+              help="All-reduces and reduce-scatters in fp32 whatever the training dtype (priced so).")
 @click.option("--overlap", is_flag=True,
               help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
                    "(default: serial, as the gloo executor runs).")
@@ -150,7 +156,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
-         recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, gradients_sum: bool,
+         parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -172,7 +179,9 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       layout=layout,
                       micro_batch_size=micro_batch_size, composer="overlap" if overlap else "serial",
                       fusion=parse_fusion(comm_fusion),
-                      zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True))
+                      zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
+                      gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
+                      force_fp32_communication=force_fp32_communication)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

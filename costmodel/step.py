@@ -82,7 +82,8 @@ class CostModel:
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
-                 zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None) -> None:
+                 zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
+                 fp32_communication: bool = False) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -93,7 +94,9 @@ class CostModel:
         layer's input and runs its forward again in backward (torch.utils.checkpoint per layer) — of
         every layer, or of the first `recompute_layers[group]` layers of a group (Megatron's block
         method) —, "none" (and "selective") saves every activation; `composer`: the step composer's
-        policy."""
+        policy; `fp32_communication`: all-reduces and reduce-scatters carry fp32 whatever the training
+        dtype (MindSpore's force_fp32_communication)."""
+        self.fp32_communication = fp32_communication
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
@@ -237,7 +240,8 @@ class CostModel:
         """ZeRO-1/2 in place of a gradient's all-reduce over `axes`: reduce-scatters over each axis in
         turn (each on what the previous left: the shard shrinks), once per step at stage 1 and per
         micro-batch at stage 2 (gradients kept sharded), and after the optimizer step the updated shard
-        all-gathered back over the axes in reverse (ring: the all-reduce's volume in all)."""
+        all-gathered back over the axes in reverse (ring: the all-reduce's volume in all). `grad_bytes`:
+        the all-reduce's (in fp32 under fp32_communication)."""
         weights = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
         cadence = Cadence.STEP if stage == 1 else Cadence.MICRO_BATCH
         rs, ag, g, w = [], [], grad_bytes, weights
@@ -317,6 +321,8 @@ class CostModel:
         events: list[CommEvent] = []
 
         def add(kind: Collective, axis: int, size: float, phase: Phase, purpose: Purpose) -> None:
+            if self.fp32_communication and kind in _REDUCING:  # MindSpore's force_fp32_communication
+                size *= 4 / (itemsize if phase is Phase.FORWARD else grad_item)
             t = collective_time_s(self.profile, self.mesh, kind, size, (axis,))
             if is_param and phase is Phase.BACKWARD and purpose is not Purpose.RESHARD:
                 # Bucketed like DDP/FSDP: this gradient pays its share of one bucket's latency. (The
@@ -326,13 +332,13 @@ class CostModel:
                 t += self.profile.device.reshard_overhead_s or 0.0
             events.append(CommEvent(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
 
+        grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
         for step in plan.collectives:
             assert step.collective is not None
             add(step.collective, step.axis, step.size_bytes, Phase.FORWARD, Purpose.RESHARD)
         if tensor not in self.needs_grad:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
-        grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
         grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
         grad = gradient_spec(dst, consumer_split)  # as the executor receives it (planner/placement.py)
@@ -522,6 +528,7 @@ def _axes(events: list[CommEvent]) -> tuple[int, ...]:
     return tuple(sorted({a for e in events for a in e.axes}))
 
 
+_REDUCING = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
 _FUSED = {Collective.ALL_REDUCE: "allreduce", Collective.ALL_GATHER: "allgather",
           Collective.REDUCE_SCATTER: "reducescatter"}
 

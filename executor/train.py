@@ -57,6 +57,9 @@ class RunOptions:
     optimizer: str = "adamw"  # adamw | sgd
     lr: float = 1e-3
     seed: int = 0
+    # Every rank but 0 perturbs its parameters (as ranks that loaded different checkpoints): only a plan
+    # with parameter_broadcast makes them agree again.
+    diverge_ranks: bool = False
 
 
 def make_batch(graph: OpGraph, seed: int, micro_batches: int = 1) -> list[torch.Tensor]:
@@ -95,7 +98,10 @@ class Loss:
     the step's count), so the addends of every rank and micro-batch sum to the loss of the whole batch
     (MindSpore's loss_repeated_mean: the mean over the global batch, not a mean of means)."""
 
-    def __init__(self, graph: OpGraph, kind: str, seed: int, micro_batches: int = 1) -> None:
+    def __init__(self, graph: OpGraph, kind: str, seed: int, micro_batches: int = 1, scale: float = 1.0) -> None:
+        """`scale`: the loss multiplied by it (the data-parallel degree when gradients are summed over
+        the ranks rather than averaged, MindSpore's gradients_mean=False: each rank's loss is the mean
+        of its own batch, and their gradients add up)."""
         out = graph.tensors[graph.outputs[0]]
         shape = _global_shape(out.shape, micro_batches)
         self.kind = kind
@@ -103,7 +109,7 @@ class Loss:
         if kind == "cross-entropy":
             g = torch.Generator().manual_seed(seed + 2)
             self.labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
-        self.count = math.prod(shape[:-1]) if kind == "cross-entropy" else math.prod(shape)
+        self.count = (math.prod(shape[:-1]) if kind == "cross-entropy" else math.prod(shape)) / scale
 
     def local(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
         if self.kind == "cross-entropy":
@@ -142,6 +148,14 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     mesh = init_device_mesh(device.type, strategy.mesh.shape, mesh_dim_names=strategy.mesh.axis_names)
     module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
     graph = module.graph
+    with torch.no_grad():
+        if opts.diverge_ranks and dist.get_rank():
+            g = torch.Generator().manual_seed(opts.seed + dist.get_rank())
+            for p in module.parameters():
+                p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
+        if strategy.training.parameter_broadcast:  # every rank starts from rank 0's parameters
+            for p in module.parameters():
+                dist.broadcast(p.data, src=0)
     strategy.check_model(graph)
     from executor.launch import check_step  # (launch imports this module)
 
@@ -150,7 +164,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     cpu_batch = make_batch(graph, opts.seed, k)  # the one-process reference runs on the CPU, all of it at once
     batch = [b.to(device) for b in cpu_batch]
     loss_of = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == "auto" else opts.loss),
-                   opts.seed, k)
+                   opts.seed, k, scale=1.0 if strategy.training.gradients_mean else _batch_shards(strategy))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
 
@@ -257,6 +271,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     report["measured_memory_bytes"] = states + peak_saved
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
+
+
+def _batch_shards(strategy: Strategy) -> int:
+    """Ranks the batch is split over (the data-parallel degree): the shards of the inputs' dim 0."""
+    specs = [strategy.spec_of(t) for t in strategy.tensors if strategy.tensors[t].kind == "input"]
+    return max((sp.num_shards(0, strategy.mesh.shape) for sp in specs if sp is not None), default=1)
 
 
 def counts_by_kind(comm: CommDebugMode) -> Counter[str]:

@@ -89,6 +89,11 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                      f"{tr.micro_batch_size} per data-parallel rank; ZeRO {zero_text(tr)}; recomputation "
                      f"{recompute_text(tr)}")
         head.add_row("comm fusion", str(tr.comm_fusion))
+        switches = [name for name, on in (("gradients summed over data-parallel ranks", not tr.gradients_mean),
+                                          ("parameters broadcast from rank 0", tr.parameter_broadcast),
+                                          ("fp32 reductions", tr.force_fp32_communication)) if on]
+        if switches:
+            head.add_row("switches", "; ".join(switches))
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
     if c.hidden_comm_s:
         overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"

@@ -60,6 +60,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
                    micro_batches=strategy.training.micro_batches, zero_stage=strategy.training.zero_stage,
                    recompute=strategy.training.recompute_policy, composer=strategy.cost.composer,
                    recompute_layers=strategy.training.recompute_layers,
+                   fp32_communication=strategy.training.force_fp32_communication,
                    fusion=strategy.training.comm_fusion,
                    zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes
@@ -140,7 +141,8 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
     if graph.layers and cm.recompute != "full":
         full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
                          zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
-                         fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes)
+                         fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes,
+                         fp32_communication=cm.fp32_communication)
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

@@ -89,6 +89,10 @@ class PlanRequest:
     # auto (the fastest of FUSION_CANDIDATES per kind, priced on the plan found).
     fusion: CommFusion | None = field(default_factory=CommFusion)
     zero_threshold_bytes: float = 0.0  # MindSpore's parallel_optimizer_threshold: smaller parameters unsharded
+    # MindSpore's switches (planner/strategy.py TrainingSettings): priced where they change the step.
+    gradients_mean: bool = True
+    parameter_broadcast: bool = False
+    force_fp32_communication: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -362,7 +366,9 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                 zero_stages=zero, comm_fusion=cost.priced.fusion,
                                 recompute={g: "full" for g in recomputed} if recomputed else
                                 {group.prefix: recompute for group in graph.layers} if recompute == "selective" else {},
-                                recompute_layers=recomputed,
+                                recompute_layers=recomputed, gradients_mean=req.gradients_mean,
+                                parameter_broadcast=req.parameter_broadcast,
+                                force_fp32_communication=req.force_fp32_communication,
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
                                 layout=str(layout) if layout is not None else None,
@@ -393,7 +399,8 @@ def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: Har
                 steps: int, policy: str, layers: Mapping[str, int] | None = None) -> CostModel:
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
-                     fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers)
+                     fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
+                     fp32_communication=req.force_fp32_communication)
 
 
 def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],

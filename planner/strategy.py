@@ -84,6 +84,11 @@ class TrainingSettings:
     # where every parameter at or above the threshold has `zero_stage`.
     zero_stages: Mapping[str, int] | None = None
     recompute_layers: Mapping[str, int] = field(default_factory=dict)  # group → its first n layers recomputed
+    # MindSpore's switches: gradients averaged over the data-parallel ranks (False: summed, each rank's
+    # loss the mean of its own batch), parameters broadcast from rank 0 at start, reductions in fp32.
+    gradients_mean: bool = True
+    parameter_broadcast: bool = False
+    force_fp32_communication: bool = False
 
     @property
     def bucket_bytes(self) -> float:
@@ -278,6 +283,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "comm_fusion": s.training.comm_fusion.as_dict(),
                      "zero_threshold_bytes": s.training.zero_threshold_bytes,
                      "recompute_layers": dict(s.training.recompute_layers),
+                     "gradients_mean": s.training.gradients_mean, "parameter_broadcast": s.training.parameter_broadcast,
+                     "force_fp32_communication": s.training.force_fp32_communication,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
@@ -403,7 +410,10 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   CommFusion.uniform(tr.get("bucket_bytes", GRAD_BUCKET_BYTES)),
                                   zero_threshold_bytes=tr["zero_threshold_bytes"],
                                   zero_stages=dict(tr["zero_stages"]) if "zero_stages" in tr else None,
-                                  recompute_layers=dict(tr.get("recompute_layers", {}))),
+                                  recompute_layers=dict(tr.get("recompute_layers", {})),
+                                  gradients_mean=tr.get("gradients_mean", True),
+                                  parameter_broadcast=tr.get("parameter_broadcast", False),
+                                  force_fp32_communication=tr.get("force_fp32_communication", False)),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),
