@@ -136,6 +136,9 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
                    "reducescatter=25MB), or auto (the planner's choice).")
 @click.option("--zero-threshold", default="0", show_default=True, metavar="SIZE",
               help="ZeRO-1/2 leave parameters smaller than this whole (MindSpore's parallel_optimizer_threshold).")
+@click.option("--zero-shard-size", type=int, default=None, metavar="N",
+              help="ZeRO-1/2 shard groups of N ranks inside the data-parallel group, the shard all-reduced across "
+                   "them (MindSpore's optimizer_weight_shard_size).")
 @click.option("--gradients-sum", is_flag=True,
               help="Sum gradients over the data-parallel ranks, each rank's loss the mean of its own batch "
                    "(MindSpore's gradients_mean=False; default: averaged).")
@@ -156,7 +159,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
-         recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, gradients_sum: bool,
+         recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -181,7 +184,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
-                      force_fp32_communication=force_fp32_communication)
+                      force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

@@ -110,3 +110,30 @@ def gather_groups(units: list[ZeroUnit], nbytes: dict[str, float], cap: float) -
             groups.append([i])
             size = b
     return groups
+
+
+def zero_split(axes: tuple[int, ...], mesh_shape: tuple[int, ...], shard_size: int | None
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """MindSpore's optimizer_weight_shard_size: ZeRO shards over the inner axes of `axes` whose sizes
+    multiply to `shard_size` (consecutive ranks), the outer ones all-reduce the shard. Returns (the axes
+    the states are sharded over, the axes the shard is all-reduced over); None or a size at least the
+    whole group: every axis shards. A size no inner run of axes makes raises ValueError."""
+    total = 1
+    for a in axes:
+        total *= mesh_shape[a]
+    if shard_size is None or shard_size >= total:
+        return axes, ()
+    size = 1
+    for i in range(len(axes) - 1, -1, -1):
+        size *= mesh_shape[axes[i]]
+        if size == shard_size:
+            return axes[i:], axes[:i]
+        if size > shard_size:
+            break
+    sizes = [1]
+    for a in reversed(axes):
+        sizes.append(sizes[-1] * mesh_shape[a])
+    raise ValueError(f"a ZeRO shard group of {shard_size} ranks is not the inner axes of the {total} ranks a "
+                     f"gradient is reduced over (mesh axes of sizes {[mesh_shape[a] for a in axes]}); pick a shard "
+                     f"size among {', '.join(map(str, sizes[1:]))} or a mesh whose inner data-parallel axis is "
+                     f"{shard_size}")

@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_units
+from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_split, zero_units
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
 from costmodel.compose import POLICIES, StepCost, compose
@@ -57,6 +57,7 @@ from costmodel.memory import (
     saved_tensors,
 )
 from hwprofiles.profile import HardwareProfile
+from planner.errors import MeshplanError
 from planner.graph import OpGraph, OpNode, TensorKind
 from planner.mesh import DeviceMesh
 from planner.placement import Partial, Replicate, Shard, Spec, gradient_spec, split_axes
@@ -83,7 +84,7 @@ class CostModel:
                  enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
                  zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
-                 fp32_communication: bool = False) -> None:
+                 fp32_communication: bool = False, zero_shard_size: int | None = None) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -95,8 +96,10 @@ class CostModel:
         every layer, or of the first `recompute_layers[group]` layers of a group (Megatron's block
         method) —, "none" (and "selective") saves every activation; `composer`: the step composer's
         policy; `fp32_communication`: all-reduces and reduce-scatters carry fp32 whatever the training
-        dtype (MindSpore's force_fp32_communication)."""
+        dtype (MindSpore's force_fp32_communication); `zero_shard_size`: ZeRO-1/2 shard groups of that
+        many ranks, the inner ones of a gradient's data-parallel group (optimizer_weight_shard_size)."""
         self.fp32_communication = fp32_communication
+        self.zero_shard_size = zero_shard_size  # optimizer_weight_shard_size: ranks a ZeRO shard group spans
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
@@ -211,7 +214,8 @@ class CostModel:
         stage = self.stage_of(tensor) if stage is None else stage if self.zero_eligible(tensor) else 0
         if not stage:
             return 1
-        return math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
+        group = math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
+        return min(group, self.zero_shard_size or group)
 
     def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *, stage: int | None = None) -> float:
         """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
@@ -244,8 +248,9 @@ class CostModel:
         the all-reduce's (in fp32 under fp32_communication)."""
         weights = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
         cadence = Cadence.STEP if stage == 1 else Cadence.MICRO_BATCH
+        sharded, rest = self.zero_axes(axes)
         rs, ag, g, w = [], [], grad_bytes, weights
-        for a in axes:
+        for a in sharded:
             rs.append(CommEvent(Collective.REDUCE_SCATTER, (a,), g,
                                 collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, g, (a,)),
                                 Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER, tensor, cadence))
@@ -253,7 +258,20 @@ class CostModel:
                                 collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, w, (a,)),
                                 Phase.OPTIMIZER, Purpose.PARAM_GATHER, tensor, Cadence.STEP))
             g, w = g / self.mesh.shape[a], w / self.mesh.shape[a]
-        return rs + ag[::-1]
+        # A shard group smaller than the data-parallel group (optimizer_weight_shard_size): the other
+        # axes all-reduce the shard, once per reduce-scatter.
+        ar = [CommEvent(Collective.ALL_REDUCE, (a,), g, collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE,
+                                                                           g, (a,)),
+                        Phase.BACKWARD, Purpose.GRAD_SYNC, tensor, cadence) for a in rest]
+        return rs + ar + ag[::-1]
+
+    def zero_axes(self, axes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The axes a gradient reduced over `axes` has its states sharded over, and those that all-reduce
+        the shard (`buckets.zero_split`, by the model's shard size)."""
+        try:
+            return zero_split(axes, self.mesh.shape, self.zero_shard_size)
+        except ValueError as e:
+            raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: {e}") from None
 
     # -- one edge --------------------------------------------------------------------------------
 
@@ -478,7 +496,7 @@ class CostModel:
             stage = priced.zero_stages[t] = self.stage_of(t, zero)
             replaced[id(evs[0])] = self.zero_events(t, priced.placed[t], axes, evs[0].size_bytes, stage)
             replaced.update({id(e): [] for e in evs[1:]})
-            degree[t] = math.prod(self.mesh.shape[a] for a in axes)
+            degree[t] = math.prod(self.mesh.shape[a] for a in self.zero_axes(axes)[0])
         priced.replace_events(replaced)
         return degree
 
@@ -514,10 +532,13 @@ class CostModel:
             share(Collective.ALL_REDUCE, names, syncs)
         scatters = of(Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER)
         gathers = of(Collective.ALL_GATHER, Purpose.PARAM_GATHER)
-        units = zero_units({t: (_axes(evs), max(e.size_bytes for e in evs)) for t, evs in scatters.items()
+        shard_syncs = {t: evs for t, evs in of(Collective.ALL_REDUCE, Purpose.GRAD_SYNC).items() if t in zeroed}
+        units = zero_units({t: (_axes(evs + shard_syncs.get(t, [])), max(e.size_bytes for e in evs))
+                            for t, evs in scatters.items()
                             if t in zeroed}, zeroed, fusion)
         for unit in units:
             share(Collective.REDUCE_SCATTER, unit.names, scatters)
+            share(Collective.ALL_REDUCE, [t for t in unit.names if t in shard_syncs], shard_syncs)
         weights = {t: max(e.size_bytes for e in gathers[t]) for u in units for t in u.names}
         for group in gather_groups(units, weights, fusion.allgather):
             share(Collective.ALL_GATHER, [t for i in group for t in units[i].names], gathers)

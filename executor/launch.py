@@ -30,7 +30,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
     (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
     CPU performs an all_to_all as all_gather + local chunk."""
-    from costmodel.buckets import gather_groups, pack_buckets, zero_units
+    from costmodel.buckets import gather_groups, pack_buckets, zero_split, zero_units
 
     params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
     resharded = {r.tensor for r in strategy.reshards}
@@ -58,14 +58,23 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     def grads(purpose: Purpose) -> dict[str, tuple[tuple[int, ...], float]]:
         return {t: (tuple(sorted(axes)), b) for t, (axes, b) in bucketed[purpose].items()}
 
-    for bucket_axes, _ in pack_buckets(grads(Purpose.GRAD_SYNC), fusion.allreduce):
+    syncs = grads(Purpose.GRAD_SYNC)  # a ZeRO parameter's: the all-reduce of its shard (a shard group
+    # smaller than the data-parallel group), per unit
+    for bucket_axes, _ in pack_buckets({t: g for t, g in syncs.items() if t not in stages}, fusion.allreduce):
         out[Collective.ALL_REDUCE.value] += len(bucket_axes)
-    units = zero_units(grads(Purpose.GRAD_REDUCE_SCATTER), stages, fusion)
+    units = zero_units({t: (tuple(sorted({*axes, *syncs.get(t, ((), 0.0))[0]})), b)
+                        for t, (axes, b) in grads(Purpose.GRAD_REDUCE_SCATTER).items()}, stages, fusion)
+    shape = tuple(strategy.mesh.shape)
     for unit in units:
-        out[Collective.REDUCE_SCATTER.value] += len(unit.axes) * (k if unit.stage == 2 else 1)
+        sharded, rest = zero_split(unit.axes, shape, strategy.training.zero_shard_size)
+        per = k if unit.stage == 2 else 1
+        out[Collective.REDUCE_SCATTER.value] += len(sharded) * per
+        if rest:
+            out[Collective.ALL_REDUCE.value] += len(rest) * per
     weights = {t: b for t, (_, b) in bucketed[Purpose.PARAM_GATHER].items()}
     for group in gather_groups(units, weights, fusion.allgather):
-        out[Collective.ALL_GATHER.value] += len(units[group[0]].axes)
+        out[Collective.ALL_GATHER.value] += len(zero_split(units[group[0]].axes, shape,
+                                                           strategy.training.zero_shard_size)[0])
     return dict(out)
 
 

@@ -28,13 +28,15 @@ class ZeroBucket:
     the shard is where that leaves this rank. ZeRO-1 keeps the whole gradients as views of `grads` and
     reduce-scatters once per step (the shard's sum lands in `grads`' own shard, `shard.grad`); ZeRO-2
     has no whole gradient buffer: it reduce-scatters every micro-batch's gradients into `shard.grad` and
-    frees them. After the optimizer step the shards are all-gathered back into `weights`
+    frees them. A shard group smaller than the data-parallel group (optimizer_weight_shard_size) has
+    the other axes all-reduce the shard. After the optimizer step the shards are all-gathered back into `weights`
     (`gather_units`, several units in one collective per axis)."""
 
     names: list[str]
     offsets: dict[str, int]  # where each parameter starts in the flat buffers
-    axes: tuple[int, ...]
-    groups: list[Any]  # the process group of each axis
+    axes: tuple[int, ...]  # the axes the states are sharded over
+    groups: list[Any]  # the process group of each
+    others: list[Any]  # the groups of the axes that all-reduce the shard (a smaller shard group)
     stage: int
     numel: int  # of the parameters (the buffers are padded beyond it)
     weights: torch.Tensor
@@ -43,11 +45,14 @@ class ZeroBucket:
 
     @classmethod
     def pack(cls, runner: SpmdRunner, unit: ZeroUnit) -> ZeroBucket:
+        from costmodel.buckets import zero_split
+
         mesh = runner.mesh
         names = list(unit.names)
         params = [runner._params[n] for n in names]
         numel = sum(p.numel() for p in params)
-        sizes = [int(mesh.shape[a]) for a in unit.axes]
+        axes, rest = zero_split(unit.axes, tuple(int(x) for x in mesh.shape), runner.strategy.training.zero_shard_size)
+        sizes = [int(mesh.shape[a]) for a in axes]
         chunk = -(-numel // math.prod(sizes))
         weights = torch.zeros(chunk * math.prod(sizes), dtype=params[0].dtype, device=params[0].device)
         grads = torch.zeros_like(weights) if unit.stage == 1 else None
@@ -65,14 +70,15 @@ class ZeroBucket:
             runner.module.params[runner.module.param_names[name]] = view
             offset += n
         start, length = 0, weights.numel()
-        for a, size in zip(unit.axes, sizes, strict=True):  # each reduce-scatter keeps this rank's part
+        for a, size in zip(axes, sizes, strict=True):  # each reduce-scatter keeps this rank's part
             length //= size
             start += int(mesh.get_local_rank(a)) * length
         shard = nn.Parameter(weights[start:start + chunk])
         shard.grad = (grads[start:start + chunk] if grads is not None
                       else torch.zeros(chunk, dtype=weights.dtype, device=weights.device))
-        return cls(names=names, offsets=offsets, axes=unit.axes, groups=[mesh.get_group(a) for a in unit.axes],
-                   stage=unit.stage, numel=numel, weights=weights, grads=grads, shard=shard)
+        return cls(names=names, offsets=offsets, axes=axes, groups=[mesh.get_group(a) for a in axes],
+                   others=[mesh.get_group(a) for a in rest], stage=unit.stage, numel=numel, weights=weights,
+                   grads=grads, shard=shard)
 
     def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:
         import torch.distributed as dist
@@ -82,6 +88,8 @@ class ZeroBucket:
             out = torch.empty(part.numel() // dist.get_world_size(group), dtype=part.dtype, device=part.device)
             dist.reduce_scatter_tensor(out, part.contiguous(), group=group)
             part = out
+        for group in self.others:
+            dist.all_reduce(part, group=group)
         grad = self.shard_grad
         if accumulate:
             grad.add_(part)

@@ -93,6 +93,7 @@ class PlanRequest:
     gradients_mean: bool = True
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
+    zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -133,6 +134,8 @@ class PlanRequest:
                                 "full recomputation covers; give --recompute full and a count of 0 or more")
         if self.recompute_layers is not None and (self.mode not in ("auto", "semi") or self.search != "ilp"):
             raise MeshplanError("--recompute-layers is decided with the sharding by the ILP: use --mode auto or semi")
+        if self.zero_shard_size is not None and self.zero_shard_size < 1:
+            raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: a ZeRO shard group needs at least 1 rank")
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
         if self.zero_stage == 3 and (self.mode not in ("auto", "semi") or self.search != "ilp"):
@@ -369,6 +372,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                 recompute_layers=recomputed, gradients_mean=req.gradients_mean,
                                 parameter_broadcast=req.parameter_broadcast,
                                 force_fp32_communication=req.force_fp32_communication,
+                                zero_shard_size=req.zero_shard_size,
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
                                 layout=str(layout) if layout is not None else None,
@@ -400,7 +404,7 @@ def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: Har
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
-                     fp32_communication=req.force_fp32_communication)
+                     fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size)
 
 
 def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],

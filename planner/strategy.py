@@ -89,6 +89,7 @@ class TrainingSettings:
     gradients_mean: bool = True
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
+    zero_shard_size: int | None = None  # optimizer_weight_shard_size: ZeRO-1/2 shard groups of this many ranks
 
     @property
     def bucket_bytes(self) -> float:
@@ -285,6 +286,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "recompute_layers": dict(s.training.recompute_layers),
                      "gradients_mean": s.training.gradients_mean, "parameter_broadcast": s.training.parameter_broadcast,
                      "force_fp32_communication": s.training.force_fp32_communication,
+                     "zero_shard_size": s.training.zero_shard_size,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
         "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
                                 for st in s.pipeline]},
@@ -413,7 +415,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   recompute_layers=dict(tr.get("recompute_layers", {})),
                                   gradients_mean=tr.get("gradients_mean", True),
                                   parameter_broadcast=tr.get("parameter_broadcast", False),
-                                  force_fp32_communication=tr.get("force_fp32_communication", False)),
+                                  force_fp32_communication=tr.get("force_fp32_communication", False),
+                                  zero_shard_size=tr.get("zero_shard_size")),
         pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
                        for s in d["pipeline"]["stages"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),

@@ -16,6 +16,7 @@ from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
 from executor.launch import planned_counts
 from hwprofiles.profile import load_profile
+from planner.errors import MeshplanError
 from planner.graph import load_graph
 from planner.mesh import DeviceMesh
 from planner.placement import Spec
@@ -186,3 +187,34 @@ def test_comm_fusion_kinds_run_as_planned(zoo: Callable[[str], Path], tmp_path: 
                                  mode="data-parallel", zero_stage=1, fusion=fusion))
     r = run_equals_one_process(s, model, tmp_path)
     assert r["collectives_planned"]["reduce_scatter"] > 1 and r["collectives_planned"]["all_gather"] == 1
+
+
+def test_zero_shard_group_smaller_than_data_parallel(zoo: Callable[[str], Path]) -> None:
+    # MindSpore's optimizer_weight_shard_size = 4 on a 2×4 data-parallel mesh: ZeRO-1 shards the states
+    # over the inner axis (4 ranks: 12Ψ/4 bytes of them), reduce-scatters over it (2Ψ bytes), all-reduces
+    # the shard over the outer axis (2Ψ/4), and gathers the updated shard over the inner axis (2Ψ).
+    g = load_graph(zoo("mlp"), {"batch": 64})
+    mesh = DeviceMesh.build(8, (2, 4), devices_per_node=8)
+    cost = CostModel(g, mesh, H100, BF16, zero_stage=1, zero_shard_size=4).price(_batch_split_everywhere(g, mesh))
+    psi = g.num_params
+    assert cost.memory["optimizer"] == pytest.approx(12 * psi / 4)
+    volume = {(e.kind, e.axes): 0.0 for e in cost.events}
+    for e in cost.events:
+        volume[e.kind, e.axes] += e.size_bytes
+    assert volume == {(Collective.REDUCE_SCATTER, (1,)): 2 * psi, (Collective.ALL_REDUCE, (0,)): 2 * psi / 4,
+                      (Collective.ALL_GATHER, (1,)): 2 * psi}
+    with pytest.raises(MeshplanError, match="--zero-shard-size 3: .* pick a shard size among 4, 8"):
+        CostModel(g, mesh, H100, BF16, zero_stage=1, zero_shard_size=3).price(_batch_split_everywhere(g, mesh))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_shard_group_runs_as_planned(stage: int, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # The same on 4 gloo ranks (2×2, shard groups of 2): equal to one process, collectives as planned.
+    model = zoo("mlp")
+    s, _ = make_plan(PlanRequest(model=str(model), profile="cpu", devices=4, mesh_shape=(2, 2), mode="data-parallel",
+                                 global_batch_size=64, accumulation_steps=2, zero_stage=stage, zero_shard_size=2))
+    assert s.training.zero_shard_size == 2
+    r = run_equals_one_process(s, model, tmp_path, "sgd")
+    per = 2 if stage == 2 else 1
+    assert r["collectives_planned"] == {"reduce_scatter": per, "all_reduce": per, "all_gather": 1}
