@@ -231,7 +231,7 @@ def render_layout_comparison(held: Strategy, best: Strategy) -> None:
     for name, s in ((f"layout {held.training.layout}", held), ("ILP's best", best)):
         tr, limit = s.training, s.settings.memory_limit_bytes
         t.add_row(name, " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)),
-                  f"{tr.micro_batches} × {tr.micro_batch_size}", zero_text(tr), recompute_text(tr),
+                  f"{tr.micro_batches} × {tr.micro_batch_size}", zero_text(tr, short=True), recompute_text(tr, short=True),
                   f"{s.cost.step_time_s * 1e3:.1f} ms", fmt_bytes(s.cost.memory_bytes_per_device),
                   "yes" if limit is None or s.cost.memory_bytes_per_device <= limit else "no")
     console.print(t)
@@ -244,21 +244,23 @@ def render_layout_comparison(held: Strategy, best: Strategy) -> None:
         console.print(f"the layout's step is {ratio:.2f}× the ILP's best")
 
 
-def zero_text(tr: TrainingSettings) -> str:
+def zero_text(tr: TrainingSettings, *, short: bool = False) -> str:
     """The plan's ZeRO: its stage, and how many parameters (tied ones counted alone) take each."""
     if tr.zero_stages is None:
-        return f"stage {tr.zero_stage}"
+        return str(tr.zero_stage) if short else f"stage {tr.zero_stage}"
     counts = Counter(tr.zero_stages.values())
+    if short:
+        return "/".join(map(str, sorted({tr.zero_stage, *counts})))
     parts = ", ".join(f"{n} parameters at stage {stage}" for stage, n in sorted(counts.items()))
     return f"stage {tr.zero_stage}" + (f" ({parts})" if parts else "")
 
 
-def recompute_text(tr: TrainingSettings) -> str:
-    """The recomputation policy per layer group, with the layers recomputed where not all are."""
+def recompute_text(tr: TrainingSettings, *, short: bool = False) -> str:
+    """The recomputation policy per layer group, with the layers recomputed where counted."""
     if not tr.recompute:
         return "none"
     out = []
     for group, policy in tr.recompute.items():
         n = tr.recompute_layers.get(group)
-        out.append(f"{policy}" + (f" on {n} layer(s) of {group}" if n is not None else ""))
+        out.append(policy + ("" if n is None else f" {n}" if short else f" on {n} layer(s) of {group}"))
     return "; ".join(out)

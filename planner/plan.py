@@ -220,10 +220,9 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
 
 
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
-    """The best plan for the request: at the fewest micro-steps that fit; under --recompute auto without
-    recomputation where that fits, else with the layers recomputed that the ILP chooses (without an
-    ILP: every layer), and then at more micro-steps while that spares recomputation and gets faster;
-    without --mesh, over mesh shapes."""
+    """The best plan for the request: without recomputation at the fewest micro-steps that fit, and
+    (under --recompute auto) with the layers the ILP chooses to recompute (without an ILP: every layer)
+    at fewer micro-steps while that is faster; without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
@@ -231,7 +230,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     failures: list[MeshplanError] = []
     graphs: dict[int, OpGraph] = {}
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
-    for k in steps:  # the fewest micro-steps that fit: more only add per-micro-step costs
+    def attempt(k: int, recompute: str) -> tuple[Strategy, list[Candidate]] | None:
         dims = req.dims_for(k)
         if k not in graphs:
             say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
@@ -243,23 +242,32 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                 raise DimBindingError(
                     f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
                     "export the model with a dynamic dim named batch, or plan one step with --dim") from e
-        plan = None
-        for recompute in policies:  # without recomputation first, then with it at this many micro-steps
-            try:
-                plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
-                break
-            except PinError:
+        try:
+            plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
+        except PinError:
+            raise
+        except MeshplanError as e:  # out of memory
+            if len(steps) * len(policies) == 1:
                 raise
-            except MeshplanError as e:  # out of memory: recomputation, then more, smaller micro-steps
-                if len(steps) * len(policies) == 1:
-                    raise
-                failures.append(e)
-        if plan is None:
-            continue
+            failures.append(e)
+            return None
         found.append((k, plan))
-        if req.recompute != "auto" or not plan[0].training.recompute_layers or \
-                plan[0].step_time_s > min(f[1][0].step_time_s for f in found):
-            break  # more micro-steps pay off only while they spare recomputation
+        return plan
+
+    # Without recomputation (or with the policy asked for) at the fewest micro-steps that fit: more
+    # micro-steps only add per-micro-step costs.
+    for k in steps:
+        if attempt(k, policies[0]) is not None:
+            break
+    # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
+    # micro-batches), from the most down while each is faster than the best so far.
+    if len(policies) > 1:
+        fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
+        for k in sorted((k for k in steps if k < fewest), reverse=True):
+            best = min((f[1][0].step_time_s for f in found), default=math.inf)
+            plan = attempt(k, policies[1])
+            if plan is None or plan[0].step_time_s >= best:
+                break  # fewer micro-steps need more memory: none fits; or recomputation costs more
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
