@@ -83,6 +83,9 @@ _BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHE
 
 def check_step(strategy: Strategy, graph: OpGraph) -> None:
     """Refuse, before any rank starts, a training step the executor cannot run as planned."""
+    if strategy.pipeline is not None:
+        raise RunError(f"the plan has {len(strategy.pipeline.stages)} pipeline stages: meshplan plans and prices "
+                       "pipelines but does not run them yet; plan without pp in --layout to run")
     k = strategy.training.micro_batches
     batch = strategy.model.dims.get("batch")
     odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]

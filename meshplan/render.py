@@ -81,7 +81,12 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
     head = Table(title=f"plan for {s.model.name} on {s.profile.name}", show_header=False)
     head.add_column(style="bold")
     head.add_column()
-    head.add_row("mesh", " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True)))
+    stage_mesh = " × ".join(f"{n}={k}" for n, k in zip(s.mesh.axis_names, s.mesh.shape, strict=True))
+    pl = s.pipeline
+    head.add_row("mesh", stage_mesh if pl is None else
+                 f"pp={len(pl.stages)} stages × ({stage_mesh}), {pl.schedule}"
+                 + (f", {pl.virtual_stages} chunks per stage" if pl.virtual_stages > 1 else "")
+                 + f"; bubble {pl.bubble_fraction:.1%} of compute")
     head.add_row("mode", f"{s.settings.mode} ({s.settings.search}, {s.settings.dtype})")
     tr = s.training
     if tr.global_batch_size is not None:
@@ -95,6 +100,8 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
         if switches:
             head.add_row("switches", "; ".join(switches))
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
+    if c.bubble_s:
+        overhead += f" + pipeline bubble {c.bubble_s * 1e3:.2f} ms"
     if c.hidden_comm_s:
         overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
@@ -112,6 +119,8 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
     console.print(head)
     for note in s.model.notes:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
+    if pl is not None:
+        render_stages(s)
     if len(candidates) > 1:
         t = Table(title="mesh candidates")
         for col in ("mesh", "step time", "memory", "status"):
@@ -264,3 +273,15 @@ def recompute_text(tr: TrainingSettings, *, short: bool = False) -> str:
         n = tr.recompute_layers.get(group)
         out.append(policy + ("" if n is None else f" {n}" if short else f" on {n} layer(s) of {group}"))
     return "; ".join(out)
+
+
+def render_stages(s: Strategy) -> None:
+    """A pipelined plan's stages: devices, layers, time per micro-batch, per-step work, peak memory."""
+    assert s.pipeline is not None
+    t = Table(title=f"pipeline stages ({s.training.micro_batches} micro-batches)")
+    for col in ("stage", "devices", "layers", "per micro-batch", "per step", "in flight", "memory/device"):
+        t.add_column(col)
+    for i, st in enumerate(s.pipeline.stages):
+        t.add_row(str(i), f"{st.devices[0]}–{st.devices[-1]}", str(st.layers), f"{st.time_s * 1e3:.2f} ms",
+                  f"{st.step_s * 1e3:.2f} ms", f"{st.in_flight:g}", fmt_bytes(st.memory_bytes))
+    console.print(t)

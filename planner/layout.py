@@ -8,6 +8,12 @@ dp_replicate and, where dp_shard > 1, stored split on their first dim over it an
 (FSDP / ZeRO-3; both together are HSDP); the tensor-parallel axis, and everything else, is the ILP's
 to decide. With --micro-batch-size the data-parallel degree the layout names turns a global batch into
 its accumulation steps, as Megatron and torchtitan count them.
+
+    --layout tp=8,pp=8,dp_replicate=24,vpp=2
+
+adds pipeline stages (`planner/pipeline.py`): pp stages of the repeated layers, each on a sub-mesh of
+the other degrees (the mesh above is one stage's), and with vpp > 1 the interleaved schedule's model
+chunks per device (Megatron's virtual pipeline stages; not a device degree).
 """
 
 from __future__ import annotations
@@ -22,12 +28,15 @@ from planner.mesh import DeviceMesh
 from planner.placement import Replicate, Shard, Spec
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp")
-NOT_YET = ("pp", "cp", "ep")
+PIPELINE_KEYS = ("pp", "vpp")
+NOT_YET = ("cp", "ep")
 
 
 @dataclass(frozen=True)
 class Layout:
-    sizes: tuple[tuple[str, int], ...]  # (key, degree) in LAYOUT_KEYS order
+    sizes: tuple[tuple[str, int], ...]  # (key, degree) in LAYOUT_KEYS order: one pipeline stage's mesh
+    pipeline: int = 1  # pp: stages
+    virtual: int = 1  # vpp: model chunks per stage (interleaved 1F1B)
 
     @property
     def degree(self) -> dict[str, int]:
@@ -35,6 +44,10 @@ class Layout:
 
     @property
     def devices(self) -> int:
+        return math.prod(n for _, n in self.sizes) * self.pipeline
+
+    @property
+    def stage_devices(self) -> int:
         return math.prod(n for _, n in self.sizes)
 
     @property
@@ -50,7 +63,9 @@ class Layout:
         return tuple(k for k, n in self.sizes if n > 1) or ("dp_shard",)
 
     def __str__(self) -> str:
-        return ",".join(f"{k}={n}" for k, n in self.sizes)
+        extra: tuple[tuple[str, int], ...] = (("pp", self.pipeline),) if self.pipeline > 1 else ()
+        extra += (("vpp", self.virtual),) if self.virtual > 1 else ()
+        return ",".join(f"{k}={n}" for k, n in (*self.sizes, *extra))
 
     def input_pins(self, graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
         """Every input split on its batch dim (0) over the data-parallel axes, replicated elsewhere."""
@@ -91,16 +106,20 @@ def parse_layout(text: str, devices: int) -> Layout:
         key, eq, value = part.partition("=")
         key = key.strip()
         if key in NOT_YET:
-            raise MeshplanError(f"--layout {key}: pipeline, context and expert parallelism are not planned yet; use "
-                                f"{', '.join(LAYOUT_KEYS)}")
-        if key not in LAYOUT_KEYS:
-            raise MeshplanError(f"--layout {key}: unknown key; use {', '.join(LAYOUT_KEYS)} (torchtitan's names)")
+            raise MeshplanError(f"--layout {key}: context and expert parallelism are not planned yet; use "
+                                f"{', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))}")
+        if key not in (*LAYOUT_KEYS, *PIPELINE_KEYS):
+            raise MeshplanError(f"--layout {key}: unknown key; use {', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))} "
+                                "(torchtitan's names, Megatron's pp and vpp)")
         if not eq or not value.strip().isdigit() or int(value) < 1:
             raise MeshplanError(f"--layout {part}: give KEY=N with N a positive integer, e.g. dp_shard=8,tp=8")
         if key in sizes:
             raise MeshplanError(f"--layout {key} given twice; give each degree once")
         sizes[key] = int(value)
-    layout = Layout(tuple((k, sizes[k]) for k in LAYOUT_KEYS if k in sizes))
+    layout = Layout(tuple((k, sizes[k]) for k in LAYOUT_KEYS if k in sizes), pipeline=sizes.get("pp", 1),
+                    virtual=sizes.get("vpp", 1))
+    if layout.virtual > 1 and layout.pipeline == 1:
+        raise MeshplanError(f"--layout vpp={layout.virtual}: virtual stages interleave a pipeline; give pp too")
     if layout.devices != devices:
         raise MeshplanError(f"--layout {layout} multiplies to {layout.devices} devices, not --devices {devices}; "
                             f"make the degrees multiply to {devices}")

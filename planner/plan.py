@@ -25,12 +25,14 @@ from costmodel.buckets import CommFusion
 from costmodel.collectives import Phase
 from costmodel.compose import POLICIES, StepCost
 from costmodel.memory import PRECISIONS, Precision
+from costmodel.pipeline import SCHEDULES
 from costmodel.step import RECOMPUTE, CommEvent, CostModel
 from hwprofiles.profile import HardwareProfile, list_presets, load_profile
 from planner.errors import DimBindingError, MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
+from planner.pipeline import plan_pipelined
 from planner.placement import Shard, Spec, fully_sharded, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
 from planner.solve import PinError, ShardingILP, SolverOptions
@@ -82,7 +84,8 @@ class PlanRequest:
     zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
     recompute: str = "auto"  # none | selective | full | auto (the ILP decides how many layers per group)
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
-    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py)
+    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py); pp, vpp pipeline
+    schedule: str | None = None  # a pipeline's: gpipe | 1f1b | interleaved (default 1f1b; interleaved with vpp)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
     # Communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb): bucket caps per kind, or None:
@@ -112,6 +115,18 @@ class PlanRequest:
             if self.mode not in ("auto", "semi") or self.search != "ilp":
                 raise MeshplanError(f"--layout is priced by the ILP: use --mode auto or semi, not {self.mode}")
             parse_layout(self.layout, self.devices)
+        pp = parse_layout(self.layout, self.devices) if self.layout is not None else None
+        if self.schedule is not None:
+            if self.schedule not in SCHEDULES:
+                raise MeshplanError(f"--schedule {self.schedule}: choose one of {', '.join(SCHEDULES)}")
+            if pp is None or pp.pipeline == 1:
+                raise MeshplanError(f"--schedule {self.schedule} schedules pipeline stages: give --layout with pp=N")
+            if (pp.virtual > 1) != (self.schedule == "interleaved"):
+                raise MeshplanError(f"--schedule {self.schedule} with vpp={pp.virtual}: the interleaved schedule is the "
+                                    "one with virtual stages (vpp > 1), and it needs them")
+        if pp is not None and pp.pipeline > 1 and self.global_batch_size is None:
+            raise MeshplanError("--layout pp: a pipeline runs micro-batches of a global batch; give "
+                                "--global-batch-size (and --micro-batch-size, default 1 per data-parallel rank)")
         if self.micro_batch_size is not None:
             if self.micro_batch_size < 1:
                 raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: needs at least 1 sequence")
@@ -173,6 +188,8 @@ class PlanRequest:
             return [1]
         if self.micro_batch_size is not None:
             return [self.global_batch_size // (self.micro_batch_size * self.data_parallel_degree())]
+        if self.layout is not None and parse_layout(self.layout, self.devices).pipeline > 1:
+            return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
 
     def recompute_candidates(self) -> list[str]:
@@ -278,11 +295,13 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                  recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
     devices = 1 if req.mode == "stand-alone" else req.devices
     layout = parse_layout(req.layout, devices) if req.layout is not None else None
+    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
+             else 0.9 * profile.device.mem_capacity_bytes)
+    if layout is not None and layout.pipeline > 1:
+        return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
     shapes = [layout.mesh_shape] if layout is not None else \
         [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
         [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
-    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
-             else 0.9 * profile.device.mem_capacity_bytes)
     best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
                 dict[str, int]] | None = None
     candidates: list[Candidate] = []

@@ -140,14 +140,18 @@ class ShardingILP:
                  pins: Mapping[str, Spec] | None = None, options: SolverOptions | None = None,
                  follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None,
                  zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
-                 recompute_model: CostModel | None = None, recompute_layers: int | None = None) -> None:
+                 recompute_model: CostModel | None = None, recompute_layers: int | None = None,
+                 stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = ()) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `zero_stages`: the ZeRO-1/2 stages a parameter may take (default: the cost model's stage);
         `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored);
         `recompute_model`: the graph priced with every layer recomputed — given, how many layers of each
         group to recompute is decided too (`planner/recompute.py`; `cost` must recompute none), or held
-        at `recompute_layers` (the first N of each group)."""
+        at `recompute_layers` (the first N of each group). `stages`: each compute node's pipeline stage —
+        given, the memory row is one per stage (its nodes' parameters' states, and their activations
+        times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`)."""
+        self.stages, self.in_flight = stages, list(in_flight)
         self.graph, self.rules, self.cost = graph, rules, cost
         self.no_zero = no_zero
         self.recompute_model = recompute_model
@@ -431,11 +435,23 @@ class ShardingILP:
             pmult[r] += 1
         costs = {d: list(c) for d, c in self.inner_cost.items()}
         mem = {d: [0.0] * k for d, k in self.decisions.items()}
+        # Pipeline stages: per stage, how many of each representative's nodes (parameters) lie in it.
+        count: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        pcount: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        if self.stages is not None:
+            for n, r in self.rep.items():
+                count[r][self.stages[n]] += 1
+            for t, r in self.param_rep.items():
+                pcount[r][self.stages[self.cost.param_owner[t]]] += 1
+        self.stage_mem = [{d: [0.0] * k for d, k in self.decisions.items()} for _ in self.in_flight] \
+            if self.stages is not None else []
         for owner, (d, m) in self.sigma.items():
             if isinstance(owner, ParamDecision):
                 p = owner.param
                 at = list(zip(self.param_specs[p], self.param_stages[p], strict=True))
                 mem[d] = [self.cost.param_state_bytes(p, spec, stage=stage) * pmult[p] for spec, stage in at]
+                for st, k in pcount[p].items():
+                    self.stage_mem[st][d] = [b / pmult[p] * k for b in mem[d]]
                 costs[d] = [c + self.cost.optimizer_s(p, spec, stage=stage) * pmult[p]
                             for c, (spec, stage) in zip(costs[d], at, strict=True)]
                 continue
@@ -447,6 +463,9 @@ class ShardingILP:
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
+                for st, k in count[node].items():  # a stage holds several micro-batches' activations
+                    self.stage_mem[st][d][c] += (priced[j].activation_bytes * k * self.in_flight[st]
+                                                 + priced[j].recomputed_bytes)
             if (terms := self.layer_terms.get(node)) is not None and self.recompute_model is not None:
                 for c, j in enumerate(m):  # one layer of its group recomputed: time added, memory saved
                     full, var = self.recompute_model.node_cost(gnode, strategies[j]), self.x[d][c]
@@ -465,9 +484,18 @@ class ShardingILP:
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
                 f"as its rules allow) but --memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
                 "--memory-limit or add devices")
-        terms = [(x, math.ceil(b / KIB)) for v, bs in mem.items() for b, x in zip(bs, self.x[v], strict=True) if b]
-        self.model.add("memory", [*terms, *extra], -BIG, int(self.memory_limit_bytes // KIB))
-        self.constraint_counts["memory"] += 1
+        for i, row in enumerate(self.stage_mem or [mem]):
+            if self.stage_mem:
+                floor = self.min_memory_bytes(row)
+                if floor > self.memory_limit_bytes:
+                    raise InfeasiblePlanError(
+                        f"memory: pipeline stage {i} needs at least {floor / 2**30:.1f} GiB per device but "
+                        f"--memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise --memory-limit, add "
+                        "stages or devices, or recompute")
+            terms = [(x, math.ceil(b / KIB)) for v, bs in row.items() for b, x in zip(bs, self.x[v], strict=True) if b]
+            self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra], -BIG,
+                           int(self.memory_limit_bytes // KIB))
+            self.constraint_counts["memory"] += 1
 
     def _with_all_recomputed(self, mem: dict[Decision, list[float]]) -> dict[Decision, list[float]]:
         """Each choice's memory less what recomputing every layer of its group could save (a lower bound

@@ -115,9 +115,32 @@ class TrainingSettings:
 
 @dataclass(frozen=True, kw_only=True)
 class PipelineStage:
-    first_node: str  # the stage runs the compute nodes first_node..last_node in topological order
-    last_node: str
-    devices: tuple[int, ...]  # its sub-mesh, row-major over the strategy's mesh shape without the pipeline axis
+    """One pipeline stage: the devices of its sub-mesh (laid out as the strategy's mesh, which is one
+    stage's), the compute nodes it runs (per model chunk: the first and last in topological order), and
+    what the planner predicts for it."""
+    first_node: str  # its first chunk's first node
+    last_node: str  # its last chunk's last node
+    devices: tuple[int, ...]
+    chunks: tuple[tuple[str, str], ...] = ()  # (first node, last node) per model chunk (several: interleaved)
+    layers: int = 0  # repeated layers it holds
+    time_s: float = 0.0  # per micro-batch: forward + backward of its nodes, their per-micro-batch collectives, sends
+    step_s: float = 0.0  # per step: its gradient reductions and optimizer
+    memory_bytes: float = 0.0  # per device: its parameters' states and the activations it holds at its peak
+    in_flight: float = 0.0  # micro-batches of activations it holds at its peak
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """Pipeline parallelism: stages over sub-meshes, the schedule, model chunks per device."""
+    stages: tuple[PipelineStage, ...]
+    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    virtual_stages: int = 1
+    bubble_fraction: float = 0.0  # idle over ideal compute: (p − 1)/(v·m)
+    p2p_bytes: float = 0.0  # sent between consecutive stages per micro-batch (forward and backward)
+
+    @property
+    def devices(self) -> int:
+        return sum(len(st.devices) for st in self.stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,6 +200,7 @@ class PredictedCost:
     flops_per_device: float
     composer: str = "serial"  # the step composer's policy (costmodel/compose.py)
     hidden_comm_s: float = 0.0  # communication the composer hides under compute (not in comm_s)
+    bubble_s: float = 0.0  # a pipeline's idle time (fill and drain), in step_time_s
 
     @property
     def memory_bytes_per_device(self) -> float:
@@ -219,7 +243,7 @@ class Strategy:
     fallbacks: tuple[Fallback, ...]
     cost: PredictedCost
     solver: SolverStats
-    pipeline: tuple[PipelineStage, ...] = ()
+    pipeline: Pipeline | None = None  # pipelined: `mesh` is one stage's sub-mesh
     candidates: tuple[CandidateRecord, ...] = ()
 
     @property
@@ -265,6 +289,29 @@ def _collective_doc(c: CollectiveRecord) -> dict[str, Any]:
             "purpose": c.purpose.value, "tensor": c.tensor, "cadence": c.cadence.value}
 
 
+def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
+    if p is None:
+        return {"stages": []}
+    return {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices),
+                        "chunks": [list(c) for c in st.chunks], "layers": st.layers, "time_s": st.time_s,
+                        "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
+                       for st in p.stages],
+            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "bubble_fraction": p.bubble_fraction,
+            "p2p_bytes": p.p2p_bytes}
+
+
+def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
+    if not d["stages"]:
+        return None
+    stages = tuple(PipelineStage(first_node=st["first_node"], last_node=st["last_node"], devices=tuple(st["devices"]),
+                                 chunks=tuple((a, b) for a, b in st.get("chunks", ())), layers=st.get("layers", 0),
+                                 time_s=st.get("time_s", 0.0), step_s=st.get("step_s", 0.0),
+                                 memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
+                   for st in d["stages"])
+    return Pipeline(stages=stages, schedule=d.get("schedule", "1f1b"), virtual_stages=d.get("virtual_stages", 1),
+                    bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0))
+
+
 def _document(s: Strategy) -> dict[str, Any]:
     m = s.model
     return {
@@ -288,8 +335,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "force_fp32_communication": s.training.force_fp32_communication,
                      "zero_shard_size": s.training.zero_shard_size,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
-        "pipeline": {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices)}
-                                for st in s.pipeline]},
+        "pipeline": _pipeline_doc(s.pipeline),
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
                         "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
         "nodes": {n: {"op_type": p.op_type, "module": p.module, "strategy": p.strategy,
@@ -303,7 +349,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                  "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
                  "optimizer_s": s.cost.optimizer_s, "overhead_s": s.cost.overhead_s, "comm_s": s.cost.comm_s,
                  "memory_bytes_per_device": s.cost.memory_bytes_per_device, "memory": dict(s.cost.memory),
-                 "flops_per_device": s.cost.flops_per_device},
+                 "flops_per_device": s.cost.flops_per_device, "bubble_s": s.cost.bubble_s},
         "solver": {"status": s.solver.status, "objective": s.solver.objective, "bound": s.solver.bound,
                    "gap": s.solver.gap, "time_s": s.solver.time_s, "num_variables": s.solver.num_variables,
                    "num_constraints": s.solver.num_constraints, "num_decisions": s.solver.num_decision_nodes,
@@ -417,8 +463,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   parameter_broadcast=tr.get("parameter_broadcast", False),
                                   force_fp32_communication=tr.get("force_fp32_communication", False),
                                   zero_shard_size=tr.get("zero_shard_size")),
-        pipeline=tuple(PipelineStage(first_node=s["first_node"], last_node=s["last_node"], devices=tuple(s["devices"]))
-                       for s in d["pipeline"]["stages"]),
+        pipeline=_pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))
                  for name, t in d["tensors"].items()},
@@ -435,7 +480,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
         cost=PredictedCost(step_time_s=c["step_time_s"], compute_s=c["compute_s"], optimizer_s=c["optimizer_s"],
                            overhead_s=c["overhead_s"], comm_s=c["comm_s"], memory=dict(c["memory"]),
                            flops_per_device=c["flops_per_device"], composer=c["composer"],
-                           hidden_comm_s=c["hidden_comm_s"]),
+                           hidden_comm_s=c["hidden_comm_s"], bubble_s=c.get("bubble_s", 0.0)),
         solver=SolverStats(status=sv["status"], objective=sv["objective"], bound=sv["bound"], gap=sv["gap"],
                            time_s=sv["time_s"], num_variables=sv["num_variables"],
                            num_constraints=sv["num_constraints"], num_decision_nodes=sv["num_decisions"],

@@ -1,0 +1,312 @@
+"""Pipeline stages: the repeated layers cut into p contiguous stages (v chunks each, interleaved), every
+stage on its own sub-mesh of N/p devices with the same intra-stage plan, one ILP deciding it.
+
+The cut: the model's (largest) repeated-layer group is split into p·v chunks of consecutive layers;
+chunk c runs on stage c mod p (v = 1: stage c). With v = 1 the layers need not divide evenly: the
+extra layers go to the middle stages, the first and last carrying the embedding and the head. Nodes
+outside the layers run with the layer before them (the embedding with the first, the head and the loss
+with the last).
+
+The ILP (`planner/solve.py`) decides the sharding of every node on the sub-mesh, as for one device
+group, with one memory row per stage: its nodes' parameters' states, and their saved activations times
+the micro-batches the stage holds at once under the schedule (`costmodel/pipeline.py`). Its objective
+is the sum of all stages' work, which the pipelined step is proportional to when stages balance; the
+plan is then priced per stage: each stage's time per micro-batch (its nodes' forward and backward,
+their per-micro-batch collectives, and the sends of the activations that cross into the next stage
+and of their gradients back), the step T = Σ t_i/v + (m − 1/v·…) as `pipeline_step_s` composes it,
+plus the slowest stage's per-step work (gradient reductions, optimizer).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from costmodel.collectives import Cadence, Collective
+from costmodel.comm import collective_time_s
+from costmodel.compute import tensor_bytes
+from costmodel.items import PricedStep
+from costmodel.pipeline import bubble_fraction, in_flight, p2p_bytes, pipeline_step_s
+from costmodel.step import CostModel
+from hwprofiles.profile import HardwareProfile
+from planner.errors import MeshplanError
+from planner.graph import OpGraph, TensorKind
+from planner.layout import Layout
+from planner.mesh import DeviceMesh
+from planner.strategy import Pipeline, PipelineStage, PredictedCost, Strategy
+
+if TYPE_CHECKING:
+    from costmodel.memory import Precision
+    from planner.plan import Candidate, PlanRequest
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where each compute node runs: its chunk (0 … p·v − 1) and stage (chunk mod p)."""
+
+    stages: int
+    virtual: int
+    chunk_of: dict[str, int]
+    layers_per_chunk: tuple[int, ...]
+
+    def stage_of(self, node: str) -> int:
+        return self.chunk_of[node] % self.stages
+
+    @property
+    def node_stage(self) -> dict[str, int]:
+        return {n: c % self.stages for n, c in self.chunk_of.items()}
+
+
+def cut(graph: OpGraph, p: int, v: int = 1, counts: list[int] | None = None) -> Cut:
+    """`counts`: layers per chunk (default: even, the extra layers to the middle chunks)."""
+    if not graph.layers:
+        raise MeshplanError(f"--layout pp={p}: pipeline stages cut the repeated layers, and {graph.name} has none "
+                            "meshplan recognises; plan without pp")
+    group = max(graph.layers, key=lambda g: g.num_layers)
+    n_layers = group.num_layers
+    if p > n_layers:
+        raise MeshplanError(f"--layout pp={p}: more stages than the {n_layers} repeated layers of {group.prefix}; "
+                            f"use pp ≤ {n_layers}")
+    chunks = p * v
+    if v > 1 and n_layers % chunks:
+        raise MeshplanError(f"--layout vpp={v}: {n_layers} layers over {p} stages × {v} chunks do not divide evenly "
+                            f"(each chunk needs the same layers); pick vpp dividing {n_layers // p if n_layers % p == 0 else n_layers}/pp")
+    if counts is None:
+        base, extra = divmod(n_layers, chunks)
+        # Extra layers to the middle chunks: the first and last carry the embedding and the head.
+        order = sorted(range(chunks), key=lambda c: (c in (0, chunks - 1), abs(c - (chunks - 1) / 2)))
+        counts = [base + (1 if c in order[:extra] else 0) for c in range(chunks)]
+    layer_chunk: list[int] = [c for c in range(chunks) for _ in range(counts[c])]
+    chunk_of: dict[str, int] = {}
+    in_layer = {n: layer_chunk[i] for i, names in enumerate(group.nodes) for n in names}
+    current = 0
+    for node in graph.compute_nodes:
+        current = in_layer.get(node.name, current)
+        chunk_of[node.name] = current
+    return Cut(stages=p, virtual=v, chunk_of=chunk_of, layers_per_chunk=tuple(counts))
+
+
+@dataclass(frozen=True)
+class StageCost:
+    time_s: float  # per micro-batch
+    compute_s: float  # per micro-batch
+    step_s: float  # per step: reductions once per step and the optimizer
+    optimizer_s: float
+    memory: dict[str, float]
+    in_flight: float
+    send_bytes: float  # per micro-batch, forward and backward, to and from the next stage
+
+
+def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut, full: DeviceMesh, schedule: str,
+                 m: int) -> list[StageCost]:
+    """Each stage's time per micro-batch, per-step work and memory from the priced items of the whole
+    graph on one stage's sub-mesh."""
+    p, v = the_cut.stages, the_cut.virtual
+    compute = [0.0] * p
+    micro = [0.0] * p
+    per_step = [0.0] * p
+    optimizer = [0.0] * p
+    for name, secs in priced.node_compute_s.items():
+        compute[the_cut.stage_of(name)] += secs
+    for name, events in priced.node_events.items():
+        s = the_cut.stage_of(name)
+        for e in events:
+            if e.cadence is Cadence.MICRO_BATCH:
+                micro[s] += e.time_s
+            else:
+                per_step[s] += e.time_s
+    for param, secs in priced.optimizer_s.items():
+        optimizer[the_cut.stage_of(cm.param_owner[param])] += secs
+    # Sends: every float activation produced in one chunk and read in a later one crosses each chunk
+    # boundary between them (Megatron passes it along), forward; its gradient comes back.
+    sends = [0.0] * p
+    send_s = [0.0] * p
+    for node in graph.compute_nodes:
+        c = the_cut.chunk_of[node.name]
+        for t in node.inputs:
+            info = graph.tensors.get(t) if t else None
+            if info is None or info.kind is not TensorKind.ACTIVATION or not info.is_float:
+                continue
+            src = graph.producer.get(t)
+            if src is None or the_cut.chunk_of[src] >= c:
+                continue
+            spec = priced.placed.get(t)
+            local = spec.local_shape(info.shape, cm.mesh.shape) if spec is not None else info.shape
+            nbytes = p2p_bytes(1.0, tensor_bytes(info, local, cm.precision))
+            for boundary in range(the_cut.chunk_of[src], c):
+                s = boundary % p
+                sends[s] += nbytes
+                send_s[s] += 2 * collective_time_s(cm.profile, full, Collective.SEND_RECV, nbytes / 2, (0,))
+    acts: dict[int, float] = defaultdict(float)
+    inputs = 0.0
+    transient = priced.memory["activations"].get("(recomputed layer)", 0.0)
+    for owner, b in priced.memory["activations"].items():
+        if owner in the_cut.chunk_of:
+            acts[the_cut.stage_of(owner)] += b
+        elif owner in graph.tensors:
+            inputs += b  # an input saved for backward: on the first stage
+    states: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for category in ("parameters", "gradients", "optimizer"):
+        for t, b in priced.memory[category].items():
+            states[the_cut.stage_of(cm.param_owner[t])][category] += b
+    out = []
+    for s in range(p):
+        held = in_flight(schedule, p, m, s, v)
+        memory = {**states[s], "activations": (acts[s] + (inputs if s == 0 else 0.0)) * held + transient}
+        out.append(StageCost(time_s=compute[s] + micro[s] + send_s[s], compute_s=compute[s],
+                             step_s=per_step[s] + optimizer[s], optimizer_s=optimizer[s], memory=memory,
+                             in_flight=held, send_bytes=sends[s]))
+    return out
+
+
+def balanced_counts(stages: list[StageCost], the_cut: Cut) -> list[int] | None:
+    """Layers per stage (v = 1) that make the slowest stage as fast as the layers allow: each stage's
+    time is its own extra work (the embedding, the head and loss, sends) plus its layers at one layer's
+    time; layers move one at a time from the slowest stage to the fastest while that lowers the
+    maximum. None when the even cut stays best (or the schedule interleaves: chunks stay equal)."""
+    if the_cut.virtual > 1 or the_cut.stages == 1:
+        return None
+    counts = list(the_cut.layers_per_chunk)
+    middle = [s for s in range(the_cut.stages) if counts[s]]
+    per_layer = min(stages[s].time_s / counts[s] for s in middle)  # a stage of layers only is the cheapest
+    extra = [stages[s].time_s - counts[s] * per_layer for s in range(the_cut.stages)]
+
+    def time(s: int) -> float:
+        return extra[s] + counts[s] * per_layer
+
+    while True:
+        slow = max(range(len(counts)), key=time)
+        fast = min(range(len(counts)), key=lambda s: time(s) + per_layer)
+        if counts[slow] <= 1 or slow == fast or time(fast) + per_layer >= time(slow):
+            break
+        counts[slow] -= 1
+        counts[fast] += 1
+    return counts if counts != list(the_cut.layers_per_chunk) else None
+
+
+def pipelined_cost(stages: list[StageCost], schedule: str, m: int, v: int, fixed_s: float,
+                   flops: float, composer: str) -> PredictedCost:
+    """The step: the pipeline over its stages (`pipeline_step_s`), then the slowest stage's per-step
+    work; compute, communication and bubble told apart on the stage that paces the pipeline."""
+    times = [st.time_s for st in stages]
+    pipe = pipeline_step_s(schedule, times, m, v)
+    pacing = max(range(len(stages)), key=lambda s: times[s])
+    last = max(range(len(stages)), key=lambda s: stages[s].step_s)
+    step = pipe + stages[last].step_s + fixed_s
+    peak = max(stages, key=lambda st: sum(st.memory.values()))
+    compute = m * stages[pacing].compute_s
+    return PredictedCost(step_time_s=step, compute_s=compute, optimizer_s=stages[last].optimizer_s, overhead_s=fixed_s,
+                         comm_s=m * (times[pacing] - stages[pacing].compute_s) + stages[last].step_s
+                         - stages[last].optimizer_s,
+                         memory=dict(peak.memory), flops_per_device=flops, composer=composer,
+                         bubble_s=pipe - m * times[pacing])
+
+
+def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule: str, m: int,
+                stage_devices: int) -> Pipeline:
+    first: dict[int, str] = {}
+    last: dict[int, str] = {}
+    for node in graph.compute_nodes:
+        c = the_cut.chunk_of[node.name]
+        first.setdefault(c, node.name)
+        last[c] = node.name
+    p, v = the_cut.stages, the_cut.virtual
+    out = []
+    for s in range(p):
+        chunks = [c for c in range(p * v) if c % p == s and c in first]
+        out.append(PipelineStage(first_node=first[chunks[0]], last_node=last[chunks[-1]],
+                                 devices=tuple(range(s * stage_devices, (s + 1) * stage_devices)),
+                                 chunks=tuple((first[c], last[c]) for c in chunks),
+                                 layers=sum(the_cut.layers_per_chunk[c] for c in chunks),
+                                 time_s=stages[s].time_s, step_s=stages[s].step_s,
+                                 memory_bytes=sum(stages[s].memory.values()), in_flight=stages[s].in_flight))
+    return Pipeline(stages=tuple(out), schedule=schedule, virtual_stages=v,
+                    bubble_fraction=bubble_fraction(schedule, p, m, v), p2p_bytes=max(st.send_bytes for st in stages))
+
+
+def full_mesh(layout: Layout, sub: DeviceMesh, profile: HardwareProfile) -> DeviceMesh:
+    """The cluster's mesh: the pipeline axis outermost, then one stage's."""
+    return DeviceMesh.build(layout.devices, (layout.pipeline, *sub.shape), ("pp", *sub.axis_names),
+                            devices_per_node=profile.devices_per_node)
+
+
+def stage_limit_check(stages: list[StageCost], limit: float, say: Callable[[str], None]) -> None:
+    worst = max(range(len(stages)), key=lambda s: sum(stages[s].memory.values()))
+    need = sum(stages[worst].memory.values())
+    if need > limit:
+        raise MeshplanError(f"memory: pipeline stage {worst} needs {need / 2**30:.2f} GiB per device but --memory-limit "
+                            f"is {limit / 2**30:.2f} GiB; raise --memory-limit, add stages or devices, or recompute")
+    say(f"pipeline: {len(stages)} stages, peak {need / 2**30:.1f} GiB on stage {worst}")
+
+
+def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
+                   recompute: str, layout: Layout, limit: float,
+                   say: Callable[[str], None]) -> tuple[Strategy, list[Candidate]]:
+    """A pipelined plan for a layout with pp > 1: the cut, one ILP over a stage's sub-mesh with a memory
+    row per stage, the stages priced, the strategy with its `pipeline`."""
+    from planner.plan import (
+        Candidate,
+        _batch,
+        _cost_model,
+        _param_layout,
+        build_strategy,
+        profile_source,
+        resolve_pins,
+    )
+    from planner.rules import rules_for_graph
+    from planner.solve import ShardingILP, SolverOptions
+    from planner.strategy import CandidateRecord, PlanSettings, ProfileRef, TrainingSettings
+
+    p, v = layout.pipeline, layout.virtual
+    schedule = req.schedule or ("interleaved" if v > 1 else "1f1b")
+    the_cut = cut(graph, p, v)
+    sub = DeviceMesh.build(layout.stage_devices, layout.mesh_shape, layout.axis_names,
+                           devices_per_node=profile.devices_per_node)
+    full = full_mesh(layout, sub, profile)
+    say(f"pipeline {p} stages × {sub}: rules")
+    rules = rules_for_graph(graph, sub, strict=req.strict)
+    policy = "full" if recompute == "full" else "none"
+    cm = _cost_model(req, graph, sub, profile, precision, steps, policy)
+    pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
+    held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
+    say(f"pipeline {p} stages × {sub}: solving")
+    sol = ShardingILP(graph, rules, cm, memory_limit_bytes=None, pins=pins, follow=req.follow,
+                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
+                      param_layout=_param_layout(req, layout, graph, sub), zero_stages=req.zero_options(),
+                      stages=the_cut.node_stage, in_flight=held).solve()
+    priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
+    stages = price_stages(cm, priced, graph, the_cut, full, schedule, steps)
+    counts = balanced_counts(stages, the_cut)
+    if counts is not None:  # the same per-layer plan, the layers moved off the stages with more to do
+        balanced = cut(graph, p, v, counts)
+        trial = price_stages(cm, priced, graph, balanced, full, schedule, steps)
+        if max(st.time_s for st in trial) < max(st.time_s for st in stages) and \
+                max(sum(st.memory.values()) for st in trial) <= max(limit, max(sum(st.memory.values()) for st in stages)):
+            the_cut, stages = balanced, trial
+    overhead = priced.overhead_s + priced.optimizer_fixed_s
+    cost = pipelined_cost(stages, schedule, steps, v, overhead, priced.flops_matmul, cm.composer)
+    settings = PlanSettings(mode=req.mode, search=req.search, dtype=precision.name, memory_limit_bytes=limit,
+                            solver=req.solver, follow=req.follow, pins=dict(req.pins), batch=_batch(graph), loss=cm.loss)
+    micro = _batch(graph)
+    zero_stage = req.zero_stage if req.zero_stage is not None else max(priced.zero_stages.values(), default=0)
+    training = TrainingSettings(micro_batches=steps, zero_stage=zero_stage,
+                                zero_stages=dict(priced.zero_stages), comm_fusion=priced.fusion,
+                                recompute={g.prefix: "full" for g in graph.layers} if policy == "full" else {},
+                                global_batch_size=micro * steps if micro is not None else None,
+                                micro_batch_size=micro // layout.data_parallel if micro is not None else None,
+                                layout=str(layout), zero_threshold_bytes=req.zero_threshold_bytes,
+                                gradients_mean=req.gradients_mean, parameter_broadcast=req.parameter_broadcast,
+                                force_fp32_communication=req.force_fp32_communication,
+                                zero_shard_size=req.zero_shard_size)
+    ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
+    record = CandidateRecord(mesh=full.shape, axis_names=full.axis_names, step_time_s=cost.step_time_s,
+                             memory_bytes_per_device=cost.memory_bytes_per_device, solver_status=sol.stats.status)
+    from costmodel.compose import compose
+
+    strategy = build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
+                              settings, (record,), training)
+    strategy = replace(strategy, pipeline=pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),
+                       cost=cost)
+    return strategy, [Candidate(mesh=full, cost=None, stats=sol.stats)]
