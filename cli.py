@@ -150,6 +150,8 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
                    "(default: serial, as the gloo executor runs).")
 @click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
               help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best.")
+@click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",
+              help="A pipeline layout's schedule (default 1f1b; interleaved with vpp).")
 @click.option("--micro-batch-size", type=int, default=None, metavar="M",
               help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout).")
 @click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
@@ -160,7 +162,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
-         parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, micro_batch_size: int | None, out_path: str | None,
+         parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
+         micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -180,7 +183,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=parse_zero(zero_stage), recompute=recompute, recompute_layers=recompute_layers,
                       layout=layout,
-                      micro_batch_size=micro_batch_size, composer="overlap" if overlap else "serial",
+                      micro_batch_size=micro_batch_size, schedule=schedule, composer="overlap" if overlap else "serial",
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
@@ -190,7 +193,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
         best = None
         if layout is not None:  # the same cluster and global batch, every lever the ILP's
             status.update("the ILP's best for comparison")
-            best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None,
+            best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None, schedule=None,
                                         recompute="auto", recompute_layers=None), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)

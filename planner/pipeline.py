@@ -123,22 +123,25 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     # boundary between them (Megatron passes it along), forward; its gradient comes back.
     sends = [0.0] * p
     send_s = [0.0] * p
+    reach: dict[str, int] = {}  # tensor → the last chunk that reads it
     for node in graph.compute_nodes:
-        c = the_cut.chunk_of[node.name]
         for t in node.inputs:
-            info = graph.tensors.get(t) if t else None
-            if info is None or info.kind is not TensorKind.ACTIVATION or not info.is_float:
-                continue
-            src = graph.producer.get(t)
-            if src is None or the_cut.chunk_of[src] >= c:
-                continue
-            spec = priced.placed.get(t)
-            local = spec.local_shape(info.shape, cm.mesh.shape) if spec is not None else info.shape
-            nbytes = p2p_bytes(1.0, tensor_bytes(info, local, cm.precision))
-            for boundary in range(the_cut.chunk_of[src], c):
-                s = boundary % p
-                sends[s] += nbytes
-                send_s[s] += 2 * collective_time_s(cm.profile, full, Collective.SEND_RECV, nbytes / 2, (0,))
+            if t:
+                reach[t] = max(reach.get(t, -1), the_cut.chunk_of[node.name])
+    for t, c in reach.items():
+        info = graph.tensors.get(t)
+        if info is None or info.kind is not TensorKind.ACTIVATION or not info.is_float:
+            continue
+        src = graph.producer.get(t)
+        if src is None or the_cut.chunk_of[src] >= c:
+            continue
+        spec = priced.placed.get(t)
+        local = spec.local_shape(info.shape, cm.mesh.shape) if spec is not None else info.shape
+        nbytes = p2p_bytes(1.0, tensor_bytes(info, local, cm.precision))
+        for boundary in range(the_cut.chunk_of[src], c):
+            s = boundary % p
+            sends[s] += nbytes
+            send_s[s] += 2 * collective_time_s(cm.profile, full, Collective.SEND_RECV, nbytes / 2, (0,))
     acts: dict[int, float] = defaultdict(float)
     inputs = 0.0
     transient = priced.memory["activations"].get("(recomputed layer)", 0.0)

@@ -1,0 +1,108 @@
+"""Pipeline stages: the closed forms (bubble, micro-batches in flight, sends), a pipelined plan priced
+stage by stage from them, its strategy file, and the inputs refused."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from costmodel.pipeline import bubble_fraction, in_flight, p2p_bytes, pipeline_step_s
+from planner.graph import load_graph
+from planner.plan import PlanRequest, make_plan
+from planner.strategy import from_json
+
+
+@pytest.mark.parametrize(("schedule", "p", "m", "v", "want"), [
+    ("gpipe", 4, 8, 1, 3 / 8), ("1f1b", 4, 8, 1, 3 / 8), ("1f1b", 8, 64, 1, 7 / 64), ("interleaved", 4, 8, 2, 3 / 16),
+    ("1f1b", 1, 4, 1, 0.0)])
+def test_bubble_fraction(schedule: str, p: int, m: int, v: int, want: float) -> None:
+    # Narayanan et al. SC'21 §2.2: (p − 1)/m for GPipe and 1F1B, (p − 1)/(v·m) interleaved; and the
+    # step of equal stages t is m·t·(1 + bubble).
+    assert bubble_fraction(schedule, p, m, v) == pytest.approx(want)
+    assert pipeline_step_s(schedule, [0.01] * p, m, v) == pytest.approx(m * 0.01 * (1 + want))
+
+
+def test_micro_batches_in_flight() -> None:
+    # 1F1B: stage i holds p − i micro-batches at its peak (the first p, the last 1), never more than m;
+    # GPipe holds all m; interleaved, the first stage p·(1 + (p − 1)/(p·v)) (Korthikanti et al. §4.2.3).
+    assert [in_flight("1f1b", 4, 8, i) for i in range(4)] == [4, 3, 2, 1]
+    assert [in_flight("1f1b", 4, 2, i) for i in range(4)] == [2, 2, 2, 1]
+    assert [in_flight("gpipe", 4, 8, i) for i in range(4)] == [8] * 4
+    assert in_flight("interleaved", 4, 8, 0, 2) == pytest.approx(4 * (1 + 3 / 8))
+    with pytest.raises(ValueError, match="interleaved"):
+        in_flight("1f1b", 4, 8, 0, 2)
+
+
+def test_pipelined_plan_priced_from_its_stages(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # GPT-2 tiny (2 layers, h = 64), 2 stages × 2 data-parallel ranks, 8 sequences of 32 tokens per step,
+    # 1 per rank per micro-batch: m = 4 micro-batches. Each stage holds one layer; the hidden state
+    # crossing the cut is B·s·h elements at its planned placement, sent forward and its gradient back (bf16);
+    # the step is the pipeline of the stages' times plus the slowest per-step work; stage i holds
+    # min(p − i, m) micro-batches of activations under 1F1B.
+    model = zoo("gpt2-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="h100-sxm", devices=4,
+                                 layout="dp_replicate=2,pp=2", global_batch_size=8))
+    pl = s.pipeline
+    assert pl is not None and pl.schedule == "1f1b" and s.training.micro_batches == 4
+    assert [st.layers for st in pl.stages] == [1, 1] and [st.devices for st in pl.stages] == [(0, 1), (2, 3)]
+    assert [st.in_flight for st in pl.stages] == [2, 1]
+    assert pl.bubble_fraction == pytest.approx(1 / 4)
+    g = load_graph(model, s.model.dims)
+    (hidden,) = g.node_by_name[pl.stages[0].last_node].outputs  # the residual stream crossing the cut
+    spec = s.spec_of(hidden)
+    assert spec is not None and g.tensors[hidden].shape == (2, 32, 64)  # B·s·h, B = 2 over the 2 dp ranks
+    assert pl.p2p_bytes == p2p_bytes(math.prod(spec.local_shape((2, 32, 64), s.mesh.shape)), 2)
+    times = [st.time_s for st in pl.stages]
+    assert s.cost.step_time_s == pytest.approx(pipeline_step_s("1f1b", times, 4) + max(st.step_s for st in pl.stages)
+                                               + s.cost.overhead_s)
+    assert s.cost.bubble_s == pytest.approx(pipeline_step_s("1f1b", times, 4) - 4 * max(times))
+    assert s.cost.memory_bytes_per_device == pytest.approx(max(st.memory_bytes for st in pl.stages))
+    again = from_json(s.to_json())  # the strategy file carries the pipeline (and validates against the schema)
+    assert again.pipeline == pl and again.cost.bubble_s == s.cost.bubble_s
+
+
+def test_interleaved_chunks_and_megatron_layout(zoo: Callable[[str], Path]) -> None:
+    # Megatron's notation: tp=2,pp=2,vpp=2 needs 2 × 2 chunks of equal layers, and llama-tiny has 2
+    # layers: refused, naming why. Without vpp, GPipe holds all m = 8 micro-batches on every stage and
+    # its bubble is (p − 1)/m = 1/8.
+    model = zoo("llama-tiny")
+    with pytest.raises(Exception, match=r"vpp=2: 2 layers over 2 stages × 2 chunks do not divide evenly"):
+        make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="h100-sxm", devices=4,
+                              layout="tp=2,pp=2,vpp=2", global_batch_size=8))
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="h100-sxm", devices=4,
+                                 layout="tp=2,pp=2", global_batch_size=8, schedule="gpipe"))
+    assert s.pipeline is not None and s.pipeline.schedule == "gpipe"
+    assert [st.in_flight for st in s.pipeline.stages] == [8, 8]
+    assert math.isclose(s.pipeline.bubble_fraction, 1 / 8)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--layout", "pp=4", "--global-batch-size", "8"], "--layout pp=4: more stages than the 2 repeated layers"),
+    (["--layout", "dp_replicate=2,pp=2", "--global-batch-size", "8", "--schedule", "zigzag"],
+     "--schedule zigzag: choose one of gpipe, 1f1b, interleaved"),
+    (["--layout", "dp_replicate=2,pp=2", "--global-batch-size", "8", "--schedule", "interleaved"],
+     "the interleaved schedule is the one with virtual stages"),
+    (["--layout", "dp_replicate=4", "--global-batch-size", "8", "--schedule", "1f1b"], "give --layout with pp=N"),
+    (["--layout", "dp_replicate=2,vpp=2", "--global-batch-size", "8"], "vpp=2: virtual stages interleave a pipeline"),
+    (["--layout", "dp_replicate=2,pp=2", "--dim", "batch=8"], "a pipeline runs micro-batches of a global batch"),
+])
+def test_bad_pipeline_input(args: list[str], message: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["plan", str(zoo("gpt2-tiny")), "--dim", "seq=32", "--devices", "4", *args,
+                                  "-o", str(tmp_path / "s.json")])
+    assert r.exit_code == 2, r.output
+    assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_run_refuses_a_pipelined_plan(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model = zoo("gpt2-tiny")
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "seq=32", "--devices", "4", "--layout",
+                                  "dp_replicate=2,pp=2", "--global-batch-size", "8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["run", str(out), "--model", str(model), "--nproc", "4"])
+    assert r.exit_code == 2 and "pipeline stages" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
