@@ -69,7 +69,7 @@ class Layout:
 
     def input_pins(self, graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
         """Every input split on its batch dim (0) over the data-parallel axes, replicated elsewhere."""
-        dp_axes = [a for a, name in enumerate(mesh.axis_names) if name.startswith("dp_")]
+        dp_axes = [a for a, name in enumerate(mesh.axis_names) if name.startswith("dp_") and mesh.shape[a] > 1]
         pins = {}
         for t in graph.inputs:
             shape = graph.tensors[t].shape

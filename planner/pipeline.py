@@ -244,11 +244,35 @@ def stage_limit_check(stages: list[StageCost], limit: float, say: Callable[[str]
     say(f"pipeline: {len(stages)} stages, peak {need / 2**30:.1f} GiB on stage {worst}")
 
 
+CANDIDATE_TIME_LIMIT_S = 8.0
+# The deepest pipeline the planner tries by itself: at 16 stages of Llama-3-70B on 512 H100s CBC ran
+# for minutes past its time limit (16 tight memory rows); deeper pipelines are priced with --layout.
+MAX_CANDIDATE_STAGES = 8
+
+
+def candidates(devices: int, devices_per_node: int, layers: int) -> list[Layout]:
+    """The pipelines `plan` tries without a layout, Megatron's way: p stages (a power of two, at most
+    the layers and MAX_CANDIDATE_STAGES), tensor parallelism over as much of a node as a stage has (tp = min(node, N/p)), data
+    parallelism over the rest."""
+    out = []
+    p = 2
+    while p <= min(devices, layers, MAX_CANDIDATE_STAGES):
+        if devices % p == 0:
+            tp = min(devices_per_node, devices // p)
+            if (devices // p) % tp == 0:
+                dp = devices // p // tp
+                sizes = ((("dp_replicate", dp),) if dp > 1 else ()) + ((("tp", tp),) if tp > 1 else ())
+                out.append(Layout(sizes, pipeline=p))
+        p *= 2
+    return out
+
+
 def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
-                   recompute: str, layout: Layout, limit: float,
-                   say: Callable[[str], None]) -> tuple[Strategy, list[Candidate]]:
+                   recompute: str, layout: Layout, limit: float, say: Callable[[str], None], *,
+                   enforce_limit: bool = False) -> tuple[Strategy, list[Candidate]]:
     """A pipelined plan for a layout with pp > 1: the cut, one ILP over a stage's sub-mesh with a memory
-    row per stage, the stages priced, the strategy with its `pipeline`."""
+    row per stage, the stages priced, the strategy with its `pipeline`. A hand layout is priced fitting
+    or not; under `enforce_limit` (the planner's own candidates) every stage must fit."""
     from planner.plan import (
         Candidate,
         _batch,
@@ -275,8 +299,10 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
     held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
     say(f"pipeline {p} stages × {sub}: solving")
-    sol = ShardingILP(graph, rules, cm, memory_limit_bytes=None, pins=pins, follow=req.follow,
-                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
+    sol = ShardingILP(graph, rules, cm, memory_limit_bytes=limit if enforce_limit else None, pins=pins, follow=req.follow,
+                      # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
+                      options=SolverOptions(time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S)
+                                            if enforce_limit else req.time_limit_s, backend=req.solver),
                       param_layout=_param_layout(req, layout, graph, sub), zero_stages=req.zero_options(),
                       stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
@@ -288,8 +314,12 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
         if max(st.time_s for st in trial) < max(st.time_s for st in stages) and \
                 max(sum(st.memory.values()) for st in trial) <= max(limit, max(sum(st.memory.values()) for st in stages)):
             the_cut, stages = balanced, trial
+    if enforce_limit:
+        stage_limit_check(stages, limit, say)
     overhead = priced.overhead_s + priced.optimizer_fixed_s
     cost = pipelined_cost(stages, schedule, steps, v, overhead, priced.flops_matmul, cm.composer)
+    say(f"pipeline {p} stages × {sub}: step {cost.step_time_s * 1e3:.1f} ms, {cost.memory_bytes_per_device / 2**30:.1f} "
+        "GiB per device")
     settings = PlanSettings(mode=req.mode, search=req.search, dtype=precision.name, memory_limit_bytes=limit,
                             solver=req.solver, follow=req.follow, pins=dict(req.pins), batch=_batch(graph), loss=cm.loss)
     micro = _batch(graph)

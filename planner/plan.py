@@ -192,13 +192,23 @@ class PlanRequest:
             return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
 
-    def recompute_candidates(self) -> list[str]:
+    def searches_pipelines(self, devices_per_node: int) -> bool:
+        """Pipelines are tried where the planner chooses the mesh of a global batch."""
+        return (self.layout is None and self.mesh_shape is None and self.mode == "auto" and self.search == "ilp"
+                and self.global_batch_size is not None and self.micro_batch_size is None
+                and self.accumulation_steps is None and self.devices > 1)
+
+    def recompute_candidates(self, devices_per_node: int = 1) -> list[str]:
         """Recomputation policies to try, cheapest first (selective is priced as none: attention runs
         fused, its scores recomputed in backward, whatever the policy). Under auto the ILP decides how
-        many layers of each group to recompute ("auto"); without an ILP, none and then full."""
+        many layers of each group to recompute ("auto"); without an ILP, none and then full (also where
+        pipelines are searched on several nodes: their candidates and the plans without them are many, and the counted
+        recomputation's ILP takes tens of seconds on meshes of hundreds of devices)."""
         if self.recompute != "auto":
             return [self.recompute]
-        return ["none", "auto" if self.mode in ("auto", "semi") and self.search == "ilp" else "full"]
+        counted = self.mode in ("auto", "semi") and self.search == "ilp" and not (
+            self.searches_pipelines(devices_per_node) and self.devices > devices_per_node)
+        return ["none", "auto" if counted else "full"]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
@@ -243,7 +253,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
-    steps, policies = req.step_candidates(), req.recompute_candidates()
+    steps, policies = req.step_candidates(), req.recompute_candidates(profile.devices_per_node)
     failures: list[MeshplanError] = []
     graphs: dict[int, OpGraph] = {}
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
@@ -285,10 +295,52 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
             plan = attempt(k, policies[1])
             if plan is None or plan[0].step_time_s >= best:
                 break  # fewer micro-steps need more memory: none fits; or recomputation costs more
+    if req.searches_pipelines(profile.devices_per_node):
+        found += _pipelines(req, profile, precision, say)
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
     return min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+
+
+def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
+    """With pipelines in the search, the plans without them keep Megatron's shape: tensor parallelism
+    over a node, data parallelism across nodes (one mesh instead of every factorisation)."""
+    return (req.searches_pipelines(profile.devices_per_node) and req.devices > profile.devices_per_node
+            and req.devices % profile.devices_per_node == 0)
+
+
+def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
+               say: Progress) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
+    """The planner's pipeline candidates (`planner/pipeline.py`), each with one sequence per data-parallel
+    rank per micro-batch, without recomputation or else with every layer recomputed; those that fit."""
+    from planner.pipeline import candidates, plan_pipelined
+
+    assert req.global_batch_size is not None
+    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
+             else 0.9 * profile.device.mem_capacity_bytes)
+    out: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+    graphs: dict[int, OpGraph] = {}
+    for layout in candidates(req.devices, profile.devices_per_node, _layers(req)):
+        dp = layout.data_parallel
+        if req.global_batch_size % dp:
+            continue
+        k = req.global_batch_size // dp
+        if dp not in graphs:
+            graphs[dp] = load_graph(req.model, {**req.dims, "batch": dp})
+        for recompute in ("none", "full"):
+            try:
+                out.append((k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit,
+                                              say, enforce_limit=True)))
+                break
+            except MeshplanError:  # (a pin error included: a candidate the model's rules cannot hold)
+                continue
+    return out
+
+
+def _layers(req: PlanRequest) -> int:
+    graph = load_graph(req.model, {**req.dims, "batch": 1})
+    return max((g.num_layers for g in graph.layers), default=0)
 
 
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
@@ -301,7 +353,9 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
     shapes = [layout.mesh_shape] if layout is not None else \
         [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
-        [(1,)] if req.mode == "stand-alone" else mesh_candidates(devices, profile.devices_per_node)
+        [(1,)] if req.mode == "stand-alone" else \
+        [(devices // profile.devices_per_node, profile.devices_per_node)] if _multi_node_search(req, profile) else \
+        mesh_candidates(devices, profile.devices_per_node)
     best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
                 dict[str, int]] | None = None
     candidates: list[Candidate] = []

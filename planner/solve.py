@@ -433,7 +433,7 @@ class ShardingILP:
         pmult: dict[str, int] = defaultdict(int)
         for r in self.param_rep.values():
             pmult[r] += 1
-        costs = {d: list(c) for d, c in self.inner_cost.items()}
+        costs = {d: [0.0] * k for d, k in self.decisions.items()}  # the edges inside a decision: `add_edges`
         mem = {d: [0.0] * k for d, k in self.decisions.items()}
         # Pipeline stages: per stage, how many of each representative's nodes (parameters) lie in it.
         count: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -474,9 +474,11 @@ class ShardingILP:
                     terms.transient_kib[var] += full.recomputed_bytes / KIB
         return costs, mem
 
-    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
-        """The memory row; `extra`: (variable, KiB) terms of the recomputation counts."""
-        if self.memory_limit_bytes is None:
+    def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
+        """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
+        where the ILP may) does not: the memory row is separable, its minimum the sum of per-decision
+        minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
+        if self.memory_limit_bytes is None or self.stage_mem:
             return
         floor = self.min_memory_bytes(self._with_all_recomputed(mem))
         if floor > self.memory_limit_bytes:
@@ -484,6 +486,11 @@ class ShardingILP:
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
                 f"as its rules allow) but --memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
                 "--memory-limit or add devices")
+
+    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
+        """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation counts."""
+        if self.memory_limit_bytes is None:
+            return
         for i, row in enumerate(self.stage_mem or [mem]):
             if self.stage_mem:
                 floor = self.min_memory_bytes(row)
@@ -560,8 +567,11 @@ class ShardingILP:
         t0 = time.perf_counter()
         self._add_variables()
         self.add_one_choice()
-        edge_terms = self.add_edges()
         node_costs, mem = self._costs_and_memory()
+        self._check_floor(mem)  # before the edges: an infeasible memory limit is told in a fraction of the time
+        edge_terms = self.add_edges()
+        for d, inner in self.inner_cost.items():
+            node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
         self.add_memory(mem, counts.memory)
         self.add_pins()
