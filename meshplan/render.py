@@ -143,6 +143,15 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
         t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms", f"{b['compute_s'] * 1e3:.2f} ms",
                   f"{b['comm_s'] * 1e3:.2f} ms", fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
     console.print(t)
+    if e["pipeline"]["stages"]:
+        pl = e["pipeline"]
+        st = Table(title=f"pipeline stages ({pl['schedule']}, bubble {pl['bubble_fraction']:.1%} of compute)")
+        for col in ("stage", "devices", "layers", "per micro-batch", "per step", "in flight", "memory/device"):
+            st.add_column(col)
+        for i, s in enumerate(pl["stages"]):
+            st.add_row(str(i), f"{s['devices'][0]}–{s['devices'][-1]}", str(s["layers"]), f"{s['time_s'] * 1e3:.2f} ms",
+                       f"{s['step_s'] * 1e3:.2f} ms", f"{s['in_flight']:g}", fmt_bytes(s["memory_bytes"]))
+        console.print(st)
     ops = Table(title="most expensive ops (compute + their collectives)")
     for col in ("node", "op", "module", "strategy", "time"):
         ops.add_column(col, overflow="fold")

@@ -69,7 +69,10 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
     baselines = [{"name": f"plan ({settings.mode})", "mesh": mesh.describe_shape(), "step_time_s": c.step_time_s,
                   "compute_s": c.compute_s, "comm_s": c.comm_s, "memory_bytes_per_device": c.memory_bytes_per_device,
                   "fits": limit is None or c.memory_bytes_per_device <= limit}]
-    for name, price in _baselines(graph, mesh, cm).items():
+    # A pipelined plan's mesh is one stage's: baselines priced on it would ignore the other stages.
+    priced_baselines = _baselines(graph, mesh, cm) if strategy.pipeline is None else {
+        "baselines": "priced for plans without pipeline stages; plan without pp to compare"}
+    for name, price in priced_baselines.items():
         baselines.append(_row(name, price, mesh, limit) if not isinstance(price, str) else
                          {"name": name, "mesh": mesh.describe_shape(), "step_time_s": None, "compute_s": None,
                           "comm_s": None, "memory_bytes_per_device": None, "fits": False, "note": price})
@@ -103,7 +106,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
         "collectives": sorted(agg.values(), key=lambda a: -a["time_s"]),
         "cost_by_layer": dict(by_layer),
         "fallback_op_types": sorted({f.op_type for f in strategy.fallbacks}),
-        "solver": document["solver"],
+        "solver": document["solver"], "pipeline": document["pipeline"],
     }
 
 

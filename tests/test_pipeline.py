@@ -106,3 +106,17 @@ def test_run_refuses_a_pipelined_plan(zoo: Callable[[str], Path], tmp_path: Path
     assert r.exit_code == 0, r.output
     r = CliRunner().invoke(main, ["run", str(out), "--model", str(model), "--nproc", "4"])
     assert r.exit_code == 2 and "pipeline stages" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_explain_shows_stages_not_sub_mesh_baselines(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # A pipelined plan's mesh is one stage's: explain lists its stages and prices no baseline on that
+    # sub-mesh (which would ignore the other stages), saying why.
+    from planner.explain import explain_strategy
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"seq": 32}, profile="h100-sxm", devices=4,
+                                 layout="dp_replicate=2,pp=2", global_batch_size=8))
+    s.save(tmp_path / "s.json")
+    e = explain_strategy(str(tmp_path / "s.json"))
+    assert [b["name"] for b in e["baselines"]] == ["plan (auto)", "baselines"]
+    assert "without pipeline stages" in e["baselines"][1]["note"]
+    assert [st["layers"] for st in e["pipeline"]["stages"]] == [1, 1] and e["pipeline"]["schedule"] == "1f1b"
