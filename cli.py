@@ -210,14 +210,20 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
 @click.option("--top", type=int, default=10, show_default=True, help="Most expensive ops shown.")
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--report", default=None, metavar="PATH.html", help="Write an HTML report with plots.")
+@click.option("--timeline", default=None, metavar="PATH.png", help="Draw a pipelined plan's schedule.")
 @_one_line_errors
-def explain(strategy_path: str, top: int, as_json: bool, report: str | None) -> None:
+def explain(strategy_path: str, top: int, as_json: bool, report: str | None, timeline: str | None) -> None:
     """Explain a strategy: costly ops, collectives, memory, and the same model under the baselines."""
     from planner.explain import explain_strategy, write_html_report
+    from planner.strategy import load_strategy
 
     data = explain_strategy(strategy_path, top=top)
     if report:
         write_html_report(data, report)
+    if timeline:
+        from meshplan.timeline import draw_timeline
+
+        draw_timeline(load_strategy(strategy_path), timeline)
     if as_json:
         click.echo(json.dumps(data, indent=1))
         return

@@ -59,3 +59,53 @@ def p2p_bytes(boundary_elements: float, element_bytes: float) -> float:
     """Bytes sent between two consecutive stages per micro-batch: the activations forward and their
     gradient backward."""
     return 2 * boundary_elements * element_bytes
+
+
+def simulate(schedule: str, forward_s: list[float], backward_s: list[float], m: int) -> list[list[tuple[str, int, float, float]]]:
+    """When every stage runs each micro-batch's forward ("F") and backward ("B"): per stage, (kind,
+    micro-batch, start, end) in its order — GPipe: every forward, then every backward; 1F1B: p − 1 − i
+    forwards to fill, then one forward and one backward in turn, then the remaining backwards. A
+    forward waits for the previous stage's, a backward for the next stage's. (Interleaved chunks are
+    not simulated.)"""
+    p = len(forward_s)
+    check_schedule(schedule, p, m)
+    if schedule == "interleaved":
+        raise ValueError("the interleaved schedule is not simulated")
+    orders: list[list[tuple[str, int]]] = []
+    for s in range(p):
+        if schedule == "gpipe":
+            orders.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            continue
+        warm = min(p - 1 - s, m)
+        order = [("F", i) for i in range(warm)]
+        f, b = warm, 0
+        while b < m:
+            if f < m:
+                order.append(("F", f))
+                f += 1
+            order.append(("B", b))
+            b += 1
+        orders.append(order)
+    done: dict[tuple[str, int, int], float] = {}
+    out: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
+    free = [0.0] * p
+    nxt = [0] * p
+    while any(nxt[s] < len(orders[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            if nxt[s] == len(orders[s]):
+                continue
+            kind, i = orders[s][nxt[s]]
+            deps = [("F", s - 1, i)] if kind == "F" and s > 0 else []
+            if kind == "B":
+                deps = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+            if all(d in done for d in deps):
+                start = max([free[s], *(done[d] for d in deps)])
+                end = start + (forward_s[s] if kind == "F" else backward_s[s])
+                done[(kind, s, i)], free[s] = end, end
+                out[s].append((kind, i, start, end))
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            raise RuntimeError("the schedule deadlocked")  # cannot happen for these orders
+    return out

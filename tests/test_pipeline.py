@@ -120,3 +120,29 @@ def test_explain_shows_stages_not_sub_mesh_baselines(zoo: Callable[[str], Path],
     assert [b["name"] for b in e["baselines"]] == ["plan (auto)", "baselines"]
     assert "without pipeline stages" in e["baselines"][1]["note"]
     assert [st["layers"] for st in e["pipeline"]["stages"]] == [1, 1] and e["pipeline"]["schedule"] == "1f1b"
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_schedule_matches_the_closed_form(schedule: str) -> None:
+    # p = 4 equal stages, forward f and backward b per micro-batch, m = 8: both schedules end at
+    # (m + p − 1)·(f + b), the step `pipeline_step_s` gives; 1F1B's first stage runs p − 1 = 3 forwards
+    # before its first backward, GPipe's all 8.
+    from costmodel.pipeline import simulate
+
+    rows = simulate(schedule, [1.0] * 4, [2.0] * 4, 8)
+    end = max(e for row in rows for *_, e in row)
+    assert end == pytest.approx((8 + 4 - 1) * 3.0) == pytest.approx(pipeline_step_s(schedule, [3.0] * 4, 8))
+    first_b = next(k for k, (kind, *_) in enumerate(rows[0]) if kind == "B")
+    assert first_b == (4 if schedule == "1f1b" else 8)
+    assert all(len(row) == 16 for row in rows)
+
+
+def test_explain_draws_the_timeline(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model = zoo("gpt2-tiny")
+    out = tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "seq=32", "--devices", "4", "--layout",
+                                  "dp_replicate=2,pp=2", "--global-batch-size", "8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,45 @@
+"""A pipelined plan's schedule drawn as a timeline: one row per stage, forward and backward blocks per
+micro-batch (`costmodel.pipeline.simulate`), the bubble where a row is idle."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from costmodel.pipeline import simulate
+from planner.errors import MeshplanError
+from planner.strategy import Strategy
+
+# A transformer's backward costs about twice its forward (weights' and inputs' gradients).
+BACKWARD_SHARE = 2 / 3
+
+
+def draw_timeline(strategy: Strategy, path: str | Path) -> float:
+    """Writes the PNG; returns the simulated pipeline time (s)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pl = strategy.pipeline
+    if pl is None:
+        raise MeshplanError("--timeline draws a pipeline's schedule, and this plan has no stages; plan with pp in --layout")
+    if pl.schedule == "interleaved":
+        raise MeshplanError("--timeline: the interleaved schedule is not drawn yet; plan with --schedule 1f1b to see one")
+    m = strategy.training.micro_batches
+    times = [st.time_s for st in pl.stages]
+    rows = simulate(pl.schedule, [t * (1 - BACKWARD_SHARE) for t in times], [t * BACKWARD_SHARE for t in times], m)
+    end = max(e for row in rows for _, _, _, e in row)
+    fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
+    for s, row in enumerate(rows):
+        for kind, _, start, stop in row:
+            ax.barh(s, (stop - start) * 1e3, left=start * 1e3, color="tab:blue" if kind == "F" else "tab:orange",
+                    edgecolor="white", linewidth=0.3)
+    ax.set_yticks(range(len(rows)), [f"stage {s}" for s in range(len(rows))])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms (forward blue, backward orange; white: the bubble)")
+    ax.set_title(f"{strategy.model.name}: {pl.schedule}, {len(rows)} stages × {m} micro-batches, "
+                 f"{end * 1e3:.1f} ms, bubble {pl.bubble_fraction:.1%} of compute")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return end
