@@ -98,12 +98,18 @@ def test_bad_pipeline_input(args: list[str], message: str, zoo: Callable[[str], 
     assert message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
-def test_run_refuses_a_pipelined_plan(zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    model = zoo("gpt2-tiny")
+def _planned_by_cli(model: Path, tmp_path: Path) -> Path:
+    """gpt2-tiny on 2 stages × 2 data-parallel ranks, planned by `meshplan plan`; the strategy file."""
     out = tmp_path / "s.json"
     r = CliRunner().invoke(main, ["plan", str(model), "--dim", "seq=32", "--devices", "4", "--layout",
                                   "dp_replicate=2,pp=2", "--global-batch-size", "8", "-o", str(out)])
     assert r.exit_code == 0, r.output
+    return out
+
+
+def test_run_refuses_a_pipelined_plan(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model = zoo("gpt2-tiny")
+    out = _planned_by_cli(model, tmp_path)
     r = CliRunner().invoke(main, ["run", str(out), "--model", str(model), "--nproc", "4"])
     assert r.exit_code == 2 and "pipeline stages" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
@@ -138,11 +144,7 @@ def test_simulated_schedule_matches_the_closed_form(schedule: str) -> None:
 
 
 def test_explain_draws_the_timeline(zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    model = zoo("gpt2-tiny")
-    out = tmp_path / "s.json"
-    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "seq=32", "--devices", "4", "--layout",
-                                  "dp_replicate=2,pp=2", "--global-batch-size", "8", "-o", str(out)])
-    assert r.exit_code == 0, r.output
+    out = _planned_by_cli(zoo("gpt2-tiny"), tmp_path)
     r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
