@@ -32,6 +32,7 @@ from planner.errors import DimBindingError, MeshplanError
 from planner.graph import OpGraph, TensorKind, load_graph
 from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
+from planner.pipeline import candidates as pipeline_candidates
 from planner.pipeline import plan_pipelined
 from planner.placement import Shard, Spec, fully_sharded, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
@@ -295,8 +296,9 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
             plan = attempt(k, policies[1])
             if plan is None or plan[0].step_time_s >= best:
                 break  # fewer micro-steps need more memory: none fits; or recomputation costs more
-    if req.searches_pipelines(profile.devices_per_node):
-        found += _pipelines(req, profile, precision, say)
+    if req.searches_pipelines(profile.devices_per_node) and graphs:
+        layers = max((g.num_layers for g in next(iter(graphs.values())).layers), default=0)
+        found += _pipelines(req, profile, precision, layers, say)
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
@@ -310,18 +312,16 @@ def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
             and req.devices % profile.devices_per_node == 0)
 
 
-def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
+def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision, layers: int,
                say: Progress) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
-    """The planner's pipeline candidates (`planner/pipeline.py`), each with one sequence per data-parallel
-    rank per micro-batch, without recomputation or else with every layer recomputed; those that fit."""
-    from planner.pipeline import candidates, plan_pipelined
-
+    """The planner's pipeline candidates (`planner/pipeline.py`) for a model of `layers` repeated layers,
+    each with one sequence per data-parallel rank per micro-batch, without recomputation or else with
+    every layer recomputed; those that fit."""
     assert req.global_batch_size is not None
-    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
-             else 0.9 * profile.device.mem_capacity_bytes)
+    limit = _memory_limit(req, profile)
     out: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
     graphs: dict[int, OpGraph] = {}
-    for layout in candidates(req.devices, profile.devices_per_node, _layers(req)):
+    for layout in pipeline_candidates(req.devices, profile.devices_per_node, layers):
         dp = layout.data_parallel
         if req.global_batch_size % dp:
             continue
@@ -338,17 +338,16 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
     return out
 
 
-def _layers(req: PlanRequest) -> int:
-    graph = load_graph(req.model, {**req.dims, "batch": 1})
-    return max((g.num_layers for g in graph.layers), default=0)
+def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
+    """--memory-limit in bytes; by default 90% of the device's capacity."""
+    return req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None else 0.9 * profile.device.mem_capacity_bytes
 
 
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
                  recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
     devices = 1 if req.mode == "stand-alone" else req.devices
     layout = parse_layout(req.layout, devices) if req.layout is not None else None
-    limit = (req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None
-             else 0.9 * profile.device.mem_capacity_bytes)
+    limit = _memory_limit(req, profile)
     if layout is not None and layout.pipeline > 1:
         return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
     shapes = [layout.mesh_shape] if layout is not None else \
