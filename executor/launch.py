@@ -24,31 +24,45 @@ class RunError(MeshplanError):
     """A run that cannot start (mismatched strategy, model, rank count) or a rank that failed."""
 
 
-def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, int]:
+def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph | None = None,
+                   stage: int = 0) -> dict[str, int]:
     """The plan's collectives by kind in one optimizer step, as the executor runs them: those of each
     micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
     is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
     (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
-    CPU performs an all_to_all as all_gather + local chunk."""
+    CPU performs an all_to_all as all_gather + local chunk. A pipelined plan's (`graph` needed): those
+    of a rank of `stage`, its nodes' and its parameters' only, with its sends to the neighbouring
+    stages (`send`) and one all-reduce per tied parameter it holds a copy of."""
     from costmodel.buckets import gather_groups, pack_buckets, zero_split, zero_units
 
     params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
+    mine: set[str] | None = None
+    out: Counter[str] = Counter()
+    if strategy.pipeline is not None:
+        from executor.pipeline import planned_sends, shared_parameters, stage_nodes
+
+        assert graph is not None, "a pipelined plan's counts need its graph"
+        mine = stage_nodes(strategy, graph, stage)
+        params &= {t for n in mine for t in graph.node_by_name[n].inputs}
+        out["send"] = planned_sends(strategy, graph, stage)
+        out[Collective.ALL_REDUCE.value] += len(shared_parameters(strategy, graph, stage))
     resharded = {r.tensor for r in strategy.reshards}
     axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
     k = strategy.training.micro_batches
     fusion = strategy.training.comm_fusion
-    out: Counter[str] = Counter()
     # A parameter's gradient all-reduce (ZeRO: its reduce-scatters and the updated shard's gathers) when
     # it is used where stored: bucketed (`costmodel.buckets`) — tensor → (axes, bytes) per purpose.
     bucketed: dict[Purpose, dict[str, tuple[set[int], float]]] = {p: {} for p in _BUCKETED}
     stages: dict[str, int] = {}
-    for node in strategy.nodes.values():
+    for name, node in strategy.nodes.items():
         for c in node.collectives:
             if c.purpose in _BUCKETED and c.tensor in params and c.tensor not in resharded:
                 axes, nbytes = bucketed[c.purpose].get(c.tensor, (set(), 0.0))
                 bucketed[c.purpose][c.tensor] = (axes | {axis_index[a] for a in c.axes}, max(nbytes, c.bytes))
                 if c.purpose is Purpose.GRAD_REDUCE_SCATTER:
                     stages[c.tensor] = 2 if c.cadence is Cadence.MICRO_BATCH else 1
+                continue
+            if mine is not None and name not in mine:  # another pipeline stage's
                 continue
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":
@@ -75,7 +89,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo") -> dict[str, in
     for group in gather_groups(units, weights, fusion.allgather):
         out[Collective.ALL_GATHER.value] += len(zero_split(units[group[0]].axes, shape,
                                                            strategy.training.zero_shard_size)[0])
-    return dict(out)
+    return {kind: n for kind, n in out.items() if n}
 
 
 _BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER)
@@ -84,8 +98,9 @@ _BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHE
 def check_step(strategy: Strategy, graph: OpGraph) -> None:
     """Refuse, before any rank starts, a training step the executor cannot run as planned."""
     if strategy.pipeline is not None:
-        raise RunError(f"the plan has {len(strategy.pipeline.stages)} pipeline stages: meshplan plans and prices "
-                       "pipelines but does not run them yet; plan without pp in --layout to run")
+        from executor.pipeline import check_pipeline
+
+        check_pipeline(strategy, graph)
     k = strategy.training.micro_batches
     batch = strategy.model.dims.get("batch")
     odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]
@@ -121,10 +136,11 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     strategy.check_model(graph)
     check_executable(graph)
     check_step(strategy, graph)
-    mesh_size = strategy.mesh.num_devices
+    mesh_size = strategy.mesh.num_devices if strategy.pipeline is None else strategy.pipeline.devices
     if nproc != mesh_size:
-        raise RunError(f"--nproc {nproc} but the strategy's mesh {strategy.mesh.describe_shape()} has "
-                       f"{mesh_size} devices; run with --nproc {mesh_size}")
+        where = f"mesh {strategy.mesh.describe_shape()}" if strategy.pipeline is None else \
+            f"{len(strategy.pipeline.stages)} pipeline stages of mesh {strategy.mesh.describe_shape()}"
+        raise RunError(f"--nproc {nproc} but the strategy's {where} has {mesh_size} devices; run with --nproc {mesh_size}")
     reports: dict[int, dict[str, Any]] = {}
 
     def handle(msg: tuple[Any, ...]) -> bool:
@@ -145,11 +161,23 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
                                "optimizer_s": strategy.cost.optimizer_s, "overhead_s": strategy.cost.overhead_s},
         "predicted_memory_bytes": strategy.cost.memory_bytes_per_device,
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
-        "collectives_planned": planned_counts(strategy),
+        "collectives_planned": planned_counts(strategy, graph=graph),
         "collectives_executed": r0["collectives_executed"],
     }
-    for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff",
-                "single_process_loss", "trained_parameters"):
+    # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
+    for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff"):
         if key in r0:
-            result[key] = r0[key]
+            result[key] = max(r[key] for r in reports.values())
+    if "single_process_loss" in r0:
+        result["single_process_loss"] = r0["single_process_loss"]
+    if "trained_parameters" in r0:
+        result["trained_parameters"] = r0["trained_parameters"] if strategy.pipeline is None else \
+            sum(reports[st.devices[0]]["trained_parameters"] for st in strategy.pipeline.stages)
+    if strategy.pipeline is not None:  # ranks differ by stage: each stage's first rank, planned and executed
+        result["stages"] = [{"stage": s, "rank": st.devices[0], "predicted_memory_bytes": st.memory_bytes,
+                             "measured_memory_bytes": reports[st.devices[0]]["measured_memory_bytes"],
+                             "measured_step_s": reports[st.devices[0]]["measured_step_s"],
+                             "collectives_planned": planned_counts(strategy, graph=graph, stage=s),
+                             "collectives_executed": reports[st.devices[0]]["collectives_executed"]}
+                            for s, st in enumerate(strategy.pipeline.stages)]
     return result

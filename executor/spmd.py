@@ -12,7 +12,7 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,10 +128,19 @@ def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: De
 
 
 class SpmdRunner:
-    """Runs one training forward of `module` under `strategy` on `mesh` (this process's rank)."""
+    """Runs one training forward of `module` under `strategy` on `mesh` (this process's rank). A pipeline
+    stage's runner runs only its `nodes` and holds only the parameters they read (the module's others are
+    dropped); `run_chunk` runs one model chunk of them."""
 
-    def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh) -> None:
+    def __init__(self, module: OnnxModule, strategy: Strategy, mesh: DeviceMesh,
+                 nodes: Collection[str] | None = None) -> None:
         self.module, self.strategy, self.mesh = module, strategy, mesh
+        mine = module.graph.compute_nodes if nodes is None else [n for n in module.graph.compute_nodes
+                                                                 if n.name in set(nodes)]
+        if nodes is not None:  # a stage: the other stages' parameters are not here
+            read = {t for n in mine for t in n.inputs}
+            for name in [n for n in module.param_names if n not in read]:
+                del module.params[module.param_names.pop(name)]
         self.regather = Regather(self)  # ZeRO-3 / FSDP: gathered parameters gathered again for backward
         # ZeRO-1/2 per parameter as planned (files from before per-parameter stages: every parameter at or
         # above the threshold at the plan's stage). ZeRO-3 is in the placements: DTensor gathers them.
@@ -150,7 +159,8 @@ class SpmdRunner:
             placements = self.placements(name)
             module.params[key] = nn.Parameter(shard_full(full, placements, mesh).to_local().clone())
             self.stored[name] = placements
-        self.partial_grads: dict[str, set[int]] = {}  # this step: parameter → axes its local grad is partial on
+        # This step: parameter → axes its local gradient is partial on (reset by `zero_grad`).
+        self.partial_grads: dict[str, set[int]] = {name: set() for name in self.stored}
         self._plans: dict[str, tuple[list[Any], list[list[Placement]], set[int], list[str]]] = {}
         self._grads: dict[str, list[tuple[list[Placement], bool] | None]] = {}  # per input: placements, any partial
         self._shape_operand: dict[str, torch.Tensor] = {}  # Reshape/Expand: the local output shape
@@ -169,7 +179,9 @@ class SpmdRunner:
                 self._shape_operand[n.name] = torch.tensor(
                     _local_shape(self.graph.tensors[n.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64)
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
-        self.regions = {last: r for last, r in attention_regions(self.graph).items() if self._is_local(r)}
+        names = {n.name for n in mine}
+        self.regions = {last: r for last, r in attention_regions(self.graph).items()
+                        if self._is_local(r) and set(r.nodes) <= names}
         self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
         self.input_placements = {name: self.placements(name) for name in self.graph.inputs}
         # Where every activation lies (as produced: fixed by the plan) and the ops to run, with what
@@ -179,7 +191,7 @@ class SpmdRunner:
             self.placed.update(zip(n.outputs, self._plans[n.name][1], strict=False))
         direct = self._direct_inputs()
         self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
-                         for n in self.graph.compute_nodes if n.name not in self.fused_away]
+                         for n in mine if n.name not in self.fused_away]
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
         self._segments = self._recomputed_segments()
         self._params = {name: module.params[key] for name, key in module.param_names.items()}
@@ -188,7 +200,7 @@ class SpmdRunner:
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
         # bucketed, after backward): every other use must then contribute a partial gradient too.
         self.reduced_axes: dict[str, set[int]] = {name: set() for name in self.stored}
-        for n in self.graph.compute_nodes:
+        for n in mine:
             want_in, _, split, _ = self._plans[n.name]
             for t, want in zip(n.inputs, want_in, strict=True):
                 if t in self.stored and want == self.stored[t]:
@@ -236,19 +248,33 @@ class SpmdRunner:
         """A planned spec as DTensor placements on this mesh (an axis of one device: replicated)."""
         return to_dtensor(spec.normalized(self.mesh_shape))
 
-    def forward(self, inputs: Sequence[torch.Tensor]) -> Any:
+    def forward(self, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The whole graph. `inputs`: this rank's shards (`shard_inputs`); returns the outputs' local
+        tensors, placed as the plan says (`output_as` moves them)."""
+        return self._forward(dict(zip(self.graph.inputs, inputs, strict=True)), 0, len(self._program),
+                             self.graph.outputs)
+
+    def run_chunk(self, feeds: Mapping[str, torch.Tensor], nodes: Collection[str],
+                  outputs: Sequence[str]) -> list[torch.Tensor]:
+        """One pipeline chunk: its `nodes` (a contiguous run of the program) on the tensors an earlier
+        chunk sent (`feeds`: local, placed as the plan produces them); returns `outputs`, local."""
+        at = [i for i, entry in enumerate(self._program) if entry[0].name in nodes]
+        if at and at[-1] - at[0] + 1 != len(at):
+            raise ValueError("a pipeline chunk's nodes are not one contiguous run of the program")
+        return self._forward(feeds, at[0] if at else 0, at[-1] + 1 if at else 0, outputs)
+
+    def _forward(self, feeds: Mapping[str, torch.Tensor], start: int, end: int,
+                 outputs: Sequence[str]) -> list[torch.Tensor]:
         """Activations stay local tensors with known placements; DTensor is entered only where the
         plan reshards a tensor or where its gradient comes out partial and must be reduced — one
         cached wrapper per tensor, so that several consumers' partial gradients sum before the one
-        reduction. `inputs`: this rank's shards (`shard_inputs`); returns the outputs' local tensors,
-        placed as the plan says (`output_as` moves them)."""
+        reduction."""
         g, mesh = self.graph, self.mesh
         local: dict[str, Any] = dict(self.module.values)  # constants: whole on every rank
         spec = self.placed
         wrapped: dict[str, DTensor] = {}
-        local.update(zip(g.inputs, inputs, strict=True))
+        local.update(feeds)
         params = self._params
-        self.partial_grads = {name: set() for name in params}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
@@ -289,20 +315,20 @@ class SpmdRunner:
                 local.update(zip(node.outputs, outs, strict=False))
 
         with self.regather.saving():
-            self._run_program(run)
-        return [local[t] for t in g.outputs]
+            self._run_program(run, start, end)
+        return [local[t] for t in outputs]
 
-    def _run_program(self, run: Any) -> None:
-        i = 0
-        while i < len(self._program):
-            end = self._segments.get(i)
-            if end is None:
+    def _run_program(self, run: Any, start: int, end: int) -> None:
+        i = start
+        while i < end:
+            stop = self._segments.get(i)
+            if stop is None:
                 run(i, i + 1)
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
-                    checkpoint(run, i, end, use_reentrant=False)
-                i = end
+                    checkpoint(run, i, stop, use_reentrant=False)
+                i = stop
 
     def _recomputed_segments(self) -> dict[int, int]:
         """Program index where each recomputed layer starts → where it ends (exclusive): the first layers
@@ -444,6 +470,7 @@ class SpmdRunner:
         for name, p in self._params.items():
             if name not in self._bucketed or any(b.stage == 2 and name in b.names for b in self._zero):
                 p.grad = None
+        self.partial_grads = {name: set() for name in self._params}
 
     def gradient(self, name: str) -> torch.Tensor:
         """The step's reduced gradient of a parameter, whole (for verification: ZeRO keeps only a shard)."""

@@ -27,21 +27,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.debug import CommDebugMode
 
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
+from executor.measure import CollectiveCounter
 from executor.spmd import SpmdRunner, local_shard
 from planner.graph import OpGraph
 from planner.placement import Spec
 from planner.strategy import Strategy
-
-# Functional collectives DTensor issues → our collective kinds.
-FUNCOL_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
-                "allreduce_": "all_reduce",  # c10d: the bucketed gradient all-reduces, ZeRO's collectives
-                "_reduce_scatter_base_": "reduce_scatter", "_allgather_base_": "all_gather"}
-
 
 # The measured step's phases, in order: forward with the loss, backward (with the reshards and
 # gradient reductions DTensor runs in it), the bucketed gradient all-reduces, the optimizer step.
@@ -145,6 +138,10 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     device = rank_device(str(dist.get_backend()), os.environ)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if strategy.pipeline is not None:
+        from executor.pipeline import run_pipelined_rank
+
+        return run_pipelined_rank(strategy, model_path, opts, device)
     mesh = init_device_mesh(device.type, strategy.mesh.shape, mesh_dim_names=strategy.mesh.axis_names)
     module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
     graph = module.graph
@@ -194,7 +191,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         addend of the loss, the counts, the seconds of forward, backward and the gradient reduction,
         and the bytes saved by the largest micro-batch."""
         runner.zero_grad()
-        comm = CommDebugMode() if count else None
+        comm = CollectiveCounter() if count else None
         loss = torch.zeros(())
         fwd_s = bwd_s = 0.0
         peak = 0
@@ -215,7 +212,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                 peak = max(peak, sum(saved.values()))
             t2 = time.perf_counter()
             runner.reduce_gradients()
-        return loss, dict(counts_by_kind(comm)) if comm is not None else {}, [fwd_s, bwd_s,
+        return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s,
                                                                               time.perf_counter() - t2], peak
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
@@ -227,10 +224,10 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.verify:
         # Copies: a replicated value's full tensor is the local one, which later steps update in place.
         grads = {n: runner.gradient(n).cpu().clone() for n, _ in _ordered_params(module)}
-    with CommDebugMode() as comm:
+    with CollectiveCounter() as comm:
         optim.step()
         runner.after_optimizer_step()  # ZeRO: the updated shards gathered
-    report["collectives_executed"] = dict(Counter(executed) + counts_by_kind(comm))
+    report["collectives_executed"] = dict(Counter(executed) + comm.counts)
     if opts.verify:
         after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in _ordered_params(module)}
     times, phases = [], []
@@ -279,16 +276,6 @@ def _batch_shards(strategy: Strategy) -> int:
     return max((sp.num_shards(0, strategy.mesh.shape) for sp in specs if sp is not None), default=1)
 
 
-def counts_by_kind(comm: CommDebugMode) -> Counter[str]:
-    """Collectives recorded so far, by our kind names."""
-    out: Counter[str] = Counter()
-    for k, v in comm.get_comm_counts().items():
-        kind = FUNCOL_KINDS.get(str(k).split(".")[-1])
-        if kind is not None:
-            out[kind] += v
-    return out
-
-
 def _full(t: torch.Tensor | None) -> torch.Tensor:
     if t is None:
         raise RuntimeError("a parameter received no gradient")
@@ -297,22 +284,25 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
                                loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
-                               after: dict[str, torch.Tensor], final: dict[str, torch.Tensor]) -> dict[str, Any]:
+                               after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
+                               steps: int | None = None) -> dict[str, Any]:
     """The same training in one process: the first step's loss, gradients and updated parameters,
-    and the parameters after all the run's steps (`final`, after 1 + warm-up + timed steps)."""
+    and the parameters after all the run's `steps` (`final`; default 1 + warm-up + timed steps). The
+    parameters compared are those of `grads` (a pipeline stage's own)."""
     ref = load_module(model_path, dims, seed=opts.seed)
     optim = _optimizer(ref.parameters(), opts)
     loss = loss_of(ref(*batch))
     loss.backward()
-    grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in _ordered_params(ref))
+    mine = [(n, p) for n, p in _ordered_params(ref) if n in grads]
+    grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in mine)
     optim.step()
-    param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in _ordered_params(ref))
+    param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in mine)
     loss_diff = abs(float(loss) - dist_loss)
-    for _ in range(opts.warmup + opts.steps):
+    for _ in range((1 + opts.warmup + opts.steps if steps is None else steps) - 1):
         optim.zero_grad(set_to_none=True)
         loss_of(ref(*batch)).backward()
         optim.step()
-    final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in _ordered_params(ref))
+    final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in mine)
     return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
             "param_max_abs_diff": param_diff, "final_param_max_abs_diff": final_diff,
             "max_abs_diff": max(loss_diff, grad_diff, param_diff, final_diff)}

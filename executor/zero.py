@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from executor.measure import unwrap
+
 if TYPE_CHECKING:
     from costmodel.buckets import ZeroUnit
     from executor.spmd import SpmdRunner
@@ -153,7 +155,7 @@ class _Saved:
 class Regather:
     """Saved-tensor hooks over the runner's forward: tensors autograd saves that are (views of) gathered
     parameters become `_Saved` recipes, gathered again in backward (one planned
-    re-gather each, through DTensor); every other saved tensor is kept and shown to `on_saved` (the run's memory
+    re-gather each, through DTensor); every other saved tensor is kept, or what `on_saved` makes of it if set (the run's memory
     measurement, whose own hooks the runner's replace inside its forward)."""
 
     def __init__(self, runner: SpmdRunner) -> None:
@@ -179,14 +181,12 @@ class Regather:
         base = t._base if t._base is not None else t
         hit = self._gathered.get(id(base))
         if hit is None:
-            if self.on_saved is not None:
-                self.on_saved(t)
-            return t
+            return self.on_saved(t) if self.on_saved is not None else t
         return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):
-            return x
+            return unwrap(x)  # a saved tensor, or a measured one (`on_saved`)
         from torch.distributed.tensor import DTensor
 
         from executor.spmd import contiguous_stride, redistribute

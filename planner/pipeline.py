@@ -28,7 +28,7 @@ from costmodel.collectives import Cadence, Collective
 from costmodel.comm import collective_time_s
 from costmodel.compute import tensor_bytes
 from costmodel.items import PricedStep
-from costmodel.pipeline import bubble_fraction, in_flight, p2p_bytes, pipeline_step_s
+from costmodel.pipeline import bubble_fraction, in_flight, pipeline_step_s
 from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile
 from planner.errors import MeshplanError
@@ -88,6 +88,68 @@ def cut(graph: OpGraph, p: int, v: int = 1, counts: list[int] | None = None) -> 
     return Cut(stages=p, virtual=v, chunk_of=chunk_of, layers_per_chunk=tuple(counts))
 
 
+def strategy_chunks(graph: OpGraph, pipeline: Pipeline) -> dict[str, int]:
+    """A pipelined strategy's cut: each compute node's chunk, from its stages' (first node, last node)
+    ranges (chunk j of stage s is model chunk j·p + s), walked in the graph's order as `cut` made them."""
+    p = len(pipeline.stages)
+    starts = {first: j * p + s for s, st in enumerate(pipeline.stages) for j, (first, _) in enumerate(st.chunks)}
+    missing = sorted(set(starts) - set(graph.node_by_name))
+    if missing:
+        raise MeshplanError(f"the strategy's pipeline starts a chunk at node {missing[0]}, which {graph.name} lacks; "
+                            "plan again for this model")
+    out: dict[str, int] = {}
+    current = 0
+    for node in graph.compute_nodes:
+        current = starts.get(node.name, current)
+        out[node.name] = current
+    return out
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """A tensor a later model chunk reads: sent from chunk `src` (a graph input: from the first, which
+    the data loader feeds) across every boundary up to chunk `last`, the last that reads it; a float
+    one's gradient comes back the same way."""
+
+    tensor: str
+    src: int
+    last: int
+    grad: bool
+
+    def crosses(self, boundary: int) -> bool:
+        """Sent from chunk `boundary` to chunk `boundary + 1`."""
+        return self.src <= boundary < self.last
+
+
+def crossings(graph: OpGraph, chunk_of: dict[str, int]) -> list[Crossing]:
+    """What the stages send each other, in the graph's order (inputs first, then by producer)."""
+    last: dict[str, int] = {}
+    for node in graph.compute_nodes:
+        for t in node.inputs:
+            if t:
+                last[t] = max(last.get(t, -1), chunk_of[node.name])
+    out = []
+    order = [*graph.inputs, *(t for n in graph.compute_nodes for t in n.outputs)]
+    for t in order:
+        info = graph.tensors.get(t)
+        if info is None or t not in last or info.kind not in (TensorKind.INPUT, TensorKind.ACTIVATION):
+            continue
+        src = chunk_of.get(graph.producer.get(t, ""), -1) if info.kind is TensorKind.ACTIVATION else 0
+        if src >= 0 and last[t] > src:
+            out.append(Crossing(tensor=t, src=src, last=last[t], grad=info.is_float))
+    return out
+
+
+def param_stages(graph: OpGraph, chunk_of: dict[str, int], p: int) -> dict[str, tuple[int, ...]]:
+    """The stages that read each parameter (one, except tied weights: the embedding and the LM head)."""
+    out: dict[str, set[int]] = defaultdict(set)
+    for node in graph.compute_nodes:
+        for t in node.inputs:
+            if t in graph.parameters:
+                out[t].add(chunk_of[node.name] % p)
+    return {t: tuple(sorted(s)) for t, s in out.items()}
+
+
 @dataclass(frozen=True)
 class StageCost:
     time_s: float  # per micro-batch
@@ -117,31 +179,31 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
                 micro[s] += e.time_s
             else:
                 per_step[s] += e.time_s
+    holders = param_stages(graph, the_cut.chunk_of, p)
     for param, secs in priced.optimizer_s.items():
-        optimizer[the_cut.stage_of(cm.param_owner[param])] += secs
-    # Sends: every float activation produced in one chunk and read in a later one crosses each chunk
-    # boundary between them (Megatron passes it along), forward; its gradient comes back.
+        for s in holders.get(param, (the_cut.stage_of(cm.param_owner[param]),)):  # a shared one: every copy
+            optimizer[s] += secs
+    # A parameter several stages read (tied embeddings): each holds a copy, and after backward their
+    # gradients are all-reduced between those stages (Megatron's embedding group) over the pipeline axis.
+    level = full.level((0,))
+    for param, held in holders.items():
+        if len(held) > 1:
+            grad = priced.memory["parameters"].get(param, 0.0) / cm.precision.weight_bytes * cm.precision.grad_bytes
+            for s in held:
+                per_step[s] += cm.profile.collective_time_s(Collective.ALL_REDUCE, grad, len(held), level)
+    # Sends: every tensor a later chunk reads crosses each chunk boundary on its way (Megatron passes it
+    # along), forward; a float one's gradient comes back.
     sends = [0.0] * p
     send_s = [0.0] * p
-    reach: dict[str, int] = {}  # tensor → the last chunk that reads it
-    for node in graph.compute_nodes:
-        for t in node.inputs:
-            if t:
-                reach[t] = max(reach.get(t, -1), the_cut.chunk_of[node.name])
-    for t, c in reach.items():
-        info = graph.tensors.get(t)
-        if info is None or info.kind is not TensorKind.ACTIVATION or not info.is_float:
-            continue
-        src = graph.producer.get(t)
-        if src is None or the_cut.chunk_of[src] >= c:
-            continue
-        spec = priced.placed.get(t)
+    for x in crossings(graph, the_cut.chunk_of):
+        info = graph.tensors[x.tensor]
+        spec = priced.placed.get(x.tensor)
         local = spec.local_shape(info.shape, cm.mesh.shape) if spec is not None else info.shape
-        nbytes = p2p_bytes(1.0, tensor_bytes(info, local, cm.precision))
-        for boundary in range(the_cut.chunk_of[src], c):
+        one = tensor_bytes(info, local, cm.precision)
+        for boundary in range(x.src, x.last):
             s = boundary % p
-            sends[s] += nbytes
-            send_s[s] += 2 * collective_time_s(cm.profile, full, Collective.SEND_RECV, nbytes / 2, (0,))
+            sends[s] += 2 * one if x.grad else one
+            send_s[s] += (2 if x.grad else 1) * collective_time_s(cm.profile, full, Collective.SEND_RECV, one, (0,))
     acts: dict[int, float] = defaultdict(float)
     inputs = 0.0
     transient = priced.memory["activations"].get("(recomputed layer)", 0.0)
@@ -153,7 +215,8 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     states: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for category in ("parameters", "gradients", "optimizer"):
         for t, b in priced.memory[category].items():
-            states[the_cut.stage_of(cm.param_owner[t])][category] += b
+            for s in holders.get(t, (the_cut.stage_of(cm.param_owner[t]),)):
+                states[s][category] += b
     out = []
     for s in range(p):
         held = in_flight(schedule, p, m, s, v)

@@ -1,0 +1,95 @@
+"""Measuring a training step as the cost model predicts it: the collectives it runs, and the
+activations it keeps for backward.
+
+`CollectiveCounter` is a dispatch mode that counts the collectives torch runs, by our kind names:
+DTensor's functional collectives and the c10d ones called directly (bucketed all-reduces, ZeRO). It
+tracks no modules (torch's CommDebugMode does, and its tracker breaks on a pipeline stage's module).
+
+`SavedMeter` is a pair of saved-tensor hooks: every tensor autograd saves (parameters aside: they are
+counted as model states) is held through a small `Held` record that adds its storage's bytes while it
+lives and takes them off when autograd lets it go after backward (several saved views of one storage
+count once). The meter's peak is the most a step held at one time: one micro-batch's worth when they
+run one after another, several when a pipeline schedule keeps several in flight.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# Collective ops (their overload packets' names) → our kinds. Functional collectives (DTensor's), and
+# c10d's (bucketed gradient all-reduces, ZeRO's reduce-scatters and gathers).
+COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
+                    "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
+                    "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
+                    "_allgather_base_": "all_gather"}
+_NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
+
+
+class CollectiveCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor first turns itself into local ops and collectives
+        if isinstance(func, torch._ops.OpOverload) and func.namespace in _NAMESPACES:
+            kind = COLLECTIVE_KINDS.get(func._overloadpacket.__name__)
+            if kind is not None:
+                self.counts[kind] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class SavedMeter:
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+        self._refs: Counter[int] = Counter()
+        self._bytes: dict[int, int] = {}
+
+    def reset(self) -> None:
+        """A new step: the peak from what is held now."""
+        self.peak = self.now
+
+    def pack(self, t: torch.Tensor) -> object:
+        if isinstance(t, torch.nn.Parameter):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if not self._refs[key]:
+            self._bytes[key] = storage.nbytes()
+            self.now += self._bytes[key]
+            self.peak = max(self.peak, self.now)
+        self._refs[key] += 1
+        return Held(t, key, self)
+
+    def release(self, key: int) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            del self._refs[key]
+            self.now -= self._bytes.pop(key)
+
+    @staticmethod
+    def unpack(x: object) -> torch.Tensor:
+        return unwrap(x)
+
+
+class Held:
+    """A saved tensor while autograd holds it."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+def unwrap(x: object) -> torch.Tensor:
+    return x.tensor if isinstance(x, Held) else x  # type: ignore[return-value]
