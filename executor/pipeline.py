@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -55,10 +55,10 @@ def check_pipeline(strategy: Strategy, graph: OpGraph) -> None:
                                    f"on ranks {s * n}…{(s + 1) * n - 1} (plan with --layout pp=…)")
     tr = strategy.training
     stages = set(tr.zero_stages.values()) if tr.zero_stages is not None else {tr.zero_stage}
-    if 2 in stages:
-        raise PipelineRunError("ZeRO-2 reduce-scatters each micro-batch's gradients, which the pipeline schedule does "
-                               "not hand back between micro-batches; plan with --zero 1 or --zero 3")
     p, v, m = len(pipe.stages), pipe.virtual_stages, tr.micro_batches
+    if 2 in stages and v > 1:
+        raise PipelineRunError("ZeRO-2 reduce-scatters each micro-batch's gradients, and interleaved stages finish a "
+                               "micro-batch's backward chunk by chunk; plan with --zero 1 or --zero 3, or without vpp")
     held = param_stages(graph, strategy_chunks(graph, pipe), p)
     tied = sorted(t for t, s in held.items() if len(s) > 1 and tr.zero_stages and tr.zero_stages.get(t, 0) in (1, 2))
     if tied:
@@ -96,10 +96,20 @@ class ChunkModule(nn.Module):
 
 class CountedStage(PipelineStage):
     """A pipeline stage that counts the sends it issues (forward activations, backward gradients)
-    while `counting` is set."""
+    while `counting` is set, and calls `after_backward` (ZeRO-2's reduce-scatter) after each
+    micro-batch's backward."""
 
     counting = False
     sends = 0
+    after_backward: Callable[[], None] | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                           last_backward: bool = False) -> Any:
+        out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                         last_backward=last_backward)
+        if self.after_backward is not None:
+            self.after_backward()
+        return out
 
     def get_fwd_send_ops(self, fwd_chunk_id: int) -> list[dist.P2POp]:
         return self._counted(super().get_fwd_send_ops(fwd_chunk_id))
@@ -193,6 +203,11 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
         outs = [out_name] if c == p * v - 1 else [x.tensor for x in xs if x.crosses(c)]
         stages.append(CountedStage(ChunkModule(runner, nodes[c], ins, outs, graph, c == p * v - 1), c, p * v,
                                     device, group=world.get_group("pp")))
+    if v == 1:
+        # ZeRO-2: a micro-batch's gradients reduce-scattered as soon as its backward ends here. Not in the
+        # first step: its micro-batches in flight were run on the parameters before the buckets fused
+        # them, and the step's reduction reduce-scatters their sum once.
+        stages[0].after_backward = lambda: runner.after_micro_batch() if runner.packed else None
     kind = schedule_class(pipe.schedule)
     schedule = kind(stages if pipe.schedule == "interleaved" else stages[0], m, loss_fn=loss_fn, scale_grads=False)
     meter = SavedMeter()

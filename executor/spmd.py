@@ -388,9 +388,12 @@ class SpmdRunner:
         shard's sum for its optimizer step (ZeRO-2 did that after every micro-batch)."""
         import torch.distributed as dist
 
-        if self._buckets is None:
+        late = self._buckets is None  # packed only now: ZeRO-2's gradients were not reduce-scattered yet
+        if late:
             self._pack()
         assert self._buckets is not None
+        if late:
+            self.after_micro_batch()  # the micro-batches' sum at once (a pipeline's first step)
         for axes, flat in self._buckets:
             for a in axes:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
@@ -399,6 +402,11 @@ class SpmdRunner:
                 assert b.grads is not None  # ZeRO-1 buckets keep the whole gradients
                 b.reduce_scatter(b.grads)
         return len(self._buckets) + len(self._zero)
+
+    @property
+    def packed(self) -> bool:
+        """The gradient buckets exist (after the first step's reduction, or its first micro-batch)."""
+        return self._buckets is not None
 
     def after_micro_batch(self) -> None:
         """ZeRO-2: each micro-batch's gradients reduce-scattered at once and added to this rank's shard;

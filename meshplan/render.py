@@ -235,9 +235,21 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
     t.add_row("memory per rank", f"measured {fmt_bytes(mm)} (model states + saved activations), "
               f"predicted {fmt_bytes(pm)}")
-    t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
-    t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
+    if "stages" not in result:
+        t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
+        t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
     console.print(t)
+    if "stages" in result:  # pipelined: ranks differ by stage
+        st = Table(title="pipeline stages (each stage's first rank)")
+        for col in ("stage", "rank", "step", "memory measured / predicted", "collectives and sends planned",
+                    "executed"):
+            st.add_column(col)
+        for row in result["stages"]:
+            st.add_row(str(row["stage"]), str(row["rank"]), f"{row['measured_step_s'] * 1e3:.2f} ms",
+                       f"{fmt_bytes(row['measured_memory_bytes'])} / {fmt_bytes(row['predicted_memory_bytes'])}",
+                       json.dumps(row["collectives_planned"], sort_keys=True),
+                       json.dumps(row["collectives_executed"], sort_keys=True))
+        console.print(st)
 
 
 def render_layout_comparison(held: Strategy, best: Strategy) -> None:

@@ -107,13 +107,6 @@ def _planned_by_cli(model: Path, tmp_path: Path) -> Path:
     return out
 
 
-def test_run_refuses_a_pipelined_plan(zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    model = zoo("gpt2-tiny")
-    out = _planned_by_cli(model, tmp_path)
-    r = CliRunner().invoke(main, ["run", str(out), "--model", str(model), "--nproc", "4"])
-    assert r.exit_code == 2 and "pipeline stages" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-
-
 def test_explain_shows_stages_not_sub_mesh_baselines(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # A pipelined plan's mesh is one stage's: explain lists its stages and prices no baseline on that
     # sub-mesh (which would ignore the other stages), saying why.
