@@ -60,10 +60,11 @@ def check_pipeline(strategy: Strategy, graph: OpGraph) -> None:
         raise PipelineRunError("ZeRO-2 reduce-scatters each micro-batch's gradients, and interleaved stages finish a "
                                "micro-batch's backward chunk by chunk; plan with --zero 1 or --zero 3, or without vpp")
     held = param_stages(graph, strategy_chunks(graph, pipe), p)
-    tied = sorted(t for t, s in held.items() if len(s) > 1 and tr.zero_stages and tr.zero_stages.get(t, 0) in (1, 2))
+    zero = tr.zero_stages or {}
+    tied = sorted(t for t, s in held.items() if len(s) > 1 and zero.get(t, 0) in (1, 2))
     if tied:
         raise PipelineRunError(f"{tied[0]} is read by pipeline stages {', '.join(map(str, held[tied[0]]))} (a tied weight) "
-                               f"and its optimizer states are ZeRO-{tr.zero_stages[tied[0]]} sharded: the executor sums "
+                               f"and its optimizer states are ZeRO-{zero[tied[0]]} sharded: the executor sums "
                                "the copies' gradients after each stage's reduction, which ZeRO-1/2 leave scattered; "
                                "plan with --zero 0 or --zero 3")
     if v > 1 and m % p:

@@ -186,11 +186,11 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     # A parameter several stages read (tied embeddings): each holds a copy, and after backward their
     # gradients are all-reduced between those stages (Megatron's embedding group) over the pipeline axis.
     level = full.level((0,))
-    for param, held in holders.items():
-        if len(held) > 1:
+    for param, readers in holders.items():
+        if len(readers) > 1:
             grad = priced.memory["parameters"].get(param, 0.0) / cm.precision.weight_bytes * cm.precision.grad_bytes
-            for s in held:
-                per_step[s] += cm.profile.collective_time_s(Collective.ALL_REDUCE, grad, len(held), level)
+            for s in readers:
+                per_step[s] += cm.profile.collective_time_s(Collective.ALL_REDUCE, grad, len(readers), level)
     # Sends: every tensor a later chunk reads crosses each chunk boundary on its way (Megatron passes it
     # along), forward; a float one's gradient comes back.
     sends = [0.0] * p
