@@ -202,7 +202,63 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
                   "(memory measured as model-state tensors + the storages autograd saved for backward)")
 
 
-BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan, "layers": bench_layers}
+def bench_pipeline(repeat: int) -> None:
+    """The planner's search with pipeline stages in it (stages, sub-meshes, the per-stage ILP with
+    recomputation and ZeRO, micro-steps), end to end, on clusters where published runs pipelined and
+    one where nothing should; and Megatron-LM's hand layouts (SC'21 Table 1) priced next to the
+    planner's own choice for the same cluster and batch."""
+    table = Table(title=f"meshplan plan with pipelines in the search, median of {repeat} end-to-end runs")
+    for col in ("model", "cluster", "tokens per step", "wall s (median)", "min–max", "plan", "micro-steps",
+                "recompute", "step s", "memory GiB", "gap"):
+        table.add_column(col, justify="left" if col in ("model", "cluster", "plan", "recompute") else "right")
+    # (model, profile, devices, seq, global batch, dtype, Megatron's layout and micro-batch per rank or None)
+    cases: tuple[tuple[str, str, int, int, int, str, tuple[str, int] | None], ...] = (
+        ("llama3-70b", "h100-sxm", 512, 8192, 1024, "bf16", None),
+        ("gpt3-175b", "a100-sxm", 512, 2048, 1536, "fp16", None),
+        ("gpt-1.3b", "a100-sxm", 8, 2048, 512, "fp16", None),
+        ("gpt-145b", "a100-sxm", 1536, 2048, 2304, "fp16", ("tp=8,pp=8,dp_replicate=24,vpp=2", 2)),
+        ("gpt-145b", "a100-sxm", 1536, 2048, 2304, "fp16", None),
+        ("gpt-1t", "a100-sxm", 3072, 2048, 3072, "fp16", ("tp=8,pp=64,dp_replicate=6", 1)),
+        ("gpt-1t", "a100-sxm", 3072, 2048, 3072, "fp16", None))
+    for name, profile, devices, seq, batch, dtype, held in cases:
+        path = str(zoo.export(name))
+        extra = ["--dtype", dtype, "--global-batch-size", str(batch)]
+        if held is not None:  # as Megatron-LM ran it: every layer recomputed
+            extra += ["--layout", held[0], "--micro-batch-size", str(held[1]), "--recompute", "full"]
+        runs = [_plan_search(path, profile, devices, seq, f"/tmp/meshplan-bench-{name}.json", extra) for _ in range(repeat)]
+        walls = [w for w, _ in runs]
+        s = runs[-1][1]
+        tr, cost, sv = s["training"], s["cost"], s["solver"]
+        pipe = s.get("pipeline")
+        mesh = " × ".join(f"{a}={n}" for a, n in zip(s["mesh"]["axis_names"], s["mesh"]["shape"], strict=True))
+        shape = f"pp={len(pipe['stages'])}" + (f", vpp={pipe['virtual_stages']}" if pipe["virtual_stages"] > 1 else "") \
+            + f" × ({mesh})" if pipe else mesh
+        table.add_row(name + (" (Megatron's layout)" if held else ""), f"{devices} {profile}", f"{batch}×{seq}",
+                      f"{statistics.median(walls):.1f}", f"{min(walls):.1f}–{max(walls):.1f}", shape,
+                      str(tr["micro_batches"]), _recompute(tr), f"{cost['step_time_s']:.2f}",
+                      f"{cost['memory_bytes_per_device'] / 2**30:.1f}", f"{sv['gap']:.2%}")
+    console.print(table)
+
+
+def _plan_search(model: str, profile: str, devices: int, seq: int, out: str, extra: list[str]
+                 ) -> tuple[float, dict[str, Any]]:
+    """`meshplan plan` without a mesh (the full search) in a fresh process, timed end to end."""
+    import json
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-m", "cli", "plan", model, "--devices", str(devices), "--profile", profile,
+            "--dim", f"seq={seq}", "-o", out, *extra]
+    t0 = time.perf_counter()
+    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(f"plan failed: {r.stderr.strip()}")
+    return wall, json.loads(open(out).read())
+
+
+BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
+                                                "layers": bench_layers, "pipeline": bench_pipeline}
 
 
 def main() -> None:

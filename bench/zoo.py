@@ -201,8 +201,18 @@ for _layers in (4, 8, 16, 80):
         input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
         default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
         description=f"Llama-3-8B width, {_layers} layers, shape-only (benchmark)")
+# GPT shapes of published runs (Megatron-LM SC'21, GPT-3; ../shared/published-runs.md), shape-only, for
+# the pipeline search benchmark: name → (layers, hidden, heads, vocab).
+GPT_SHAPES = {"gpt-1.3b": (24, 2048, 16, 50257), "gpt3-175b": (96, 12288, 96, 50257),
+              "gpt-145b": (80, 12288, 96, 51200), "gpt-1t": (128, 25600, 160, 51200)}
+for _name, (_n, _h, _heads, _vocab) in GPT_SHAPES.items():
+    ZOO[_name] = ZooEntry(
+        name=_name, build=lambda n=_n, h=_h, a=_heads, v=_vocab: _gpt2(n, h, a, v, 2048), input_kind="tokens",
+        input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 8, "seq": 2048},
+        vocab=_vocab, with_weights=False, dim_max={"seq": 2048},
+        description=f"GPT, {_n} layers, h={_h}, shape-only (benchmark)")
 SMALL = [n for n, e in ZOO.items() if e.with_weights]
-BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-")]
+BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -242,10 +242,12 @@ def balanced_counts(stages: list[StageCost], the_cut: Cut) -> list[int] | None:
     def time(s: int) -> float:
         return extra[s] + counts[s] * per_layer
 
+    # Each move lowers Σ t² by 2δ(t_slow − t_fast − δ) > 0, so the loop ends; the margin keeps rounding
+    # from moving a layer back and forth between two stages whose times differ by one layer's.
     while True:
         slow = max(range(len(counts)), key=time)
         fast = min(range(len(counts)), key=lambda s: time(s) + per_layer)
-        if counts[slow] <= 1 or slow == fast or time(fast) + per_layer >= time(slow):
+        if counts[slow] <= 1 or slow == fast or time(fast) + per_layer >= time(slow) * (1 - 1e-9):
             break
         counts[slow] -= 1
         counts[fast] += 1
@@ -308,18 +310,16 @@ def stage_limit_check(stages: list[StageCost], limit: float, say: Callable[[str]
 
 
 CANDIDATE_TIME_LIMIT_S = 8.0
-# The deepest pipeline the planner tries by itself: at 16 stages of Llama-3-70B on 512 H100s CBC ran
-# for minutes past its time limit (16 tight memory rows); deeper pipelines are priced with --layout.
-MAX_CANDIDATE_STAGES = 8
 
 
 def candidates(devices: int, devices_per_node: int, layers: int) -> list[Layout]:
-    """The pipelines `plan` tries without a layout, Megatron's way: p stages (a power of two, at most
-    the layers and MAX_CANDIDATE_STAGES), tensor parallelism over as much of a node as a stage has (tp = min(node, N/p)), data
-    parallelism over the rest."""
+    """The pipelines `plan` tries without a layout, Megatron's way, shallow to deep: p stages (a power
+    of two, at most the layers), tensor parallelism over as much of a node as a stage has
+    (tp = min(node, N/p)), data parallelism over the rest. The search (`planner.plan`) walks them in
+    this order and stops once a plan that fits gets slower."""
     out = []
     p = 2
-    while p <= min(devices, layers, MAX_CANDIDATE_STAGES):
+    while p <= min(devices, layers):
         if devices % p == 0:
             tp = min(devices_per_node, devices // p)
             if (devices // p) % tp == 0:
@@ -328,6 +328,14 @@ def candidates(devices: int, devices_per_node: int, layers: int) -> list[Layout]
                 out.append(Layout(sizes, pipeline=p))
         p *= 2
     return out
+
+
+def interleaved(layout: Layout, layers: int) -> Layout | None:
+    """The same pipeline with 2 model chunks per stage (interleaved 1F1B), where the layers split into
+    2·p equal chunks."""
+    if layers % (2 * layout.pipeline):
+        return None
+    return Layout(layout.sizes, pipeline=layout.pipeline, virtual=2)
 
 
 def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,

@@ -33,7 +33,7 @@ from planner.graph import OpGraph, TensorKind, load_graph
 from planner.layout import Layout, parse_layout
 from planner.mesh import DeviceMesh
 from planner.pipeline import candidates as pipeline_candidates
-from planner.pipeline import plan_pipelined
+from planner.pipeline import interleaved, plan_pipelined
 from planner.placement import Shard, Spec, fully_sharded, parse_spec
 from planner.rules import OpStrategy, RuleSet, rules_for_graph
 from planner.solve import PinError, ShardingILP, SolverOptions
@@ -288,14 +288,28 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         if attempt(k, policies[0]) is not None:
             break
     # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
-    # micro-batches), from the most down while each is faster than the best so far.
+    # micro-batches). The step against the micro-steps is taken as unimodal: fewer add recomputation,
+    # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
+    # recomputation, more of them while each is faster; else from the most (below the plan without
+    # recomputation) down while each is faster.
     if len(policies) > 1:
         fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
-        for k in sorted((k for k in steps if k < fewest), reverse=True):
-            best = min((f[1][0].step_time_s for f in found), default=math.inf)
-            plan = attempt(k, policies[1])
-            if plan is None or plan[0].step_time_s >= best:
-                break  # fewer micro-steps need more memory: none fits; or recomputation costs more
+        below = [k for k in steps if k < fewest]
+
+        def walk(order: list[int]) -> None:
+            for k in order:
+                best = min((f[1][0].step_time_s for f in found), default=math.inf)
+                plan = attempt(k, policies[1])
+                if plan is None or plan[0].step_time_s >= best:
+                    break  # fewer micro-steps need more memory: none fits; or recomputation costs more
+
+        if below:
+            before = min((f[1][0].step_time_s for f in found), default=math.inf)
+            plan = attempt(below[0], policies[1])
+            if plan is not None and plan[0].step_time_s < before:
+                walk(below[1:])
+            else:
+                walk(below[:0:-1])
     if req.searches_pipelines(profile.devices_per_node) and graphs:
         layers = max((g.num_layers for g in next(iter(graphs.values())).layers), default=0)
         found += _pipelines(req, profile, precision, layers, say)
@@ -321,20 +335,40 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
     limit = _memory_limit(req, profile)
     out: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
     graphs: dict[int, OpGraph] = {}
-    for layout in pipeline_candidates(req.devices, profile.devices_per_node, layers):
+
+    def attempt(layout: Layout) -> tuple[int, tuple[Strategy, list[Candidate]]] | None:
         dp = layout.data_parallel
-        if req.global_batch_size % dp:
-            continue
+        if req.global_batch_size is None or req.global_batch_size % dp:
+            return None
         k = req.global_batch_size // dp
+        if layout.virtual > 1 and k % layout.pipeline:
+            return None  # interleaved 1F1B runs micro-batches in rounds of p
         if dp not in graphs:
             graphs[dp] = load_graph(req.model, {**req.dims, "batch": dp})
         for recompute in ("none", "full"):
             try:
-                out.append((k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit,
-                                              say, enforce_limit=True)))
-                break
+                return k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit, say,
+                                         enforce_limit=True)
             except MeshplanError:  # (a pin error included: a candidate the model's rules cannot hold)
                 continue
+        return None
+
+    # Deeper pipelines hold less per device and idle more: from shallow to deep, until one that fits is
+    # slower than the one before it; then the best with 2 interleaved chunks per stage.
+    best: tuple[float, Layout] | None = None
+    for layout in pipeline_candidates(req.devices, profile.devices_per_node, layers):
+        found = attempt(layout)
+        if found is None:
+            continue
+        out.append(found)
+        t = found[1][0].step_time_s
+        if best is not None and t > best[0]:
+            break
+        best = (t, layout) if best is None or t < best[0] else best
+    if best is not None and (chunked := interleaved(best[1], layers)) is not None:
+        found = attempt(chunked)
+        if found is not None:
+            out.append(found)
     return out
 
 

@@ -491,7 +491,10 @@ class ShardingILP:
         """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation counts."""
         if self.memory_limit_bytes is None:
             return
-        for i, row in enumerate(self.stage_mem or [mem]):
+        rows = dict(enumerate(self.stage_mem or [mem]))
+        if self.stage_mem:
+            rows = {i: self.stage_mem[i] for i in self._binding_stages()}
+        for i, row in rows.items():
             if self.stage_mem:
                 floor = self.min_memory_bytes(row)
                 if floor > self.memory_limit_bytes:
@@ -503,6 +506,22 @@ class ShardingILP:
             self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra], -BIG,
                            int(self.memory_limit_bytes // KIB))
             self.constraint_counts["memory"] += 1
+
+    def _binding_stages(self) -> list[int]:
+        """The pipeline stages whose memory rows are not implied by another's: row i is implied by row j
+        when each of its coefficients is at most j's (every variable is 0/1, the recomputation terms the
+        same in both), so the ILP keeps j's alone — exactly the same feasible set. Under 1F1B the first
+        stage holds the most micro-batches of the same layers and implies every middle stage of no more
+        layers; deep pipelines keep two or three rows of p (CBC stalled on 16 near-identical tight rows)."""
+        import numpy as np
+
+        keys = list(self.decisions)
+        flat = np.array([[b for d in keys for b in row[d]] for row in self.stage_mem])
+        kept: list[int] = []
+        for i in sorted(range(len(flat)), key=lambda i: -float(flat[i].sum())):
+            if not any(np.all(flat[i] <= flat[j]) for j in kept):
+                kept.append(i)
+        return sorted(kept)
 
     def _with_all_recomputed(self, mem: dict[Decision, list[float]]) -> dict[Decision, list[float]]:
         """Each choice's memory less what recomputing every layer of its group could save (a lower bound

@@ -141,3 +141,38 @@ def test_explain_draws_the_timeline(zoo: Callable[[str], Path], tmp_path: Path) 
     r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_balanced_counts_ends_and_never_slows_the_slowest() -> None:
+    # Layers move from the slowest stage to the fastest while that lowers Σ t² (so the loop ends), never
+    # raising the slowest stage's time. Stage times built as extra + layers × one layer's time, with the
+    # extras whole multiples of a layer (the ties where rounding once moved a layer back and forth
+    # between two stages forever: a 16-stage Llama-3-70B layout hung).
+    import random
+
+    from planner.pipeline import Cut, StageCost, balanced_counts
+
+    rng = random.Random(0)
+    for _ in range(300):
+        p = rng.choice([2, 4, 8, 16, 32])
+        per = rng.choice([0.1, 0.3, 1 / 3, 0.4471])
+        counts = [rng.randint(1, 6) for _ in range(p)]
+        extra = [per * rng.randint(0, 3) if s in (0, p - 1) else 0.0 for s in range(p)]
+        stages = [StageCost(time_s=extra[s] + counts[s] * per, compute_s=0.0, step_s=0.0, optimizer_s=0.0,
+                            memory={}, in_flight=1.0, send_bytes=0.0) for s in range(p)]
+        moved = balanced_counts(stages, Cut(stages=p, virtual=1, chunk_of={}, layers_per_chunk=tuple(counts)))
+        if moved is not None:
+            assert sum(moved) == sum(counts) and min(moved) >= 1
+            assert max(extra[s] + moved[s] * per for s in range(p)) <= max(st.time_s for st in stages) + 1e-12
+
+
+def test_search_candidates_deepen_and_interleave() -> None:
+    # Powers of two up to the layers, a node's tensor parallelism per stage, data parallelism over the
+    # rest; interleaving where the layers split into 2·p equal chunks.
+    from planner.pipeline import candidates, interleaved
+
+    got = [(c.pipeline, c.degree) for c in candidates(512, 8, 80)]
+    assert got == [(p, {"dp_replicate": 512 // p // 8, "tp": 8}) for p in (2, 4, 8, 16, 32)] + [(64, {"tp": 8})]
+    assert [c.pipeline for c in candidates(8, 8, 24)] == [2, 4, 8]
+    assert interleaved(candidates(512, 8, 80)[2], 80).virtual == 2  # 80 layers = 2 × 8 × 5
+    assert interleaved(candidates(512, 8, 80)[3], 80) is None  # 80 / 32 chunks is not whole
