@@ -231,7 +231,7 @@ def bench_pipeline(repeat: int) -> None:
         tr, cost, sv = s["training"], s["cost"], s["solver"]
         pipe = s.get("pipeline")
         mesh = " × ".join(f"{a}={n}" for a, n in zip(s["mesh"]["axis_names"], s["mesh"]["shape"], strict=True))
-        shape = f"pp={len(pipe['stages'])}" + (f", vpp={pipe['virtual_stages']}" if pipe["virtual_stages"] > 1 else "") \
+        shape = f"pp={len(pipe['stages'])}" + (f", vpp={pipe.get('virtual_stages', 1)}" if pipe.get("virtual_stages", 1) > 1 else "") \
             + f" × ({mesh})" if pipe else mesh
         table.add_row(name + (" (Megatron's layout)" if held else ""), f"{devices} {profile}", f"{batch}×{seq}",
                       f"{statistics.median(walls):.1f}", f"{min(walls):.1f}–{max(walls):.1f}", shape,

@@ -61,32 +61,41 @@ def p2p_bytes(boundary_elements: float, element_bytes: float) -> float:
     return 2 * boundary_elements * element_bytes
 
 
-def simulate(schedule: str, forward_s: list[float], backward_s: list[float], m: int) -> list[list[tuple[str, int, float, float]]]:
+def simulate(schedule: str, forward_s: list[float], backward_s: list[float], m: int,
+             v: int = 1) -> list[list[tuple[str, int, float, float]]]:
     """When every stage runs each micro-batch's forward ("F") and backward ("B"): per stage, (kind,
     micro-batch, start, end) in its order — GPipe: every forward, then every backward; 1F1B: p − 1 − i
-    forwards to fill, then one forward and one backward in turn, then the remaining backwards. A
-    forward waits for the previous stage's, a backward for the next stage's. (Interleaved chunks are
-    not simulated.)"""
+    forwards to fill, then one forward and one backward in turn, then the remaining backwards;
+    interleaved 1F1B (v chunks per stage, each taking 1/v of the stage's time; Narayanan et al. SC'21
+    §2.2.2, Megatron-LM's order): micro-batches in rounds of p, chunk after chunk, (p − 1 − i)·2 +
+    (v − 1)·p forwards to fill. A forward waits for the model chunk before it (the previous stage, or
+    the last stage's previous chunk), a backward for the chunk after it."""
     p = len(forward_s)
-    check_schedule(schedule, p, m)
-    if schedule == "interleaved":
-        raise ValueError("the interleaved schedule is not simulated")
-    orders: list[list[tuple[str, int]]] = []
+    check_schedule(schedule, p, m, v)
+    if v > 1 and m % p:
+        raise ValueError(f"interleaved 1F1B runs micro-batches in rounds of the {p} stages; {m} is not a multiple")
+    # Per stage, its operations in order: (kind, chunk, micro-batch).
+    orders: list[list[tuple[str, int, int]]] = []
     for s in range(p):
+        def op(kind: str, k: int) -> tuple[str, int, int]:  # the k-th forward or backward of this stage
+            chunk = (k // p) % v
+            return kind, (v - 1 - chunk if kind == "B" else chunk), (k // (p * v)) * p + k % p
+        n = m * v
         if schedule == "gpipe":
-            orders.append([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+            orders.append([op("F", k) for k in range(n)] + [op("B", k) for k in range(n)])
             continue
-        warm = min(p - 1 - s, m)
-        order = [("F", i) for i in range(warm)]
+        warm = min((p - 1 - s) * 2 + (v - 1) * p if v > 1 else p - 1 - s, n)
+        order = [op("F", k) for k in range(warm)]
         f, b = warm, 0
-        while b < m:
-            if f < m:
-                order.append(("F", f))
+        while b < n:
+            if f < n:
+                order.append(op("F", f))
                 f += 1
-            order.append(("B", b))
+            order.append(op("B", b))
             b += 1
         orders.append(order)
-    done: dict[tuple[str, int, int], float] = {}
+    last = p * v - 1  # the last model chunk (global stage chunk·p + s)
+    done: dict[tuple[str, int, int], float] = {}  # (kind, global chunk, micro-batch) → end
     out: list[list[tuple[str, int, float, float]]] = [[] for _ in range(p)]
     free = [0.0] * p
     nxt = [0] * p
@@ -95,14 +104,15 @@ def simulate(schedule: str, forward_s: list[float], backward_s: list[float], m: 
         for s in range(p):
             if nxt[s] == len(orders[s]):
                 continue
-            kind, i = orders[s][nxt[s]]
-            deps = [("F", s - 1, i)] if kind == "F" and s > 0 else []
+            kind, chunk, i = orders[s][nxt[s]]
+            g = chunk * p + s
+            deps = [("F", g - 1, i)] if kind == "F" and g > 0 else []
             if kind == "B":
-                deps = [("F", s, i)] + ([("B", s + 1, i)] if s < p - 1 else [])
+                deps = [("F", g, i)] + ([("B", g + 1, i)] if g < last else [])
             if all(d in done for d in deps):
                 start = max([free[s], *(done[d] for d in deps)])
-                end = start + (forward_s[s] if kind == "F" else backward_s[s])
-                done[(kind, s, i)], free[s] = end, end
+                end = start + (forward_s[s] if kind == "F" else backward_s[s]) / v
+                done[(kind, g, i)], free[s] = end, end
                 out[s].append((kind, i, start, end))
                 nxt[s] += 1
                 moved = True

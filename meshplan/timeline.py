@@ -1,5 +1,5 @@
 """A pipelined plan's schedule drawn as a timeline: one row per stage, forward and backward blocks per
-micro-batch (`costmodel.pipeline.simulate`), the bubble where a row is idle."""
+micro-batch (each chunk's, interleaved; `costmodel.pipeline.simulate`), the bubble where a row is idle."""
 
 from __future__ import annotations
 
@@ -23,11 +23,13 @@ def draw_timeline(strategy: Strategy, path: str | Path) -> float:
     pl = strategy.pipeline
     if pl is None:
         raise MeshplanError("--timeline draws a pipeline's schedule, and this plan has no stages; plan with pp in --layout")
-    if pl.schedule == "interleaved":
-        raise MeshplanError("--timeline: the interleaved schedule is not drawn yet; plan with --schedule 1f1b to see one")
-    m = strategy.training.micro_batches
+    m, v = strategy.training.micro_batches, pl.virtual_stages
     times = [st.time_s for st in pl.stages]
-    rows = simulate(pl.schedule, [t * (1 - BACKWARD_SHARE) for t in times], [t * BACKWARD_SHARE for t in times], m)
+    try:
+        rows = simulate(pl.schedule, [t * (1 - BACKWARD_SHARE) for t in times], [t * BACKWARD_SHARE for t in times],
+                        m, v)
+    except ValueError as e:
+        raise MeshplanError(f"--timeline: {e}") from e
     end = max(e for row in rows for _, _, _, e in row)
     fig, ax = plt.subplots(figsize=(12, 0.5 * len(rows) + 1.5))
     for s, row in enumerate(rows):
@@ -37,7 +39,8 @@ def draw_timeline(strategy: Strategy, path: str | Path) -> float:
     ax.set_yticks(range(len(rows)), [f"stage {s}" for s in range(len(rows))])
     ax.invert_yaxis()
     ax.set_xlabel("ms (forward blue, backward orange; white: the bubble)")
-    ax.set_title(f"{strategy.model.name}: {pl.schedule}, {len(rows)} stages × {m} micro-batches, "
+    chunks = f", {v} chunks per stage" if v > 1 else ""
+    ax.set_title(f"{strategy.model.name}: {pl.schedule}{chunks}, {len(rows)} stages × {m} micro-batches, "
                  f"{end * 1e3:.1f} ms, bubble {pl.bubble_fraction:.1%} of compute")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -136,6 +136,20 @@ def test_simulated_schedule_matches_the_closed_form(schedule: str) -> None:
     assert all(len(row) == 16 for row in rows)
 
 
+@pytest.mark.parametrize("v", [2, 4])
+def test_simulated_interleaved_schedule_matches_the_closed_form(v: int) -> None:
+    # Interleaved 1F1B, p = 4 stages of v chunks, each chunk a 1/v of the stage (f = 1, b = 2 per stage),
+    # m = 8: the fill and drain shrink by v, m·(f + b) + (p − 1)·(f + b)/v = 24 + 9/v; the first stage
+    # runs (p − 1)·2 + (v − 1)·p warm-up forwards (Megatron-LM's), then one more before its first backward.
+    from costmodel.pipeline import simulate
+
+    rows = simulate("interleaved", [1.0] * 4, [2.0] * 4, 8, v)
+    end = max(e for row in rows for *_, e in row)
+    assert end == pytest.approx(24 + 9 / v) == pytest.approx(pipeline_step_s("interleaved", [3.0] * 4, 8, v))
+    assert next(k for k, (kind, *_) in enumerate(rows[0]) if kind == "B") == 6 + (v - 1) * 4 + 1
+    assert all(len(row) == 2 * 8 * v for row in rows)
+
+
 def test_explain_draws_the_timeline(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     out = _planned_by_cli(zoo("gpt2-tiny"), tmp_path)
     r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
@@ -176,3 +190,13 @@ def test_search_candidates_deepen_and_interleave() -> None:
     assert [c.pipeline for c in candidates(8, 8, 24)] == [2, 4, 8]
     assert interleaved(candidates(512, 8, 80)[2], 80).virtual == 2  # 80 layers = 2 × 8 × 5
     assert interleaved(candidates(512, 8, 80)[3], 80) is None  # 80 / 32 chunks is not whole
+
+
+def test_explain_draws_an_interleaved_timeline(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model, out = zoo("gpt2-tiny-4l"), tmp_path / "s.json"
+    r = CliRunner().invoke(main, ["plan", str(model), "--dim", "seq=32", "--devices", "2", "--layout", "pp=2,vpp=2",
+                                  "--global-batch-size", "8", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
