@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 from costmodel.buckets import CommFusion
 from costmodel.collectives import Phase
@@ -56,6 +57,7 @@ from planner.strategy import (
 MODES = ("auto", "semi", "data-parallel", "stand-alone")
 SEARCHES = ("ilp", "propagation")
 Progress = Callable[[str], None]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -282,9 +284,18 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         found.append((k, plan))
         return plan
 
+    # The pipelines' search runs beside the rest (another process, forked: the machine's second core);
+    # it needs only the layer count, known once the model is imported.
+    pipelines: Callable[[], list[tuple[int, tuple[Strategy, list[Candidate]]]]] | None = None
+    tried = 0
+    if req.searches_pipelines(profile.devices_per_node):
+        attempt(steps[0], policies[0])
+        tried = 1
+        layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
+        pipelines = _beside(partial(_pipelines, req, profile, precision, layers), say)
     # Without recomputation (or with the policy asked for) at the fewest micro-steps that fit: more
     # micro-steps only add per-micro-step costs.
-    for k in steps:
+    for k in steps[tried:] if not found else []:
         if attempt(k, policies[0]) is not None:
             break
     # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
@@ -310,9 +321,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                 walk(below[1:])
             else:
                 walk(below[:0:-1])
-    if req.searches_pipelines(profile.devices_per_node) and graphs:
-        layers = max((g.num_layers for g in next(iter(graphs.values())).layers), default=0)
-        found += _pipelines(req, profile, precision, layers, say)
+    if pipelines is not None:
+        found += pipelines()
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
@@ -370,6 +380,42 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
         if found is not None:
             out.append(found)
     return out
+
+
+def _beside(job: Callable[[Progress], _T], say: Progress) -> Callable[[], _T]:
+    """Start `job` in a forked process where the machine has a core to spare (it inherits everything
+    loaded; only its result travels back, pickled); the returned call waits for that result. Where
+    there is no spare core or no fork, the call runs `job` here."""
+    import multiprocessing as mp
+    import os
+
+    if (os.cpu_count() or 1) < 2 or "fork" not in mp.get_all_start_methods():
+        return lambda: job(say)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", job(lambda _msg: None)))  # its progress is not shown: the console is the parent's
+        except BaseException as e:
+            send.send(("error", e))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+
+    def result() -> _T:
+        try:
+            kind, value = receive.recv()
+        except EOFError:
+            raise MeshplanError(f"the pipeline search's process ended without a result (exit code {proc.exitcode})") \
+                from None
+        finally:
+            proc.join()
+        if kind == "error":
+            raise value
+        out: _T = value
+        return out
+    return result
 
 
 def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
