@@ -229,7 +229,7 @@ def bench_pipeline(repeat: int) -> None:
         walls = [w for w, _ in runs]
         s = runs[-1][1]
         tr, cost, sv = s["training"], s["cost"], s["solver"]
-        pipe = s.get("pipeline")
+        pipe = s.get("pipeline") if (s.get("pipeline") or {}).get("stages") else None
         mesh = " × ".join(f"{a}={n}" for a, n in zip(s["mesh"]["axis_names"], s["mesh"]["shape"], strict=True))
         shape = f"pp={len(pipe['stages'])}" + (f", vpp={pipe.get('virtual_stages', 1)}" if pipe.get("virtual_stages", 1) > 1 else "") \
             + f" × ({mesh})" if pipe else mesh
