@@ -8,7 +8,7 @@ export MESHPLAN_ZOO_DIR := $(ZOO_DIR)
 # One thread per process: 2 cores here, and multi-process tests share them.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: demo test lint bench zoo clean
+.PHONY: demo test check lint bench zoo clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,11 @@ demo: $(STAMP)
 # pytest exits 5 when it collected no test: that is a failure, not a pass.
 test: $(STAMP)
 	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+
+# The gate on meshplan's own plans against the baselines in .ci/ (meshplan check; README).
+check: $(STAMP)
+	$(VENV)/bin/meshplan check --config .ci/meshplan-check.toml
+	$(VENV)/bin/meshplan check --config examples/ci/meshplan-check.toml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

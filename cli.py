@@ -113,6 +113,8 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="Per-device memory limit in GiB (default: 90% of the device's capacity).")
 @click.option("--time-limit", type=float, default=60.0, show_default=True, metavar="S", help="Solver time limit.")
 @click.option("--solver", type=click.Choice(["cbc", "cpsat", "scip", "highs"]), default="cbc", show_default=True)
+@click.option("--workers", type=int, default=2, show_default=True,
+              help="Solver threads (CP-SAT; CBC runs one). The plan is the same whatever the count.")
 @click.option("--no-follow", is_flag=True, help="Give every op its own decision (exact, slower).")
 @click.option("--no-all-to-all", is_flag=True, help="Reshard S(i)→S(j) by all_gather + slice.")
 @click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
@@ -159,7 +161,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @_one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
-         memory_limit: float | None, time_limit: float, solver: str, no_follow: bool, no_all_to_all: bool,
+         memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
@@ -178,7 +180,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
                       mode=mode, search=search, pins=parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
-                      time_limit_s=time_limit, dtype=dtype, solver=solver, follow=not no_follow, strict=strict,
+                      time_limit_s=time_limit, dtype=dtype, solver=solver, workers=workers, follow=not no_follow,
+                      strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=parse_zero(zero_stage), recompute=recompute, recompute_layers=recompute_layers,
@@ -348,6 +351,44 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
                           fmt_bytes(r["param_bytes"]), fmt_bytes(r["activation_bytes"]))
         console.print(table)
     console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
+
+
+@main.command()
+@click.option("--config", "config_path", default="meshplan-check.toml", show_default=True,
+              help="The cases to check (TOML, see examples/ci).")
+@click.option("--baseline", default=None, help="Baseline directory (default: meshplan-baseline beside the config).")
+@click.option("--run", "run_cases", is_flag=True, help="Also execute every case and compare what it measures.")
+@click.option("--update", is_flag=True, help="Write the new baseline (the only way it changes).")
+@click.option("--summary", "summary_path", default=None, metavar="PATH.md", help="Markdown report (e.g. $GITHUB_STEP_SUMMARY).")
+@click.option("--junit", "junit_path", default=None, metavar="PATH.xml", help="JUnit XML report.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@_one_line_errors
+def check(config_path: str, baseline: str | None, run_cases: bool, update: bool, summary_path: str | None,
+          junit_path: str | None, as_json: bool) -> None:
+    """Gate CI on regressions: plan every case again (and run it, with --run) and compare with the
+    committed baseline. Exit 0: nothing regressed; 1: something did; 2: an error."""
+    from meshplan.check import as_json as report_json
+    from meshplan.check import check as run_check
+    from meshplan.check import exit_code, junit, markdown
+    from meshplan.render import render_check
+
+    with err_console.status("checking") as status:
+        results = run_check(config_path, baseline=baseline, run=run_cases, update=update,
+                            progress=lambda msg: status.update(msg))
+    if summary_path:
+        with open(summary_path, "a") as f:  # $GITHUB_STEP_SUMMARY is appended to
+            f.write(markdown(results))
+    if junit_path:
+        with open(junit_path, "w") as f:
+            f.write(junit(results))
+    if as_json:
+        click.echo(report_json(results))
+    else:
+        render_check(results)
+    for r in results:
+        if r.error:
+            err_console.print(f"meshplan: error: {r.error}", markup=False, highlight=False, soft_wrap=True)
+    sys.exit(exit_code(results))
 
 
 @main.command("run")

@@ -306,3 +306,25 @@ def render_stages(s: Strategy) -> None:
         t.add_row(str(i), f"{st.devices[0]}–{st.devices[-1]}", str(st.layers), f"{st.time_s * 1e3:.2f} ms",
                   f"{st.step_s * 1e3:.2f} ms", f"{st.in_flight:g}", fmt_bytes(st.memory_bytes))
     console.print(t)
+
+
+def render_check(results: list[Any]) -> None:
+    """`meshplan check`'s report: per case, what regressed, improved or changed (old → new)."""
+    from meshplan.check import exit_code
+
+    t = Table(title="meshplan check")
+    for col in ("case", "metric", "old", "new", "status", "note"):
+        t.add_column(col)
+    style = {"regression": "bold red", "improvement": "green", "changed": "yellow", "ok": ""}
+    for r in results:
+        if r.error:
+            t.add_row(r.case, "—", "—", "—", "[bold red]error[/]", r.error)
+        for f in r.findings:
+            cell = [f"{x:.6g}" if isinstance(x, float) else "—" if x is None else str(x) for x in (f.old, f.new)]
+            t.add_row(f.case, f.metric, *cell, f"[{style[f.status]}]{f.status}[/]" if style[f.status] else f.status,
+                      f.note)
+    console.print(t)
+    code = exit_code(results)
+    console.print({0: "no regression", 1: "regression: " + "; ".join(f.line() for r in results for f in r.findings
+                                                                       if f.status == "regression"),
+                   2: "error: a case could not be checked"}[code], markup=False, highlight=False, soft_wrap=True)

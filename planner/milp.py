@@ -86,6 +86,9 @@ class LinearModel:
         p = solver.parameters
         p.max_time_in_seconds = time_limit_s
         p.num_workers = num_workers
+        # Reproducible: the same model gives the same solution, run after run (`meshplan check`).
+        p.random_seed = 0
+        p.interleave_search = True
         for s in ("max_lp", "core"):  # LP-heavy search and core-based bounds: best measured here
             p.subsolvers.append(s)
         p.log_search_progress = log

@@ -373,7 +373,8 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     sol = ShardingILP(graph, rules, cm, memory_limit_bytes=limit if enforce_limit else None, pins=pins, follow=req.follow,
                       # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
                       options=SolverOptions(time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S)
-                                            if enforce_limit else req.time_limit_s, backend=req.solver),
+                                            if enforce_limit else req.time_limit_s, backend=req.solver,
+                                            num_workers=req.workers),
                       param_layout=_param_layout(req, layout, graph, sub), zero_stages=req.zero_options(),
                       stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)

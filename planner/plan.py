@@ -75,6 +75,7 @@ class PlanRequest:
     time_limit_s: float = 60.0
     dtype: str | None = None
     solver: str = "cbc"
+    workers: int = 2  # the solver's threads (CP-SAT; CBC here runs one); the plan does not depend on them
     follow: bool = True
     strict: bool = False
     all_to_all: bool = True
@@ -108,6 +109,8 @@ class PlanRequest:
             raise MeshplanError(f"--search {self.search}: choose ilp or propagation")
         if self.devices < 1:
             raise MeshplanError(f"--devices {self.devices}: needs at least 1 device")
+        if self.workers < 1:
+            raise MeshplanError(f"--workers {self.workers}: needs at least 1 solver thread")
         if self.mode == "semi" and not self.pins:
             raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
@@ -466,7 +469,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                     # its saving, it is held at stage 0 and the ILP solved again
                     ilp = ShardingILP(graph, rules, base, memory_limit_bytes=None if layout is not None else limit,
                                       pins=pins, follow=req.follow,
-                                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver),
+                                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver,
+                                                            num_workers=req.workers),
                                       param_layout=_param_layout(req, layout, graph, mesh),
                                       zero_stages=req.zero_options(), no_zero=no_zero,
                                       recompute_model=model("full") if counted else None,

@@ -1,0 +1,425 @@
+"""`meshplan check`: a CI gate on regressions of plans and of measured steps.
+
+A team commits `meshplan-check.toml` (cases: a model, its dims or batch, devices, profile, optional
+mesh, layout, pins, memory limit, tolerances) and a baseline directory beside it holding, per case,
+the last accepted strategy (`<case>/strategy.json`) and, when runs are part of the check, what they
+measured (`<case>/measured.json`). `check` plans every case again and compares: the predicted step
+time and memory per device against their tolerances, the solver's time (a factor, and at least a
+second more), and, for information, the step's split, the collective bytes per step and the plan's
+structure (mesh, micro-steps, ZeRO, recomputation, stages, re-placed tensors). With `run`, it executes
+each case several times and flags a measured step slower than the baseline beyond both the tolerance
+and k × the measurement's spread (median absolute deviation), and a prediction that drifted from the
+measurement by more than the tolerance's points. `update` is the only way a baseline changes.
+
+Exit status: 0 nothing regressed, 1 something did (each named with old → new and its tolerance), 2 an
+error (a broken config, a missing baseline, a model that no longer imports).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import tempfile
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from planner.errors import MeshplanError
+from planner.plan import PlanRequest
+from planner.strategy import Strategy
+
+CONFIG_NAME = "meshplan-check.toml"
+BASELINE_DIR = "meshplan-baseline"
+
+
+class CheckError(MeshplanError):
+    """A check that cannot be made: its config, baseline or model is broken (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    step_time: float = 0.02  # predicted step time: relative increase allowed
+    memory: float = 0.02  # predicted memory per device: relative increase allowed
+    solver_time: float = 2.0  # solver time: factor allowed (and at least `solver_slack_s` more)
+    solver_slack_s: float = 1.0
+    measured_step_time: float = 0.10  # measured step time: relative increase allowed, beyond the noise
+    noise_k: float = 3.0  # ... and beyond k × the measurement's median absolute deviation
+    drift: float = 10.0  # |predicted / measured − 1| may grow by this many percentage points
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    model: str
+    request: PlanRequest
+    tolerance: Tolerance
+    runs: int = 3  # `--run`: repetitions (each `meshplan run` of `steps` timed steps)
+    steps: int = 5
+
+
+@dataclass(frozen=True)
+class Finding:
+    case: str
+    metric: str
+    old: float | str | None
+    new: float | str | None
+    status: str  # regression | improvement | changed | ok
+    note: str = ""
+
+    def line(self) -> str:
+        def show(x: float | str | None) -> str:
+            if isinstance(x, float):
+                return f"{x:.6g}"
+            return "—" if x is None else str(x)
+        return f"{self.case}: {self.metric} {show(self.old)} → {show(self.new)}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclass
+class CaseResult:
+    case: str
+    findings: list[Finding] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def regressed(self) -> bool:
+        return any(f.status == "regression" for f in self.findings)
+
+
+# ---------------------------------------------------------------------------------------------
+# The config
+
+_CASE_KEYS = {"name", "model", "hf_config", "zoo", "devices", "profile", "dims", "mesh", "axis_names", "layout",
+              "global_batch_size", "micro_batch_size", "accumulation_steps", "pins", "memory_limit_gib", "mode",
+              "dtype", "zero", "recompute", "schedule", "solver", "time_limit_s", "workers", "tolerance", "runs",
+              "steps"}
+
+
+def load_config(path: str | Path) -> list[Case]:
+    """The cases of a `meshplan-check.toml`; models and recipes resolved beside it."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckError(f"{path}: no such check config; write one (see examples/ci/{CONFIG_NAME}) or pass --config")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise CheckError(f"{path}: not valid TOML ({e}); fix the file") from e
+    unknown = sorted(set(data) - {"case"})
+    if unknown:
+        raise CheckError(f"{path}: unknown top-level key {unknown[0]!r}; cases go in [[case]] tables")
+    raw = data.get("case")
+    if not isinstance(raw, list) or not raw:
+        raise CheckError(f"{path}: no [[case]] tables; add at least one case (name, model, devices, profile)")
+    cases, names = [], set()
+    for i, c in enumerate(raw):
+        case = _case(c, i, path.parent, path)
+        if case.name in names:
+            raise CheckError(f"{path}: two cases named {case.name!r}; give each case its own name")
+        names.add(case.name)
+        cases.append(case)
+    return cases
+
+
+def _case(c: dict[str, Any], i: int, root: Path, path: Path) -> Case:
+    where = f"{path}: case {c.get('name', i + 1)!r}"
+    bad = sorted(set(c) - _CASE_KEYS)
+    if bad:
+        raise CheckError(f"{where}: unknown key {bad[0]!r}; allowed: {', '.join(sorted(_CASE_KEYS))}")
+    for key in ("name", "devices"):
+        if key not in c:
+            raise CheckError(f"{where}: missing key {key!r}")
+    sources = [k for k in ("model", "hf_config", "zoo") if k in c]
+    if len(sources) != 1:
+        raise CheckError(f"{where}: give the model as exactly one of model (an .onnx path), hf_config (a transformers "
+                         "config.json to export) or zoo (a model of this repository's zoo)")
+    model = _model(c, sources[0], root, where)
+    tol = c.get("tolerance", {})
+    if not isinstance(tol, dict):
+        raise CheckError(f"{where}: [case.tolerance] must be a table")
+    known = {f.name for f in fields(Tolerance)}
+    if set(tol) - known:
+        raise CheckError(f"{where}: unknown tolerance {sorted(set(tol) - known)[0]!r}; allowed: {', '.join(sorted(known))}")
+    zero = c.get("zero", "auto")
+    mesh = c.get("mesh")
+    profile = str(c.get("profile", "h100-sxm"))
+    if (root / profile).is_file():  # a profile JSON committed beside the config
+        profile = str((root / profile).resolve())
+    try:
+        request = PlanRequest(
+            model=model, dims=dict(c.get("dims", {})), profile=profile,
+            devices=int(c["devices"]),
+            mesh_shape=tuple(int(x) for x in str(mesh).lower().split("x")) if mesh is not None else None,
+            axis_names=tuple(c["axis_names"]) if "axis_names" in c else None,
+            mode=str(c.get("mode", "auto")), pins=dict(c.get("pins", {})),
+            memory_limit_gib=c.get("memory_limit_gib"), dtype=c.get("dtype"), solver=str(c.get("solver", "cbc")),
+            time_limit_s=float(c.get("time_limit_s", 60.0)), workers=int(c.get("workers", 1)),
+            global_batch_size=c.get("global_batch_size"), micro_batch_size=c.get("micro_batch_size"),
+            accumulation_steps=c.get("accumulation_steps"), zero_stage=None if zero == "auto" else int(zero),
+            recompute=str(c.get("recompute", "auto")), layout=c.get("layout"), schedule=c.get("schedule"))
+    except (MeshplanError, TypeError, ValueError) as e:
+        raise CheckError(f"{where}: {str(e).splitlines()[0]}") from e
+    try:
+        tolerance = Tolerance(**{k: float(v) for k, v in tol.items()})
+    except (TypeError, ValueError) as e:
+        raise CheckError(f"{where}: tolerances are numbers ({e})") from e
+    return Case(name=str(c["name"]), model=model, request=request, tolerance=tolerance,
+                runs=int(c.get("runs", 3)), steps=int(c.get("steps", 5)))
+
+
+def _model(c: dict[str, Any], source: str, root: Path, where: str) -> str:
+    if source == "model":
+        p = (root / str(c["model"])).resolve()
+        if not p.is_file():
+            raise CheckError(f"{where}: model {c['model']} not found beside the config ({p}); commit it or use hf_config")
+        return str(p)
+    if source == "zoo":
+        import importlib
+
+        zoo = importlib.import_module("bench.zoo")  # this repository's model zoo (not part of the package)
+
+        if c["zoo"] not in zoo.ZOO:
+            raise CheckError(f"{where}: zoo model {c['zoo']!r} does not exist; one of {', '.join(sorted(zoo.ZOO))}")
+        return str(zoo.export(str(c["zoo"])))
+    cfg = (root / str(c["hf_config"])).resolve()
+    if not cfg.is_file():
+        raise CheckError(f"{where}: hf_config {c['hf_config']} not found beside the config ({cfg})")
+    import hashlib
+
+    digest = hashlib.sha256(cfg.read_bytes()).hexdigest()[:12]
+    out = root / ".meshplan-cache" / f"{cfg.stem}-{digest}.onnx"  # re-exported when the config changes
+    if not out.is_file():
+        from planner.export import export_hf_config
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        export_hf_config(cfg, out)
+    return str(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing a plan with its baseline
+
+
+def comm_bytes_per_step(s: Strategy) -> float:
+    """Bytes the plan's collectives move per optimizer step (a per-micro-batch one k times)."""
+    from costmodel.collectives import Cadence
+
+    k = s.training.micro_batches
+    return sum(c.bytes * (k if c.cadence is Cadence.MICRO_BATCH else 1) for n in s.nodes.values() for c in n.collectives)
+
+
+def structure(s: Strategy) -> dict[str, str]:
+    """The plan's shape as short texts, compared field by field."""
+    tr = s.training
+    out = {"mesh": " × ".join(f"{a}={n}" for a, n in zip(s.mesh.axis_names, s.mesh.shape, strict=True)),
+           "micro-steps": str(tr.micro_batches),
+           "ZeRO": str(tr.zero_stage) + (f" ({sum(1 for v in tr.zero_stages.values() if v)} parameters sharded)"
+                                         if tr.zero_stages else ""),
+           "recomputation": ", ".join(f"{g} {p}" + (f" {tr.recompute_layers[g]}" if g in tr.recompute_layers else "")
+                                      for g, p in sorted(tr.recompute.items())) or "none"}
+    if s.pipeline is not None:
+        out["pipeline"] = (f"{len(s.pipeline.stages)} stages × {s.pipeline.virtual_stages} chunks, {s.pipeline.schedule}, "
+                           f"layers {[st.layers for st in s.pipeline.stages]}")
+    return out
+
+
+def compare(case: Case, old: Strategy, new: Strategy) -> list[Finding]:
+    t, name = case.tolerance, case.name
+    out: list[Finding] = []
+
+    def relative(metric: str, a: float, b: float, tol: float) -> None:
+        limit = a * (1 + tol)
+        if b > limit:
+            out.append(Finding(name, metric, a, b, "regression", f"+{b / a - 1:.1%} > tolerance +{tol:.0%}"))
+        elif b < a * (1 - tol):
+            out.append(Finding(name, metric, a, b, "improvement", f"{b / a - 1:.1%}"))
+        else:
+            out.append(Finding(name, metric, a, b, "ok", f"{b / a - 1:+.1%} within ±{tol:.0%}"))
+
+    relative("predicted step time (s)", old.cost.step_time_s, new.cost.step_time_s, t.step_time)
+    relative("memory per device (bytes)", old.cost.memory_bytes_per_device, new.cost.memory_bytes_per_device, t.memory)
+    a, b = old.solver.time_s, new.solver.time_s
+    if b > a * t.solver_time and b - a > t.solver_slack_s:
+        out.append(Finding(name, "solver time (s)", a, b, "regression",
+                           f"×{b / a:.1f} > tolerance ×{t.solver_time:g} (and +{b - a:.1f} s)"))
+    if old.solver.status != new.solver.status:
+        out.append(Finding(name, "solver status", old.solver.status, new.solver.status,
+                           "regression" if new.solver.status != "OPTIMAL" else "improvement"))
+    for label, x, y in (("compute (s)", old.cost.compute_s, new.cost.compute_s),
+                        ("communication (s)", old.cost.comm_s, new.cost.comm_s),
+                        ("bubble (s)", old.cost.bubble_s, new.cost.bubble_s),
+                        ("collective bytes per step", comm_bytes_per_step(old), comm_bytes_per_step(new))):
+        if abs(y - x) > 1e-9 * max(abs(x), 1e-30):
+            out.append(Finding(name, label, x, y, "changed"))
+    s_old, s_new = structure(old), structure(new)
+    for key in sorted(set(s_old) | set(s_new)):
+        if s_old.get(key) != s_new.get(key):
+            out.append(Finding(name, key, s_old.get(key), s_new.get(key), "changed"))
+    moved = sorted(tn for tn, p in new.tensors.items() if tn in old.tensors and old.tensors[tn].spec != p.spec)
+    if moved:
+        out.append(Finding(name, "placements", None, f"{len(moved)} tensors re-placed", "changed",
+                           ", ".join(moved[:5]) + (" …" if len(moved) > 5 else "")))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured runs
+
+
+def measure(case: Case, strategy_path: Path) -> dict[str, Any]:
+    """`meshplan run` of the case, `runs` times: each run's step time (a median of its timed steps),
+    their median and median absolute deviation, the prediction's drift from the median."""
+    from executor.launch import run
+    from executor.train import RunOptions
+
+    s = _load(strategy_path)
+    nproc = s.pipeline.devices if s.pipeline is not None else s.mesh.num_devices
+    samples = []
+    for _ in range(case.runs):
+        r = run(str(strategy_path), case.model, nproc=nproc, opts=RunOptions(steps=case.steps, warmup=2))
+        samples.append(float(r["measured_step_s"]))
+    med = statistics.median(samples)
+    return {"samples": samples, "median_s": med, "mad_s": statistics.median(abs(x - med) for x in samples),
+            "predicted_s": s.cost.step_time_s, "drift_points": 100 * abs(s.cost.step_time_s / med - 1)}
+
+
+def compare_measured(case: Case, old: dict[str, Any], new: dict[str, Any]) -> list[Finding]:
+    t, name = case.tolerance, case.name
+    a, b = float(old["median_s"]), float(new["median_s"])
+    noise = max(float(old["mad_s"]), float(new["mad_s"]))
+    out = []
+    note = f"noise ±{noise * 1e3:.2f} ms (MAD of {len(new['samples'])} runs)"
+    if b > a * (1 + t.measured_step_time) and b - a > t.noise_k * noise:
+        out.append(Finding(name, "measured step time (s)", a, b, "regression",
+                           f"+{b / a - 1:.1%} > tolerance +{t.measured_step_time:.0%} and > {t.noise_k:g}× the {note}"))
+    elif b < a * (1 - t.measured_step_time) and a - b > t.noise_k * noise:
+        out.append(Finding(name, "measured step time (s)", a, b, "improvement", f"{b / a - 1:.1%}, {note}"))
+    else:
+        out.append(Finding(name, "measured step time (s)", a, b, "ok", f"{b / a - 1:+.1%}, {note}"))
+    d_old, d_new = float(old["drift_points"]), float(new["drift_points"])
+    if d_new - d_old > t.drift:
+        out.append(Finding(name, "prediction drift (points)", d_old, d_new, "regression",
+                           f"|predicted/measured − 1| grew {d_new - d_old:.1f} points > tolerance {t.drift:g}"))
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The gate
+
+
+def check(config: str | Path, *, baseline: str | Path | None = None, run: bool = False, update: bool = False,
+          progress: Any = None) -> list[CaseResult]:
+    """Every case planned again (and run, with `run`), compared with its baseline, or (`update`) written
+    as the new baseline. Raises CheckError for a broken config or a missing baseline; a case whose
+    model no longer imports or plans is a CaseResult with its error."""
+    from planner.plan import make_plan
+
+    say = progress or (lambda _m: None)
+    cases = load_config(config)
+    root = Path(baseline) if baseline is not None else Path(config).parent / BASELINE_DIR
+    if not update:
+        for case in cases:
+            if not (root / case.name / "strategy.json").is_file():
+                raise CheckError(f"no baseline for case {case.name!r} in {root}; write one with meshplan check --update")
+            if run and not (root / case.name / "measured.json").is_file():
+                raise CheckError(f"no measured baseline for case {case.name!r} in {root}; write one with "
+                                 "meshplan check --run --update")
+    results = []
+    for case in cases:
+        say(f"{case.name}: planning")
+        result = CaseResult(case.name)
+        results.append(result)
+        try:
+            new, _ = make_plan(case.request)
+        except MeshplanError as e:
+            result.error = f"{case.name}: {str(e).splitlines()[0]}"
+            continue
+        where = root / case.name
+        with tempfile.TemporaryDirectory() as tmp:  # the baseline changes only under `update`
+            fresh = Path(tmp) / "strategy.json"
+            new.save(fresh)
+            measured = None
+            if run:
+                say(f"{case.name}: running {case.runs}× {case.steps} steps")
+                try:
+                    measured = measure(case, fresh)
+                except MeshplanError as e:
+                    result.error = f"{case.name}: {str(e).splitlines()[0]}"
+                    continue
+            if update:
+                where.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(fresh, where / "strategy.json")
+                if measured is not None:
+                    (where / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
+                result.findings.append(Finding(case.name, "baseline", None, "written", "ok", str(where)))
+                continue
+        result.findings += compare(case, _load(where / "strategy.json"), new)
+        if measured is not None:
+            old = json.loads((where / "measured.json").read_text())
+            result.findings += compare_measured(case, old, measured)
+    return results
+
+
+def _load(path: Path) -> Strategy:
+    from planner.strategy import load_strategy
+
+    try:
+        return load_strategy(str(path))
+    except MeshplanError as e:
+        raise CheckError(f"{path}: the baseline does not load ({str(e).splitlines()[0]}); write it again with "
+                         "meshplan check --update") from e
+
+
+def exit_code(results: list[CaseResult]) -> int:
+    if any(r.error for r in results):
+        return 2
+    return 1 if any(r.regressed for r in results) else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Reports
+
+
+def markdown(results: list[CaseResult]) -> str:
+    """For $GITHUB_STEP_SUMMARY."""
+    code = exit_code(results)
+    head = {0: "✅ no regression", 1: "❌ regression", 2: "⚠️ error"}[code]
+    lines = [f"## meshplan check: {head}", "", "| case | metric | old | new | status | note |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.case} | — | — | — | error | {r.error} |")
+        for f in r.findings:
+            lines.append(f"| {f.case} | {f.metric} | {_cell(f.old)} | {_cell(f.new)} | {f.status} | {f.note} |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(x: float | str | None) -> str:
+    return f"{x:.6g}" if isinstance(x, float) else "—" if x is None else str(x).replace("|", "\\|")
+
+
+def junit(results: list[CaseResult]) -> str:
+    """One testcase per case: a failure per regression, an error per case that could not be checked."""
+    failures = sum(r.regressed for r in results)
+    errors = sum(r.error is not None for r in results)
+    out = ['<?xml version="1.0" encoding="UTF-8"?>',
+           f'<testsuite name="meshplan check" tests="{len(results)}" failures="{failures}" errors="{errors}">']
+    for r in results:
+        out.append(f'  <testcase classname="meshplan.check" name="{escape(r.case)}">')
+        if r.error:
+            out.append(f'    <error message="{escape(r.error, {chr(34): "&quot;"})}"/>')
+        for f in r.findings:
+            if f.status == "regression":
+                out.append(f'    <failure message="{escape(f.line(), {chr(34): "&quot;"})}"/>')
+        body = "\n".join(f.line() for f in r.findings)
+        out.append(f"    <system-out>{escape(body)}</system-out>")
+        out.append("  </testcase>")
+    out.append("</testsuite>")
+    return "\n".join(out) + "\n"
+
+
+def as_json(results: list[CaseResult]) -> str:
+    return json.dumps({"exit_code": exit_code(results), "cases": [
+        {"case": r.case, "error": r.error, "regressed": r.regressed,
+         "findings": [{"metric": f.metric, "old": f.old, "new": f.new, "status": f.status, "note": f.note}
+                      for f in r.findings]} for r in results]}, indent=1)
