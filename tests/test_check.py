@@ -160,3 +160,49 @@ def test_example_workflow_is_a_github_workflow() -> None:
     assert '--summary "$GITHUB_STEP_SUMMARY"' in runs and "--junit" in runs
     cases = tomllib.loads((root / "meshplan-check.toml").read_text())["case"]
     assert len(cases) == 2 and all((root / "meshplan-baseline" / c["name"] / "strategy.json").is_file() for c in cases)
+
+
+def _measured(step_ms: list[float], ref_ms: float, predicted_ms: float) -> dict:
+    from meshplan.check import _summary
+
+    return _summary([(x / 1e3, ref_ms / 1e3) for x in step_ms], predicted_ms / 1e3)
+
+
+def test_measured_regressions_beyond_tolerance_and_noise() -> None:
+    # The rules of --run on numbers: the new plan against the baseline's run side by side (paired
+    # ratios), and — judged only where stored_step_time is set — the baseline plan against its stored
+    # measurement as multiples of the reference workload; each flagged only past the tolerance (+10%)
+    # and 3 × the median's error.
+    from dataclasses import replace
+
+    from meshplan.check import Case, Tolerance, compare_measured
+    from planner.plan import PlanRequest
+
+    case = Case(name="c", model="m.onnx", request=PlanRequest(model="m.onnx"), tolerance=Tolerance(stored_step_time=0.1))
+    stored = _measured([10.0, 10.2, 9.8], 5.0, 10.0)
+
+    def findings(new_ms: list[float], base_ms: list[float], ref_ms: float, c: Case = case) -> dict[str, str]:
+        new = _measured(new_ms, ref_ms, 10.0)
+        new["baseline_now"] = _measured(base_ms, ref_ms, 10.0)
+        pairs = [b / a for a, b in zip(base_ms, new_ms, strict=True)]
+        med = sorted(pairs)[1]
+        new["paired"] = {"ratios": pairs, "median": med, "mad": sorted(abs(x - med) for x in pairs)[1]}
+        return {f.metric.split(" (")[0].split(",")[0]: f.status for f in compare_measured(c, stored, new)}
+
+    same = findings([10.1, 9.9, 10.0], [10.0, 10.1, 9.9], 5.0)
+    assert set(same.values()) == {"ok"}
+    # The new plan 30% slower than the baseline's, run beside it: caught.
+    assert findings([13.0, 13.2, 12.9], [10.0, 10.1, 9.9], 5.0)["measured step"] == "regression"
+    # 30% slower in the median but the pairs scatter by ±25%: within the noise.
+    assert findings([13.0, 10.0, 15.5], [10.0, 10.1, 9.9], 5.0)["measured step"] == "ok"
+    # The whole machine 40% slower (the reference too): no regression of the baseline plan.
+    assert findings([14.1, 13.9, 14.0], [14.0, 14.1, 13.9], 7.0)["measured step of the baseline plan"] == "ok"
+    # The baseline plan 30% slower on the same machine (the code changed): caught where judged, else
+    # reported as changed.
+    assert findings([13.1, 12.9, 13.0], [13.0, 13.1, 12.9], 5.0)["measured step of the baseline plan"] == "regression"
+    unjudged = replace(case, tolerance=Tolerance())
+    assert findings([13.1, 12.9, 13.0], [13.0, 13.1, 12.9], 5.0, unjudged)["measured step of the baseline plan"] == \
+        "changed"
+    # The new plan predicted as before but measured 30% slower than the baseline's side by side: its
+    # drift from its measurement grows past 10 points.
+    assert findings([13.0, 13.2, 12.9], [10.0, 10.1, 9.9], 5.0)["prediction drift"] == "regression"
