@@ -145,6 +145,8 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
               help="Sum gradients over the data-parallel ranks, each rank's loss the mean of its own batch "
                    "(MindSpore's gradients_mean=False; default: averaged).")
 @click.option("--parameter-broadcast", is_flag=True, help="Broadcast the parameters from rank 0 before training.")
+@click.option("--pipeline-result-broadcast", is_flag=True,
+              help="A pipelined plan's loss broadcast from the last stage to every stage after each step.")
 @click.option("--force-fp32-communication", is_flag=True,
               help="All-reduces and reduce-scatters in fp32 whatever the training dtype (priced so).")
 @click.option("--overlap", is_flag=True,
@@ -164,7 +166,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
-         parameter_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
+         parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
          micro_batch_size: int | None, out_path: str | None,
          as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -190,7 +192,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
-                      force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size)
+                      force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size,
+                      pipeline_result_broadcast=pipeline_result_broadcast)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

@@ -46,6 +46,8 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
         params &= {t for n in mine for t in graph.node_by_name[n].inputs}
         out["send"] = planned_sends(strategy, graph, stage)
         out[Collective.ALL_REDUCE.value] += len(shared_parameters(strategy, graph, stage))
+        if strategy.pipeline.result_broadcast:
+            out[Collective.BROADCAST.value] += 1
     resharded = {r.tensor for r in strategy.reshards}
     axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
     k = strategy.training.micro_batches

@@ -230,7 +230,9 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
             # its uses there left it partial), then the copies' gradients summed (Megatron's embedding group).
             for t, group in tie_groups.items():
                 dist.all_reduce(runner._params[t].grad, group=group)
-        loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+            loss = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
+            if pipe.result_broadcast:  # every stage learns the step's loss (this rank's addend of it)
+                dist.broadcast(loss, src=pipe.stages[-1].devices[place], group=world.get_group("pp"))
         executed = dict(comm.counts) if comm is not None else {}
         return loss, executed, [t1 - t0, time.perf_counter() - t1]
 
@@ -240,7 +242,8 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
     first_loss = first_loss.to(device)
     for a in split:
         dist.all_reduce(first_loss, group=mesh.get_group(a))
-    dist.all_reduce(first_loss, group=world.get_group("pp"))  # only the last stage's ranks hold it
+    if not pipe.result_broadcast:  # only the last stage's ranks hold it
+        dist.all_reduce(first_loss, group=world.get_group("pp"))
     own = [(name, runner._params[name]) for name in module.param_names]
     if opts.verify:
         grads = {name: runner.gradient(name).cpu().clone() for name, _ in own}

@@ -389,6 +389,8 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     if enforce_limit:
         stage_limit_check(stages, limit, say)
     overhead = priced.overhead_s + priced.optimizer_fixed_s
+    if req.pipeline_result_broadcast:  # the loss (fp32 scalar) from the last stage to the others, each step
+        overhead += collective_time_s(profile, full, Collective.BROADCAST, 4.0, (0,))
     cost = pipelined_cost(stages, schedule, steps, v, overhead, priced.flops_matmul, cm.composer)
     say(f"pipeline {p} stages × {sub}: step {cost.step_time_s * 1e3:.1f} ms, {cost.memory_bytes_per_device / 2**30:.1f} "
         "GiB per device")
@@ -412,6 +414,6 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
 
     strategy = build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
                               settings, (record,), training)
-    strategy = replace(strategy, pipeline=pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),
-                       cost=cost)
+    strategy = replace(strategy, pipeline=replace(pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),
+                                                  result_broadcast=req.pipeline_result_broadcast), cost=cost)
     return strategy, [Candidate(mesh=full, cost=None, stats=sol.stats)]

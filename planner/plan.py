@@ -101,6 +101,7 @@ class PlanRequest:
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
+    pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

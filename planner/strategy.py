@@ -137,6 +137,7 @@ class Pipeline:
     virtual_stages: int = 1
     bubble_fraction: float = 0.0  # idle over ideal compute: (p − 1)/(v·m)
     p2p_bytes: float = 0.0  # sent between consecutive stages per micro-batch (forward and backward)
+    result_broadcast: bool = False  # MindSpore's pipeline_result_broadcast: the last stage's loss sent to all, each step
 
     @property
     def devices(self) -> int:
@@ -297,7 +298,7 @@ def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
                         "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
                        for st in p.stages],
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "bubble_fraction": p.bubble_fraction,
-            "p2p_bytes": p.p2p_bytes}
+            "p2p_bytes": p.p2p_bytes, "result_broadcast": p.result_broadcast}
 
 
 def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
@@ -309,7 +310,8 @@ def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
                                  memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
                    for st in d["stages"])
     return Pipeline(stages=stages, schedule=d.get("schedule", "1f1b"), virtual_stages=d.get("virtual_stages", 1),
-                    bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0))
+                    bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0),
+                    result_broadcast=d.get("result_broadcast", False))
 
 
 def _document(s: Strategy) -> dict[str, Any]:

@@ -87,3 +87,17 @@ def test_runs_refused_before_any_rank_starts(zoo: Callable[[str], Path], tmp_pat
     path = _plan(zoo, tmp_path, "gpt2-tiny", "dp_replicate=2,pp=2", "1f1b")
     code, err = _cli("run", str(path), "--model", str(model), "--nproc", "2")
     assert code == 2 and "the strategy's 2 pipeline stages of mesh 2 has 4 devices; run with --nproc 4" in err, err
+
+
+@pytest.mark.slow
+def test_pipeline_result_broadcast(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # MindSpore's pipeline_result_broadcast: the last stage's loss broadcast to every stage after each
+    # step — one broadcast per step on every stage, planned (and priced) and executed; the loss each
+    # rank reports is the whole loss, equal to one process's.
+    path = _plan(zoo, tmp_path, "gpt2-tiny", "dp_replicate=2,pp=2", "1f1b", pipeline_result_broadcast=True)
+    assert json.loads(path.read_text())["pipeline"]["result_broadcast"] is True
+    r = run(str(path), str(zoo("gpt2-tiny")), nproc=4, opts=RunOptions(steps=1, warmup=1, verify=True), timeout_s=300)
+    assert r["loss_abs_diff"] < 1e-5
+    for st in r["stages"]:
+        assert st["collectives_planned"]["broadcast"] == 1
+        assert st["collectives_executed"] == st["collectives_planned"], st
