@@ -57,18 +57,24 @@ def _recompute(training: dict[str, Any]) -> str:
 
 
 def _plan_run(model: str, dims: dict[str, int], devices: int, mesh: str, out: str, extra: tuple[str, ...] = ()
-              ) -> tuple[float, dict[str, object]]:
-    """`meshplan plan` end to end in a fresh process (interpreter start and import included)."""
+              ) -> tuple[float, dict[str, Any]]:
+    """`meshplan plan` on an (dp, tp) mesh of H100s, end to end in a fresh process."""
+    args = ["--devices", str(devices), "--mesh", mesh, "--axis-names", "dp,tp", "--profile", "h100-sxm", *extra]
+    for k, v in dims.items():
+        args += ["--dim", f"{k}={v}"]
+    return _timed_plan(model, out, args)
+
+
+def _timed_plan(model: str, out: str, args: list[str], timeout_s: float = 900) -> tuple[float, dict[str, Any]]:
+    """`meshplan plan MODEL ARGS -o OUT` in a fresh process (interpreter start and import included):
+    its wall time and the strategy it wrote."""
     import json
     import subprocess
     import sys
 
-    args = [sys.executable, "-m", "cli", "plan", model, "--devices", str(devices), "--mesh", mesh,
-            "--axis-names", "dp,tp", "--profile", "h100-sxm", "-o", out, *extra]
-    for k, v in dims.items():
-        args += ["--dim", f"{k}={v}"]
     t0 = time.perf_counter()
-    r = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", model, *args, "-o", out], capture_output=True, text=True,
+                       timeout=timeout_s)
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         raise SystemExit(f"plan failed: {r.stderr.strip()}")
@@ -225,7 +231,8 @@ def bench_pipeline(repeat: int) -> None:
         extra = ["--dtype", dtype, "--global-batch-size", str(batch)]
         if held is not None:  # as Megatron-LM ran it: every layer recomputed
             extra += ["--layout", held[0], "--micro-batch-size", str(held[1]), "--recompute", "full"]
-        runs = [_plan_search(path, profile, devices, seq, f"/tmp/meshplan-bench-{name}.json", extra) for _ in range(repeat)]
+        args = ["--devices", str(devices), "--profile", profile, "--dim", f"seq={seq}", *extra]
+        runs = [_timed_plan(path, f"/tmp/meshplan-bench-{name}.json", args) for _ in range(repeat)]
         walls = [w for w, _ in runs]
         s = runs[-1][1]
         tr, cost, sv = s["training"], s["cost"], s["solver"]
@@ -238,23 +245,6 @@ def bench_pipeline(repeat: int) -> None:
                       str(tr["micro_batches"]), _recompute(tr), f"{cost['step_time_s']:.2f}",
                       f"{cost['memory_bytes_per_device'] / 2**30:.1f}", f"{sv['gap']:.2%}")
     console.print(table)
-
-
-def _plan_search(model: str, profile: str, devices: int, seq: int, out: str, extra: list[str]
-                 ) -> tuple[float, dict[str, Any]]:
-    """`meshplan plan` without a mesh (the full search) in a fresh process, timed end to end."""
-    import json
-    import subprocess
-    import sys
-
-    args = [sys.executable, "-m", "cli", "plan", model, "--devices", str(devices), "--profile", profile,
-            "--dim", f"seq={seq}", "-o", out, *extra]
-    t0 = time.perf_counter()
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900)
-    wall = time.perf_counter() - t0
-    if r.returncode != 0:
-        raise SystemExit(f"plan failed: {r.stderr.strip()}")
-    return wall, json.loads(open(out).read())
 
 
 BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
