@@ -2,7 +2,7 @@
 
 A team commits `meshplan-check.toml` (cases: a model, its dims or batch, devices, profile, optional
 mesh, layout, pins, memory limit, tolerances) and a baseline directory beside it holding, per case,
-the last accepted strategy (`<case>/strategy.json`) and, when runs are part of the check, what they
+the last accepted strategy (`<case>/strategy.json.gz`, gzipped: Llama-3-70B's is 4.6 MB as text) and, when runs are part of the check, what they
 measured (`<case>/measured.json`). `check` plans every case again and compares: the predicted step
 time and memory per device against their tolerances, the solver's time (a factor, and at least a
 second more), and, for information, the step's split, the collective bytes per step and the plan's
@@ -19,8 +19,8 @@ error (a broken config, a missing baseline, a model that no longer imports).
 
 from __future__ import annotations
 
+import gzip
 import json
-import shutil
 import statistics
 import tempfile
 import tomllib
@@ -35,6 +35,7 @@ from planner.strategy import Strategy
 
 CONFIG_NAME = "meshplan-check.toml"
 BASELINE_DIR = "meshplan-baseline"
+BASELINE_PLAN = "strategy.json.gz"
 
 
 class CheckError(MeshplanError):
@@ -403,7 +404,7 @@ def check(config: str | Path, *, baseline: str | Path | None = None, run: bool =
     root = Path(baseline) if baseline is not None else Path(config).parent / BASELINE_DIR
     if not update:
         for case in cases:
-            if not (root / case.name / "strategy.json").is_file():
+            if _baseline_plan(root / case.name) is None:
                 raise CheckError(f"no baseline for case {case.name!r} in {root}; write one with meshplan check --update")
             if run and not (root / case.name / "measured.json").is_file():
                 raise CheckError(f"no measured baseline for case {case.name!r} in {root}; write one with "
@@ -426,30 +427,40 @@ def check(config: str | Path, *, baseline: str | Path | None = None, run: bool =
             if run:
                 say(f"{case.name}: running {case.runs}× {case.steps} steps" + ("" if update else ", and the baseline's"))
                 try:
-                    measured = measure(case, fresh, None if update else where / "strategy.json")
+                    measured = measure(case, fresh, None if update else _baseline_plan(where))
                 except MeshplanError as e:
                     result.error = f"{case.name}: {str(e).splitlines()[0]}"
                     continue
             if update:
                 where.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(fresh, where / "strategy.json")
+                (where / "strategy.json").unlink(missing_ok=True)
+                (where / BASELINE_PLAN).write_bytes(gzip.compress(fresh.read_bytes(), mtime=0))
                 if measured is not None:
                     (where / "measured.json").write_text(json.dumps(measured, indent=1) + "\n")
                 result.findings.append(Finding(case.name, "baseline", None, "written", "ok", str(where)))
                 continue
-        result.findings += compare(case, _load(where / "strategy.json"), new)
+        baseline_plan = _baseline_plan(where)
+        assert baseline_plan is not None
+        result.findings += compare(case, _load(baseline_plan), new)
         if measured is not None:
             old = json.loads((where / "measured.json").read_text())
             result.findings += compare_measured(case, old, measured)
     return results
 
 
+def _baseline_plan(where: Path) -> Path | None:
+    """A case's accepted plan: gzipped as `update` writes it, or a plain strategy file put there."""
+    return next((p for p in (where / BASELINE_PLAN, where / "strategy.json") if p.is_file()), None)
+
+
 def _load(path: Path) -> Strategy:
-    from planner.strategy import load_strategy
+    from planner.strategy import from_json, load_strategy
 
     try:
+        if path.suffix == ".gz":
+            return from_json(gzip.decompress(path.read_bytes()).decode(), str(path))
         return load_strategy(str(path))
-    except MeshplanError as e:
+    except (MeshplanError, OSError, UnicodeDecodeError) as e:  # (a corrupt .gz: OSError)
         raise CheckError(f"{path}: the baseline does not load ({str(e).splitlines()[0]}); write it again with "
                          "meshplan check --update") from e
 

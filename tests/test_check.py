@@ -51,7 +51,7 @@ def test_model_changes_caught(tmp_path: Path) -> None:
     # FFN, each raising the predicted step time past +2%.
     cfg = _write(tmp_path, _case('hf_config = "gpt2.json"'), gpt2=GPT2)
     code, out, err = _check(cfg, "--update")
-    assert code == 0 and (tmp_path / "meshplan-baseline" / "c" / "strategy.json").is_file(), err
+    assert code == 0 and (tmp_path / "meshplan-baseline" / "c" / "strategy.json.gz").is_file(), err
     code, out, _ = _check(cfg)
     assert code == 0 and "no regression" in out
     _write(tmp_path, _case('hf_config = "gpt2.json"'), gpt2={**GPT2, "n_layer": 3})
@@ -159,7 +159,7 @@ def test_example_workflow_is_a_github_workflow() -> None:
     assert "pip install" in runs and "meshplan check --config examples/ci/meshplan-check.toml" in runs
     assert '--summary "$GITHUB_STEP_SUMMARY"' in runs and "--junit" in runs
     cases = tomllib.loads((root / "meshplan-check.toml").read_text())["case"]
-    assert len(cases) == 2 and all((root / "meshplan-baseline" / c["name"] / "strategy.json").is_file() for c in cases)
+    assert len(cases) == 2 and all((root / "meshplan-baseline" / c["name"] / "strategy.json.gz").is_file() for c in cases)
 
 
 def _measured(step_ms: list[float], ref_ms: float, predicted_ms: float) -> dict:
