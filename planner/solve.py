@@ -441,8 +441,14 @@ class ShardingILP:
         if self.stages is not None:
             for n, r in self.rep.items():
                 count[r][self.stages[n]] += 1
+            readers: dict[str, set[int]] = defaultdict(set)  # a tied weight: a copy on every stage that reads it
+            for reader in self.graph.compute_nodes:
+                for t in reader.inputs:
+                    if t in self.param_rep:
+                        readers[t].add(self.stages[reader.name])
             for t, r in self.param_rep.items():
-                pcount[r][self.stages[self.cost.param_owner[t]]] += 1
+                for st in readers.get(t) or {self.stages[self.cost.param_owner[t]]}:
+                    pcount[r][st] += 1
         self.stage_mem = [{d: [0.0] * k for d, k in self.decisions.items()} for _ in self.in_flight] \
             if self.stages is not None else []
         for owner, (d, m) in self.sigma.items():
