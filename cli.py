@@ -405,10 +405,14 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
               help="auto: the loss the strategy was planned with.")
 @click.option("--optimizer", type=click.Choice(["adamw", "sgd"]), default="adamw", show_default=True)
 @click.option("--timeout", "timeout_s", type=float, default=600.0, show_default=True, help="Seconds before every rank is stopped.")
+@click.option("--save", "save_dir", default=None, metavar="DIR",
+              help="Save the model and optimizer state after the last step (torch.distributed.checkpoint, sharded).")
+@click.option("--load", "load_dir", default=None, metavar="DIR",
+              help="Start from a checkpoint, saved under this plan or another (resharded as it loads).")
 @click.option("--json", "as_json", is_flag=True)
 @_one_line_errors
 def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup: int, verify: bool, loss: str,
-            optimizer: str, timeout_s: float, as_json: bool) -> None:
+            optimizer: str, timeout_s: float, save_dir: str | None, load_dir: str | None, as_json: bool) -> None:
     """Train with a strategy on N spawned ranks (DTensor, gloo on CPU); verify against one process."""
     from executor.launch import RunError, run
     from executor.train import RunOptions
@@ -416,11 +420,43 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     if nproc < 1:
         raise RunError(f"--nproc {nproc}: needs at least 1 rank")
     result = run(strategy_path, model_path, nproc=nproc, timeout_s=timeout_s,
-                 opts=RunOptions(steps=steps, warmup=warmup, verify=verify, loss=loss, optimizer=optimizer))
+                 opts=RunOptions(steps=steps, warmup=warmup, verify=verify, loss=loss, optimizer=optimizer,
+                                 save=save_dir, load=load_dir))
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
     render_run(result, strategy_path, nproc, 1 + warmup + steps)
+
+
+@main.group("checkpoint")
+def checkpoint_group() -> None:
+    """Sharded checkpoints written by run --save."""
+
+
+@checkpoint_group.command("inspect")
+@click.argument("path", metavar="DIR")
+@click.option("--json", "as_json", is_flag=True)
+@_one_line_errors
+def checkpoint_inspect(path: str, as_json: bool) -> None:
+    """What DIR holds, and under which plan it was saved."""
+    from executor.checkpoint import inspect as inspect_checkpoint
+
+    info = inspect_checkpoint(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=1))
+        return
+    console.print(f"{path}: {info['model_name']} (fingerprint {info['model_fingerprint']}), saved after "
+                  f"{info['optimizer_steps']} optimizer steps under mesh "
+                  + " × ".join(f"{a}={n}" for a, n in zip(info["axis_names"], info["mesh"], strict=True))
+                  + (f", layout {info['layout']}" if info.get("layout") else ""), markup=False, highlight=False)
+    from rich.table import Table
+
+    t = Table()
+    for col in ("tensor", "shape", "shards"):
+        t.add_column(col)
+    for k, v in info["tensors"].items():
+        t.add_row(k, "×".join(map(str, v["shape"])) or "scalar", str(v["shards"]))
+    console.print(t)
 
 
 @main.group()

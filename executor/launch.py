@@ -138,6 +138,12 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     strategy.check_model(graph)
     check_executable(graph)
     check_step(strategy, graph)
+    if opts.save or opts.load:
+        from executor import checkpoint
+
+        checkpoint.check_plan(strategy)
+        if opts.load:
+            checkpoint.check_model(opts.load, strategy)
     mesh_size = strategy.mesh.num_devices if strategy.pipeline is None else strategy.pipeline.devices
     if nproc != mesh_size:
         where = f"mesh {strategy.mesh.describe_shape()}" if strategy.pipeline is None else \
@@ -167,6 +173,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "collectives_executed": r0["collectives_executed"],
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
+    result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)
     for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff"):
         if key in r0:
             result[key] = max(r[key] for r in reports.values())

@@ -53,6 +53,9 @@ class RunOptions:
     # Every rank but 0 perturbs its parameters (as ranks that loaded different checkpoints): only a plan
     # with parameter_broadcast makes them agree again.
     diverge_ranks: bool = False
+    # Sharded checkpoints (executor/checkpoint.py): loaded before the first step, saved after the last.
+    save: str | None = None
+    load: str | None = None
 
 
 def make_batch(graph: OpGraph, seed: int, micro_batches: int = 1) -> list[torch.Tensor]:
@@ -164,6 +167,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                    opts.seed, k, scale=1.0 if strategy.training.gradients_mean else _batch_shards(strategy))
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     runner = SpmdRunner(module, strategy, mesh)
+    before = 0  # optimizer steps the parameters had (a loaded checkpoint's)
+    if opts.load:
+        from executor import checkpoint
+
+        before = int(checkpoint.check_model(opts.load, strategy)["optimizer_steps"])
+        checkpoint.load_model(opts.load, runner)
 
     # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)
     # the class dim gathered; the labels are split like the output's rows.
@@ -218,6 +227,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     report: dict[str, Any] = {"rank": dist.get_rank()}
     first_loss, executed, _, peak_saved = step(count=True, measure=True)
     optim = _optimizer(runner.optimizer_parameters(), opts)  # the first step packed ZeRO's shards
+    if opts.load:
+        checkpoint.load_optimizer(opts.load, runner, optim)
     first_loss = first_loss.to(device)
     for a in split:  # the whole loss, for the report (not part of a training step)
         dist.all_reduce(first_loss, group=mesh.get_group(a))
@@ -252,7 +263,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         if k > 1:  # the reference takes the whole step's batch at once
             dims["batch"] *= k
         report.update(verify_against_one_process(model_path, dims, opts, cpu_batch, loss_of,
-                                                 float(first_loss), grads, after, final))
+                                                 float(first_loss), grads, after, final, offset=before))
+    if opts.save:
+        from executor import checkpoint
+
+        checkpoint.save(opts.save, runner, optim, strategy, before + 1 + opts.warmup + opts.steps)
+    report["optimizer_steps_before"] = before
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
     # Where the time went (medians per phase; waits for other ranks fall in the phase that waits).
@@ -285,12 +301,19 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
                                loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
                                after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
-                               steps: int | None = None) -> dict[str, Any]:
+                               steps: int | None = None, offset: int = 0) -> dict[str, Any]:
     """The same training in one process: the first step's loss, gradients and updated parameters,
     and the parameters after all the run's `steps` (`final`; default 1 + warm-up + timed steps). The
-    parameters compared are those of `grads` (a pipeline stage's own)."""
+    parameters compared are those of `grads` (a pipeline stage's own). `offset`: optimizer steps the
+    run's parameters had before it (a loaded checkpoint's), which the one process trains first, from
+    the start: the check of a checkpoint is this uninterrupted run."""
     ref = load_module(model_path, dims, seed=opts.seed)
     optim = _optimizer(ref.parameters(), opts)
+    for _ in range(offset):
+        optim.zero_grad(set_to_none=True)
+        loss_of(ref(*batch)).backward()
+        optim.step()
+    optim.zero_grad(set_to_none=True)
     loss = loss_of(ref(*batch))
     loss.backward()
     mine = [(n, p) for n, p in _ordered_params(ref) if n in grads]
