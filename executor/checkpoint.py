@@ -8,8 +8,9 @@ degree, ZeRO-3 or not — a parameter at a time, never a whole model on one rank
 `meshplan.json` says what was saved: the model's fingerprint, the plan's mesh and layout, and how many
 optimizer steps the parameters have had.
 
-Not yet: plans whose optimizer steps fused ZeRO-1/2 buckets (their states are per bucket shard) and
-pipelined plans; both are refused in one line.
+A pipeline stage's ranks save and load their stage's parameters (a tied weight's copies are the same
+tensor: DCP writes it once). Not yet: plans whose optimizer steps fused ZeRO-1/2 buckets (their states
+are per bucket shard), refused in one line.
 """
 
 from __future__ import annotations
@@ -42,8 +43,6 @@ def check_plan(strategy: Strategy) -> None:
     if zero & {1, 2}:
         raise CheckpointError("--save/--load: plans with ZeRO-1/2 (optimizer states per fused bucket shard) are not "
                               "checkpointed yet; plan with --zero 0 or --zero 3")
-    if strategy.pipeline is not None:
-        raise CheckpointError("--save/--load: pipelined plans are not checkpointed yet; plan without pp")
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -67,11 +66,21 @@ def inspect(path: str | Path) -> dict[str, Any]:
     return {**meta, "tensors": tensors}
 
 
+def _params(strategy: Strategy) -> dict[str, list[int]]:
+    return {t: list(v.shape) for t, v in sorted(strategy.tensors.items()) if v.kind == "param"}
+
+
 def check_model(path: str | Path, strategy: Strategy) -> dict[str, Any]:
+    """The checkpoint's parameters are the plan's, name for name and shape for shape (the batch the
+    model was bound at may differ: a pipeline's micro-batch, another global batch)."""
     meta = read_meta(path)
-    if meta["model_fingerprint"] != strategy.model.fingerprint:
-        raise CheckpointError(f"{path} was saved for model {meta['model_name']} (fingerprint {meta['model_fingerprint']}), "
-                              f"not {strategy.model.name} ({strategy.model.fingerprint}); load it with its own model")
+    saved, here = meta.get("parameter_shapes", {}), _params(strategy)
+    for name in sorted(set(saved) | set(here)):
+        if saved.get(name) != here.get(name):
+            what = "not in it" if name not in saved else "not in this model" if name not in here else \
+                f"{saved[name]} there, {here[name]} here"
+            raise CheckpointError(f"{path} was saved for model {meta['model_name']}, whose parameters differ: {name} "
+                                  f"({what}); load it with the model it was saved for")
     return meta
 
 
@@ -109,7 +118,8 @@ def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, str
             "model_name": strategy.model.name, "model_fingerprint": strategy.model.fingerprint,
             "mesh": list(strategy.mesh.shape), "axis_names": list(strategy.mesh.axis_names),
             "layout": strategy.training.layout, "optimizer_steps": steps,
-            "parameters": sorted(runner._params)}, indent=1) + "\n")
+            "pipeline_stages": len(strategy.pipeline.stages) if strategy.pipeline is not None else 1,
+            "parameters": sorted(_params(strategy)), "parameter_shapes": _params(strategy)}, indent=1) + "\n")
     dist.barrier()
 
 

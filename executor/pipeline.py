@@ -169,6 +169,12 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
             for prm in module.parameters():
                 prm.add_(0.01 * torch.randn(prm.shape, generator=g).to(prm.device))
     runner = SpmdRunner(module, strategy, mesh, nodes=set().union(*nodes.values()))
+    before = 0  # optimizer steps the parameters had (a loaded checkpoint's)
+    if opts.load:
+        from executor import checkpoint
+
+        before = int(checkpoint.check_model(opts.load, strategy)["optimizer_steps"])
+        checkpoint.load_model(opts.load, runner)
     with torch.no_grad():
         if strategy.training.parameter_broadcast:  # every stage starts from its first rank's parameters
             for prm in module.parameters():
@@ -239,6 +245,8 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
     report: dict[str, Any] = {"rank": rank, "stage": stage}
     first_loss, _, _ = step(measure=True)  # the first step also infers the stages' shapes
     optim = _optimizer(runner.optimizer_parameters(), opts)
+    if opts.load:
+        checkpoint.load_optimizer(opts.load, runner, optim)
     first_loss = first_loss.to(device)
     for a in split:
         dist.all_reduce(first_loss, group=mesh.get_group(a))
@@ -284,7 +292,12 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
         dims = dict(strategy.model.dims)
         dims["batch"] *= m
         report.update(verify_against_one_process(model_path, dims, opts, cpu_batch, loss_of, float(first_loss),
-                                                 grads, after, final, steps=1 + rounds))
+                                                 grads, after, final, steps=1 + rounds, offset=before))
+    if opts.save:
+        from executor import checkpoint
+
+        checkpoint.save(opts.save, runner, optim, strategy, before + 1 + rounds)
+    report["optimizer_steps_before"] = before
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
     report["measured_phases_s"] = {name: statistics.median(ph[k] for ph in phases) for k, name in

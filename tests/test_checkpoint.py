@@ -1,5 +1,6 @@
 """Sharded checkpoints (torch.distributed.checkpoint): saved under plan A after some steps, loaded under
-plan B — another tensor-parallel layout, ZeRO-3, another world size — and training continued; checked
+plan B — another tensor-parallel layout, ZeRO-3, another world size, pipeline stages — and training
+continued; checked
 against one process that trained the same data from the start without stopping (loss, gradients and
 parameters of the first step after loading, and the parameters after the last, < 1e-5)."""
 
@@ -23,18 +24,21 @@ TP = {"model.transformer.h.0.mlp.c_fc.weight": "S(1)", "model.transformer.h.0.ml
 
 
 def _plan(zoo: Callable[[str], Path], out: Path, devices: int, **kw: object) -> Path:
-    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": 8, "seq": 32}, profile="cpu",
-                                 devices=devices, **kw))  # type: ignore[arg-type]
+    dims = {"seq": 32} if "global_batch_size" in kw else {"batch": 8, "seq": 32}  # 8 sequences a step either way
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims=dims, profile="cpu", devices=devices,
+                                 **kw))  # type: ignore[arg-type]
     s.save(out)
     return out
 
 
 # (plan A, plan B): data parallel → tensor parallel (pins); tensor parallel → ZeRO-3 (FSDP's layout);
-# data parallel on 2 ranks → on 4.
-CASES = [("dp2", "tp2"), ("tp2", "zero3"), ("dp2", "dp4")]
+# data parallel on 2 ranks → on 4; no pipeline → 2 stages × 2 data-parallel ranks (GPT-2's tied
+# embedding then on both stages), 4 micro-batches of the same 8 sequences.
+CASES = [("dp2", "tp2"), ("tp2", "zero3"), ("dp2", "dp4"), ("dp2", "pp2")]
 PLANS: dict[str, tuple[int, dict[str, object]]] = {
     "dp2": (2, {"mode": "data-parallel", "zero_stage": 0}), "dp4": (4, {"mode": "data-parallel", "zero_stage": 0}),
-    "tp2": (2, {"mode": "semi", "pins": TP}), "zero3": (2, {"layout": "dp_shard=2", "zero_stage": 3})}
+    "tp2": (2, {"mode": "semi", "pins": TP}), "zero3": (2, {"layout": "dp_shard=2", "zero_stage": 3}),
+    "pp2": (4, {"layout": "dp_replicate=2,pp=2", "global_batch_size": 8, "zero_stage": 0})}
 
 
 @pytest.mark.slow
@@ -69,8 +73,9 @@ def test_checkpoints_refused_in_one_line(zoo: Callable[[str], Path], tmp_path: P
     r = CliRunner().invoke(main, ["run", str(dp), "--model", model, "--nproc", "2", "--load", str(tmp_path / "none")])
     assert r.exit_code == 2 and "no meshplan checkpoint there" in r.stderr, r.stderr
     (tmp_path / "other").mkdir()
-    (tmp_path / "other" / "meshplan.json").write_text(json.dumps({"model_name": "llama-tiny", "model_fingerprint": "0",
-                                                                  "optimizer_steps": 1, "parameters": []}))
+    (tmp_path / "other" / "meshplan.json").write_text(json.dumps({
+        "model_name": "llama-tiny", "model_fingerprint": "0", "optimizer_steps": 1, "parameters": ["model.x"],
+        "parameter_shapes": {"model.x": [4]}}))
     r = CliRunner().invoke(main, ["run", str(dp), "--model", model, "--nproc", "2", "--load", str(tmp_path / "other")])
-    assert r.exit_code == 2 and "was saved for model llama-tiny" in r.stderr and \
+    assert r.exit_code == 2 and "was saved for model llama-tiny, whose parameters differ" in r.stderr and \
         len(r.stderr.strip().splitlines()) == 1, r.stderr
