@@ -135,7 +135,7 @@ def counting_sends() -> Iterator[None]:
 
 def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: torch.device) -> dict[str, Any]:
     """Runs on every rank of an initialised process group; returns this rank's report (as `run_rank`)."""
-    from executor.train import Loss, _batch_shards, _optimizer, make_batch, micro_batch
+    from executor.train import Loss, _batch_shards, _optimizer, diverge, make_batch, micro_batch, state_bytes
 
     pipe = strategy.pipeline
     assert pipe is not None
@@ -163,11 +163,9 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
             if j == place and stage in holders[t]:
                 tie_groups[t] = group
     stage_group = [dist.new_group(list(st.devices)) for st in pipe.stages][stage]
-    with torch.no_grad():
-        if opts.diverge_ranks and rank:
-            g = torch.Generator().manual_seed(opts.seed + rank)
-            for prm in module.parameters():
-                prm.add_(0.01 * torch.randn(prm.shape, generator=g).to(prm.device))
+    if opts.diverge_ranks:
+        with torch.no_grad():
+            diverge(module, opts.seed)
     runner = SpmdRunner(module, strategy, mesh, nodes=set().union(*nodes.values()))
     before = 0  # optimizer steps the parameters had (a loaded checkpoint's)
     if opts.load:
@@ -302,11 +300,7 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
     report["measured_step_s"] = statistics.median(times) if times else None
     report["measured_phases_s"] = {name: statistics.median(ph[k] for ph in phases) for k, name in
                                    enumerate(("pipeline", "gradient_sync", "optimizer"))} if phases else {}
-    states = sum(prm.numel() * prm.element_size() for prm in module.parameters())
-    states += sum(prm.grad.numel() * prm.grad.element_size() for prm in module.parameters() if prm.grad is not None)
-    states += sum(s.numel() * s.element_size() for st in optim.state.values() for s in st.values()
-                  if isinstance(s, torch.Tensor) and s.dim() > 0)
-    report["measured_memory_bytes"] = states + runner.grad_shard_bytes() + peak_saved
+    report["measured_memory_bytes"] = state_bytes(module, optim, runner) + peak_saved
     return report
 
 

@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
-from executor.measure import CollectiveCounter
+from executor.measure import CollectiveCounter, SavedMeter
 from executor.spmd import SpmdRunner, local_shard
 from planner.graph import OpGraph
 from planner.placement import Spec
@@ -149,10 +149,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
     graph = module.graph
     with torch.no_grad():
-        if opts.diverge_ranks and dist.get_rank():
-            g = torch.Generator().manual_seed(opts.seed + dist.get_rank())
-            for p in module.parameters():
-                p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
+        if opts.diverge_ranks:
+            diverge(module, opts.seed)
         if strategy.training.parameter_broadcast:  # every rank starts from rank 0's parameters
             for p in module.parameters():
                 dist.broadcast(p.data, src=0)
@@ -185,12 +183,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
 
     # Once, as a data loader hands each rank its shard of each micro-batch.
     local_batches = [runner.shard_inputs([micro_batch(x, i, k) for x in batch]) for i in range(k)]
-    saved: dict[int, int] = {}  # storage → bytes of the tensors autograd keeps for backward (one micro-batch)
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter):  # parameters are counted as model states
-            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
+    meter = SavedMeter()  # the tensors autograd keeps for backward, while it keeps them
 
     def step(count: bool = False, measure: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float], int]:
         """One training step up to the optimizer: k micro-batches, each forward then backward with the
@@ -203,13 +196,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         comm = CollectiveCounter() if count else None
         loss = torch.zeros(())
         fwd_s = bwd_s = 0.0
-        peak = 0
-        runner.regather.on_saved = pack if measure else None  # inside the runner's forward (its own hooks)
+        meter.reset()
+        runner.regather.on_saved = meter.pack if measure else None  # inside the runner's forward (its own hooks)
         with comm if comm is not None else contextlib.nullcontext():
             for i in range(k):
-                saved.clear()
                 t0 = time.perf_counter()
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if measure \
+                with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure \
                         else contextlib.nullcontext():
                     y = runner.forward(local_batches[i])[0]  # the loss reads the first output
                     micro_loss = loss_of.local(runner.output_as(0, y, need), labels[i])
@@ -218,11 +210,10 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                 runner.after_micro_batch()  # ZeRO-2 reduce-scatters here
                 fwd_s, bwd_s = fwd_s + t1 - t0, bwd_s + time.perf_counter() - t1
                 loss = loss + micro_loss.detach().cpu()
-                peak = max(peak, sum(saved.values()))
             t2 = time.perf_counter()
             runner.reduce_gradients()
         return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s,
-                                                                              time.perf_counter() - t2], peak
+                                                                              time.perf_counter() - t2], meter.peak
 
     report: dict[str, Any] = {"rank": dist.get_rank()}
     first_loss, executed, _, peak_saved = step(count=True, measure=True)
@@ -274,16 +265,29 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     # Where the time went (medians per phase; waits for other ranks fall in the phase that waits).
     report["measured_phases_s"] = {name: statistics.median(p[k] for p in phases) for k, name in
                                    enumerate(PHASES)} if phases else {}
-    # Memory the cost model predicts, measured: model states (weights, gradients, optimizer state
-    # tensors) and the activations autograd saved for backward in one step (the largest step's).
-    states = sum(p.numel() * p.element_size() for p in module.parameters())
-    states += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
-    states += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
-                  if isinstance(v, torch.Tensor) and v.dim() > 0)
-    states += runner.grad_shard_bytes()
-    report["measured_memory_bytes"] = states + peak_saved
+    # Memory the cost model predicts, measured: model states and the activations autograd saved for
+    # backward in one step (the largest step's).
+    report["measured_memory_bytes"] = state_bytes(module, optim, runner) + peak_saved
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
+
+
+def diverge(module: torch.nn.Module, seed: int) -> None:
+    """Every rank but 0 perturbs its parameters (RunOptions.diverge_ranks)."""
+    rank = dist.get_rank()
+    if rank:
+        g = torch.Generator().manual_seed(seed + rank)
+        for p in module.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
+
+
+def state_bytes(module: torch.nn.Module, optim: torch.optim.Optimizer, runner: SpmdRunner) -> int:
+    """Model states held by this rank: weights, gradients, optimizer state tensors, ZeRO-2 gradient shards."""
+    out = sum(p.numel() * p.element_size() for p in module.parameters())
+    out += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+    out += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out + runner.grad_shard_bytes()
 
 
 def _batch_shards(strategy: Strategy) -> int:

@@ -78,10 +78,6 @@ class Finding:
     note: str = ""
 
     def line(self) -> str:
-        def show(x: float | str | None) -> str:
-            if isinstance(x, float):
-                return f"{x:.6g}"
-            return "—" if x is None else str(x)
         return f"{self.case}: {self.metric} {show(self.old)} → {show(self.new)}" + (f" ({self.note})" if self.note else "")
 
 
@@ -488,8 +484,13 @@ def markdown(results: list[CaseResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def show(x: float | str | None) -> str:
+    """An old or new value in a report."""
+    return f"{x:.6g}" if isinstance(x, float) else "—" if x is None else str(x)
+
+
 def _cell(x: float | str | None) -> str:
-    return f"{x:.6g}" if isinstance(x, float) else "—" if x is None else str(x).replace("|", "\\|")
+    return show(x).replace("|", "\\|")
 
 
 def junit(results: list[CaseResult]) -> str:

@@ -310,7 +310,7 @@ def render_stages(s: Strategy) -> None:
 
 def render_check(results: list[Any]) -> None:
     """`meshplan check`'s report: per case, what regressed, improved or changed (old → new)."""
-    from meshplan.check import exit_code
+    from meshplan.check import exit_code, show
 
     t = Table(title="meshplan check")
     for col in ("case", "metric", "old", "new", "status", "note"):
@@ -320,7 +320,7 @@ def render_check(results: list[Any]) -> None:
         if r.error:
             t.add_row(r.case, "—", "—", "—", "[bold red]error[/]", r.error)
         for f in r.findings:
-            cell = [f"{x:.6g}" if isinstance(x, float) else "—" if x is None else str(x) for x in (f.old, f.new)]
+            cell = [show(f.old), show(f.new)]
             t.add_row(f.case, f.metric, *cell, f"[{style[f.status]}]{f.status}[/]" if style[f.status] else f.status,
                       f.note)
     console.print(t)

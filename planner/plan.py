@@ -199,7 +199,7 @@ class PlanRequest:
             return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
 
-    def searches_pipelines(self, devices_per_node: int) -> bool:
+    def searches_pipelines(self) -> bool:
         """Pipelines are tried where the planner chooses the mesh of a global batch."""
         return (self.layout is None and self.mesh_shape is None and self.mode == "auto" and self.search == "ilp"
                 and self.global_batch_size is not None and self.micro_batch_size is None
@@ -214,7 +214,7 @@ class PlanRequest:
         if self.recompute != "auto":
             return [self.recompute]
         counted = self.mode in ("auto", "semi") and self.search == "ilp" and not (
-            self.searches_pipelines(devices_per_node) and self.devices > devices_per_node)
+            self.searches_pipelines() and self.devices > devices_per_node)
         return ["none", "auto" if counted else "full"]
 
     def dims_for(self, steps: int) -> dict[str, int]:
@@ -292,7 +292,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     # it needs only the layer count, known once the model is imported.
     pipelines: Callable[[], list[tuple[int, tuple[Strategy, list[Candidate]]]]] | None = None
     tried = 0
-    if req.searches_pipelines(profile.devices_per_node):
+    if req.searches_pipelines():
         attempt(steps[0], policies[0])
         tried = 1
         layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
@@ -336,7 +336,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
 def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
     """With pipelines in the search, the plans without them keep Megatron's shape: tensor parallelism
     over a node, data parallelism across nodes (one mesh instead of every factorisation)."""
-    return (req.searches_pipelines(profile.devices_per_node) and req.devices > profile.devices_per_node
+    return (req.searches_pipelines() and req.devices > profile.devices_per_node
             and req.devices % profile.devices_per_node == 0)
 
 

@@ -441,13 +441,12 @@ class ShardingILP:
         if self.stages is not None:
             for n, r in self.rep.items():
                 count[r][self.stages[n]] += 1
-            readers: dict[str, set[int]] = defaultdict(set)  # a tied weight: a copy on every stage that reads it
-            for reader in self.graph.compute_nodes:
-                for t in reader.inputs:
-                    if t in self.param_rep:
-                        readers[t].add(self.stages[reader.name])
+            from planner.pipeline import param_stages
+
+            # A tied weight: a copy on every stage that reads it (as the stages are priced).
+            readers = param_stages(self.graph, dict(self.stages), len(self.in_flight))
             for t, r in self.param_rep.items():
-                for st in readers.get(t) or {self.stages[self.cost.param_owner[t]]}:
+                for st in readers.get(t) or (self.stages[self.cost.param_owner[t]],):
                     pcount[r][st] += 1
         self.stage_mem = [{d: [0.0] * k for d, k in self.decisions.items()} for _ in self.in_flight] \
             if self.stages is not None else []
@@ -518,7 +517,7 @@ class ShardingILP:
         when each of its coefficients is at most j's (every variable is 0/1, the recomputation terms the
         same in both), so the ILP keeps j's alone — exactly the same feasible set. Under 1F1B the first
         stage holds the most micro-batches of the same layers and implies every middle stage of no more
-        layers; deep pipelines keep two or three rows of p (CBC stalled on 16 near-identical tight rows)."""
+        layers; deep pipelines keep two or three rows of p."""
         import numpy as np
 
         keys = list(self.decisions)
