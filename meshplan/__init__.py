@@ -2,10 +2,22 @@
 
     import meshplan
     meshplan.export(module, (ids,), "model.onnx", dynamic=[("batch", "seq")])   # then `meshplan plan`
+    meshplan.apply(module, "strategy.json")   # under torchrun: the plan on the module itself
 
 Importing this package imports no torch; the functions import it when called.
 """
 
+from typing import Any
+
 from planner.export import export, export_config, export_hf_config
 
-__all__ = ["export", "export_config", "export_hf_config"]
+
+def apply(module: Any, strategy: Any, mesh: Any = None, *, model: Any = None) -> Any:
+    """Distribute the user's `nn.Module` as `strategy` (a path or a `Strategy`) plans it, on the
+    initialised process group; see `executor/apply.py`. Returns the module."""
+    from executor.apply import apply as _apply
+
+    return _apply(module, strategy, mesh, model=model)
+
+
+__all__ = ["apply", "export", "export_config", "export_hf_config"]

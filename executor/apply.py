@@ -1,0 +1,509 @@
+"""`meshplan.apply(module, strategy)`: run a plan on the user's own `nn.Module` (a Hugging Face model,
+their own code) instead of meshplan's ONNX interpreter.
+
+The strategy prices a graph exported from that module; its parameters are the module's, under the
+exporter's names. `apply`:
+
+1. **Binds names**: each ONNX parameter to the module parameters it stands for. Names are compared in
+   torch's spellings (`normalize`), with the prefixes wrappers and exporters add ("model.", "module.",
+   "p_") matched by the longest common dotted suffix; a tied weight (GPT-2's embedding and LM head)
+   is one ONNX parameter and one `Parameter` object under two names. A weight the exporter stored
+   transposed (`Fold.LAYOUT`) binds with its dims swapped. Any parameter left over on either side,
+   or a shape that differs, refuses the strategy with one line naming it (`ApplyError`).
+2. **Reads the mesh's axes from the plan**: the axes that split the model input's batch are data
+   parallel; the others tensor parallel.
+3. **Tensor parallelism** (`parallelize_module`, one `PlannedStyle` per linear / Conv1D / embedding
+   whose weight the plan splits over the tensor-parallel axis): column-wise where the output
+   features are split (input replicated, output split on its last dim, the input's gradient
+   all-reduced in backward), row-wise where the input features are (input split on its last dim,
+   output partial, all-reduced). Column-wise modules reading one tensor share one gradient
+   all-reduce, as the plan prices it, through `PrepareModuleInput` on their parent. The plan is checked
+   against this form: every re-placement and collective the plan runs on the axis must be one a
+   module boundary performs. Where the plan re-places something inside a module (a weight stored
+   split but gathered for use, a fused QKV projection split across its heads' boundary, an
+   activation gathered between modules), module-boundary hooks cannot express it: the axis falls
+   back to replicated compute and the report says which tensor, at which node, and what the
+   fallback costs by the plan's own prices (its collectives on that axis no longer run; its split
+   parameters are held whole).
+4. **Data parallelism** over the data-parallel axis: DDP's reducer through the composable
+   `replicate` (gradient buckets of the plan's all-reduce fusion size) where parameters are
+   replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3; ZeRO-1/2 run as
+   `fully_shard(reshard_after_forward=False)`: their collectives, with parameters sharded between
+   steps). Activations the plan gathers over the batch inside the model run batch-local instead
+   (the same numbers, fewer collectives); the report lists them.
+5. **Recomputation**: each recomputed layer of the plan is wrapped with the composable
+   `checkpoint` (`torch.utils.checkpoint`; names unchanged).
+
+Nothing of this leaks into the module's names: `state_dict()` keys are the user's own (the composable
+APIs keep FQNs; DDP's wrapper would add "module."). The report (`ApplyReport`) is on the module as
+`module.meshplan_report` and says what runs, what fell back and why, and the collectives one step
+runs per micro-batch, which a test counts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, parallelize_module
+
+from planner import placement as mp
+from planner.errors import MeshplanError
+from planner.graph import OpGraph, load_graph
+from planner.params import Fold, normalize
+from planner.strategy import Strategy, load_strategy
+
+
+class ApplyError(MeshplanError):
+    """A strategy that does not fit the module (names, shapes, mesh), or a plan `apply` cannot run."""
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One ONNX parameter and the module parameter it is: its names there (several when tied)."""
+
+    onnx: str
+    fqns: tuple[str, ...]
+    transposed: bool
+
+
+@dataclass
+class ApplyReport:
+    data_parallel: str  # "replicate" (DDP), "fully_shard" (ZeRO-3), or "" (no data-parallel axis)
+    dp_axis: str | None
+    tp_axis: str | None
+    styles: dict[str, str] = field(default_factory=dict)  # module FQN → "colwise" | "rowwise"
+    fallbacks: list[str] = field(default_factory=list)  # what runs other than planned, and why
+    batch_local: list[str] = field(default_factory=list)  # activations the plan gathers over the batch
+    recomputed: list[str] = field(default_factory=list)  # module FQNs wrapped with checkpoint
+    expected: dict[str, int] = field(default_factory=dict)  # collectives of one micro-batch's step
+    micro_batches: int = 1
+    planned_step_s: float = 0.0
+    fallback_saves_s: float = 0.0  # the plan's time of the collectives a fallback does not run
+    bindings: tuple[Binding, ...] = ()
+
+    def lines(self) -> list[str]:
+        out = [f"data parallel: {self.data_parallel or 'none'} over {self.dp_axis}" if self.dp_axis
+               else "data parallel: none"]
+        if self.tp_axis:
+            cols = sum(1 for s in self.styles.values() if s == "colwise")
+            out.append(f"tensor parallel over {self.tp_axis}: {cols} column-wise, {len(self.styles) - cols} row-wise "
+                       "modules")
+        if self.recomputed:
+            out.append(f"recomputed: {len(self.recomputed)} modules")
+        if self.micro_batches > 1:
+            out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last")
+        out += [f"fallback: {f}" for f in self.fallbacks]
+        if self.batch_local:
+            out.append(f"{len(self.batch_local)} activation gather(s) over the batch run batch-local instead "
+                       f"(first: {self.batch_local[0]})")
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+def bind_parameters(strategy: Strategy, graph: OpGraph, module: nn.Module) -> tuple[Binding, ...]:
+    """ONNX parameters ↔ the module's parameters, or an `ApplyError` naming the first mismatch."""
+    named = list(module.named_parameters(remove_duplicate=False))
+    by_object: dict[int, list[str]] = defaultdict(list)
+    shapes: dict[int, tuple[int, ...]] = {}
+    for fqn, p in named:
+        by_object[id(p)].append(fqn)
+        shapes[id(p)] = tuple(p.shape)
+    keys = {fqn: _key(fqn) for fqn, _ in named}
+    obj_of = {fqn: id(p) for fqn, p in named}
+    onnx_params = [t for t, v in strategy.tensors.items() if v.kind == "param"]
+    bound: list[Binding] = []
+    used: set[int] = set()
+    for name in onnx_params:
+        info = graph.parameters.get(name)
+        origin: str = info.origin if info is not None and info.origin else name
+        match = _best_match(_key(origin), keys)
+        if match is None:
+            raise ApplyError(f"strategy parameter {origin} {list(strategy.tensors[name].shape)} has no parameter in "
+                             f"the module; plan the ONNX exported from this module (meshplan export)")
+        fqn = match
+        obj = obj_of[fqn]
+        want = tuple(strategy.tensors[name].shape)
+        have = shapes[obj]
+        transposed = info is not None and info.fold is Fold.LAYOUT and have == want[::-1] and len(want) == 2
+        if have != want and not transposed:
+            raise ApplyError(f"parameter {fqn}: the module's shape is {list(have)}, the strategy's {origin} is "
+                             f"{list(want)}; plan the ONNX exported from this module (meshplan export)")
+        if obj in used:
+            raise ApplyError(f"module parameter {fqn} stands for two strategy parameters; plan the ONNX exported "
+                             "from this module (meshplan export)")
+        used.add(obj)
+        bound.append(Binding(name, tuple(by_object[obj]), transposed))
+    for fqn, p in named:
+        if id(p) not in used and p.requires_grad:
+            raise ApplyError(f"module parameter {fqn} {list(p.shape)} is not in the strategy; plan the ONNX exported "
+                             "from this module (meshplan export)")
+    return tuple(bound)
+
+
+def _key(name: str) -> str:
+    n = name[2:] if name.startswith(("p_", "b_")) else name
+    return normalize(n)
+
+
+def _best_match(key: str, keys: dict[str, str]) -> str | None:
+    """The module name whose normalised form equals `key` or ends it (or is ended by it) on a name
+    boundary: wrappers add prefixes ("model.", "module."); the longest match wins."""
+    best: tuple[int, str] | None = None
+    for fqn, k in keys.items():
+        if k == key:
+            return fqn
+        if key.endswith("_" + k) or k.endswith("_" + key):
+            score = min(len(k), len(key))
+            if best is None or score > best[0]:
+                best = (score, fqn)
+    return best[1] if best else None
+
+
+# ---------------------------------------------------------------------------------------------
+# the plan's axes and what each module does on them
+
+
+def _torch_placement(p: mp.Placement, ndim: int, transposed: bool) -> Placement:
+    if isinstance(p, mp.Shard):
+        d = p.dim % ndim
+        return Shard(ndim - 1 - d if transposed else d)
+    return Replicate()  # a stored parameter is never partial
+
+
+def _data_parallel_axes(strategy: Strategy) -> set[int]:
+    axes: set[int] = set()
+    for t, v in strategy.tensors.items():
+        if v.kind == "input" and len(v.shape) > 0:
+            spec = strategy.spec_of(t)
+            if spec is not None:
+                axes |= set(spec.shard_axes(0))
+    return axes
+
+
+class PlannedStyle(ParallelStyle):
+    """One module's tensor parallelism as the plan places it: each parameter at its placement, the
+    input made a DTensor at the layout it arrives in and re-placed to the one the module computes
+    with, the output re-placed to the layout its consumers read, handed on as a local tensor
+    (`distribute_module`'s input and output hooks)."""
+
+    def __init__(self, params: dict[str, Placement], arrives: Placement | None, computes: Placement | None,
+                 leaves: Placement) -> None:
+        super().__init__()
+        self.params, self.arrives, self.computes, self.leaves = params, arrives, computes, leaves
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for pname, p in list(module.named_parameters(recurse=False)):
+            where = self.params.get(pname, Replicate())
+            module.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [where]),
+                                                          requires_grad=p.requires_grad))
+
+    def _input(self, mod: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]
+        if not isinstance(x, DTensor):
+            if self.arrives is None:
+                return inputs
+            x = DTensor.from_local(x, mesh, [self.arrives], run_check=False)
+        if self.computes is not None and x.placements != (self.computes,):
+            x = x.redistribute(placements=[self.computes])
+        return (x, *inputs[1:])
+
+    def _output(self, mod: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        if out.placements != (self.leaves,):
+            out = out.redistribute(placements=[self.leaves])
+        return out.to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition,
+                                 self._input,  # type: ignore[arg-type]  # torch's stub says it returns None
+                                 self._output)
+
+
+_COLWISE_WEIGHT_DIM = {"Linear": 0, "Conv1D": 1, "Embedding": 1}  # the output features' dim
+
+
+@dataclass
+class _TensorParallel:
+    styles: dict[str, ParallelStyle]
+    roles: dict[str, str]
+    shared_inputs: dict[str, list[str]]  # parent module FQN → its column-wise children sharing one input
+    deviations: list[str]
+    deviation_s: float
+
+
+def _tensor_parallel(strategy: Strategy, graph: OpGraph, module: nn.Module, bindings: tuple[Binding, ...],
+                     axis: int) -> _TensorParallel:
+    """The module-boundary form of the plan on tensor-parallel axis `axis`, and where the plan
+    departs from it."""
+    mods = dict(module.named_modules())
+    deviations: list[str] = []
+    roles: dict[str, str] = {}
+    params_at: dict[str, dict[str, Placement]] = defaultdict(dict)
+    onnx_module: dict[str, str] = {}  # ONNX module path → FQN
+    param_names = {b.onnx for b in bindings}
+    for b in bindings:
+        p = _spec(strategy, b.onnx).placements[axis]
+        fqn = b.fqns[0]
+        owner, _, pname = fqn.rpartition(".")
+        if not isinstance(p, mp.Shard):
+            continue
+        ndim = len(strategy.tensors[b.onnx].shape)
+        where = _torch_placement(p, ndim, b.transposed)
+        params_at[owner][pname] = where
+        kind = type(mods[owner]).__name__
+        if pname == "weight" and kind in _COLWISE_WEIGHT_DIM:
+            roles[owner] = "colwise" if where.dim == _COLWISE_WEIGHT_DIM[kind] else "rowwise"  # type: ignore[attr-defined]
+        for n in graph.nodes:
+            if b.onnx in n.inputs:
+                onnx_module[n.module_path] = owner
+    for owner in params_at:
+        if owner not in roles:
+            deviations.append(f"{owner} ({type(mods[owner]).__name__}): its parameters are split, but only a "
+                              "Linear, Conv1D or Embedding weight splits at module boundaries")
+    styled = {path for path, owner in onnx_module.items() if owner in roles}
+    # Every re-placement and collective on the axis must be one a module boundary runs.
+    deviation_s = 0.0
+    colwise_inputs: dict[str, set[str]] = defaultdict(set)  # tensor → column-wise modules reading it
+    for r in strategy.reshards:
+        src, dst = r.src.placements[axis], r.dst.placements[axis]
+        if src == dst:
+            continue
+        consumer = strategy.nodes[r.consumer]
+        from_module = _origin_module(graph, r.tensor)
+        if isinstance(src, mp.Partial) and isinstance(dst, mp.Replicate) and from_module in styled \
+                and roles.get(onnx_module[from_module]) == "rowwise":
+            continue  # a row-wise module's output, all-reduced at its boundary
+        if r.tensor in param_names and consumer.module in styled and isinstance(dst, mp.Partial):
+            continue  # a row-wise module's bias, added once: DTensor's addmm does the same
+        deviations.append(f"{r.tensor} re-placed {src} → {dst} at {r.consumer} ({consumer.module or 'top level'})")
+        deviation_s += sum(c.time_s for c in r.collectives)
+    for path in styled:
+        owner = onnx_module[path]
+        if roles[owner] == "colwise" and type(mods[owner]).__name__ != "Embedding":
+            for t in _boundary_inputs(graph, path, param_names):
+                colwise_inputs[t].add(owner)
+    for name, node in strategy.nodes.items():
+        for c in node.collectives:
+            if strategy.mesh.axis_names[axis] not in c.axes or c.tensor in param_names:
+                continue
+            if c.purpose.value == "grad sync" and (c.tensor in colwise_inputs or (
+                    node.module in styled and roles[onnx_module[node.module]] == "colwise")):
+                continue  # a column-wise module's input gradient, all-reduced at its boundary
+            if any(r.tensor == c.tensor and r.consumer == name for r in strategy.reshards):
+                continue  # judged above
+            deviations.append(f"{c.kind.value} of {c.tensor} at {name} ({node.module or 'top level'})")
+            deviation_s += c.time_s
+    styles: dict[str, ParallelStyle] = {}
+    shared: dict[str, list[str]] = {}
+    for owner, role in roles.items():
+        last = Shard(-1)
+        if role == "colwise":
+            styles[owner] = PlannedStyle(params_at[owner], Replicate(), Replicate(), last)
+        else:
+            styles[owner] = PlannedStyle(params_at[owner], last, last, Replicate())
+        if type(mods[owner]).__name__ == "Embedding":  # ids in, never split: no input layout to keep
+            styles[owner] = PlannedStyle(params_at[owner], None, None,
+                                         last if role == "colwise" else Replicate())
+    for _tensor, owners in colwise_inputs.items():
+        parents = {o.rpartition(".")[0] for o in owners}
+        if len(owners) > 1 and len(parents) == 1:
+            shared[parents.pop()] = sorted(owners)
+    return _TensorParallel(styles, roles, shared, deviations, deviation_s)
+
+
+_VIEWS = frozenset({"Identity", "Reshape", "Cast", "Dropout", "Squeeze", "Unsqueeze", "Flatten"})
+
+
+def _origin_module(graph: OpGraph, tensor: str) -> str:
+    """The module that computed `tensor`, looking through the views and identities after it (a
+    dropout module's identity in evaluation, a Conv1D's reshape back to 3-D)."""
+    while True:
+        producer = graph.producer.get(tensor)
+        if producer is None:
+            return ""
+        node = graph.node_by_name[producer]
+        if node.op_type not in _VIEWS or not node.inputs:
+            return node.module_path
+        tensor = node.inputs[0]
+
+
+def _boundary_inputs(graph: OpGraph, path: str, params: set[str]) -> set[str]:
+    """The activations a module's nodes read from outside it."""
+    inside = [n for n in graph.nodes if n.module_path == path]
+    made = {t for n in inside for t in n.outputs}
+    return {t for n in inside for t in n.inputs
+            if t and t not in made and t not in params and t not in graph.const_values
+            and graph.producer.get(t) not in graph.constant_nodes and graph.tensors[t].is_float}
+
+
+# ---------------------------------------------------------------------------------------------
+# apply
+
+
+def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh | None = None, *,
+          model: str | Path | None = None) -> nn.Module:
+    """Distribute `module` as `strategy` plans it (see the module docstring); returns the module, with
+    `module.meshplan_report`. `model`: the ONNX file the strategy was planned on, where it has moved
+    since (default: the path the strategy names)."""
+    s = strategy if isinstance(strategy, Strategy) else load_strategy(strategy)
+    if s.pipeline is not None:
+        raise ApplyError("apply runs plans without pipeline stages; plan with --pp 1 (or run the pipelined "
+                         "plan with `meshplan run`)")
+    path = Path(model) if model is not None else Path(s.model.path)
+    if not path.exists():
+        raise ApplyError(f"{path}: the strategy's model is not there; pass model= the ONNX file it was planned on")
+    graph = load_graph(path, dict(s.model.dims))
+    if not dist.is_initialized():
+        raise ApplyError("apply needs torch.distributed initialised (torchrun, then "
+                         "dist.init_process_group); it places parameters on the process group's ranks")
+    shape = tuple(s.mesh.shape)
+    devices = 1
+    for n in shape:
+        devices *= n
+    if dist.get_world_size() != devices:
+        raise ApplyError(f"the strategy's mesh {list(shape)} needs {devices} ranks, this run has "
+                         f"{dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
+                         f"{dist.get_world_size()} devices")
+    if mesh is None:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(s.mesh.axis_names))
+    elif tuple(mesh.shape) != shape:
+        raise ApplyError(f"the mesh given is {list(mesh.shape)}, the strategy's {list(shape)}")
+    bindings = bind_parameters(s, graph, module)
+    dp_axes = _data_parallel_axes(s)
+    big = [i for i, n in enumerate(shape) if n > 1]
+    tp_axes = [i for i in big if i not in dp_axes]
+    dp_big = [i for i in big if i in dp_axes]
+    if len(tp_axes) > 1 or len(dp_big) > 1 or (tp_axes and dp_big):
+        raise ApplyError(f"apply runs one data-parallel or one tensor-parallel axis; this plan's mesh "
+                         f"{list(shape)} {list(s.mesh.axis_names)} has more; plan with --mesh N (or run it with "
+                         "`meshplan run`)")
+    names = s.mesh.axis_names
+    report = ApplyReport(data_parallel="", dp_axis=names[dp_big[0]] if dp_big else None,
+                         tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
+                         planned_step_s=s.cost.step_time_s, bindings=bindings)
+    _recompute(s, graph, module, report)
+    if tp_axes:
+        _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
+    if dp_big:
+        _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
+    module.meshplan_report = report  # type: ignore[assignment]
+    return module
+
+
+def _apply_tensor_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
+                           bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
+    tp = _tensor_parallel(s, graph, module, bindings, axis)
+    name = s.mesh.axis_names[axis]
+    if tp.deviations:
+        held = sum(1 for b in bindings if isinstance(_spec(s, b.onnx).placements[axis], mp.Shard))
+        report.fallbacks.append(
+            f"'{name}': the plan re-places {tp.deviations[0]}"
+            + (f" (and {len(tp.deviations) - 1} more)" if len(tp.deviations) > 1 else "")
+            + f", which module-boundary hooks cannot express; the module runs replicated over '{name}' "
+              f"({held} split parameters held whole; the plan's {tp.deviation_s * 1e3:.3f} ms of those "
+              "collectives not run)")
+        report.fallback_saves_s += tp.deviation_s
+        return
+    sub = mesh[name]
+    plan: dict[str, ParallelStyle] = dict(tp.styles)
+    for parent in tp.shared_inputs:  # one DTensor input, one gradient all-reduce, for all of them
+        plan[parent] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
+                                          use_local_output=False)
+    parallelize_module(module, sub, plan)
+    report.styles = dict(tp.roles)
+    k = Counter[str]()
+    rowwise = sum(1 for r in tp.roles.values() if r == "rowwise")
+    grads = len({o for owners in tp.shared_inputs.values() for o in owners})
+    colwise_inputs = sum(1 for r in tp.roles.values() if r == "colwise") - grads + len(tp.shared_inputs)
+    k["all_reduce"] = rowwise + colwise_inputs
+    report.expected.update({kk: v for kk, v in k.items() if v})
+
+
+def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
+                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
+    name = s.mesh.axis_names[axis]
+    sharded = [b for b in bindings if isinstance(_spec(s, b.onnx).placements[axis], mp.Shard)]
+    for r in s.reshards:  # activations the plan gathers over the batch: batch-local here
+        if r.tensor not in {b.onnx for b in bindings} and r.src.placements[axis] != r.dst.placements[axis]:
+            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
+            report.fallback_saves_s += sum(c.time_s for c in r.collectives)
+    sub = mesh[name]
+    if sharded or s.training.zero_stage:
+        from torch.distributed.fsdp import fully_shard
+
+        if len(sharded) < len(bindings):
+            report.fallbacks.append(f"'{name}': {len(bindings) - len(sharded)} parameters the plan keeps whole are "
+                                    "sharded too (fully_shard shards a module's parameters together)")
+        zero = s.training.zero_stage
+        if zero in (1, 2):
+            report.fallbacks.append(f"ZeRO-{zero} runs as fully_shard(reshard_after_forward=False): its collectives, "
+                                    "with parameters sharded between steps (ZeRO-3's memory at rest)")
+        again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
+        fully_shard(module, mesh=sub, reshard_after_forward=again)
+        report.data_parallel = "fully_shard"
+        report.expected.update({"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
+    else:
+        from torch.distributed._composable.replicate import replicate
+
+        from costmodel.buckets import pack_buckets
+
+        cap = s.training.comm_fusion.allreduce
+        replicate(module, process_group=sub.get_group(), bucket_cap_mb=cap / 2**20, broadcast_buffers=False)
+        # DDP's set-up now rather than in the first forward: rank 0's parameters broadcast to every
+        # rank (the seeds' parameter_broadcast), once, not inside the first step.
+        replicate.state(module).lazy_init()
+        report.data_parallel = "replicate"
+        sizes: dict[str, tuple[tuple[int, ...], float]] = {
+            b.onnx: ((axis,), float(graph.tensors[b.onnx].size_bytes)) for b in bindings}
+        report.expected["all_reduce"] = len(pack_buckets(sizes, cap))
+
+
+def _spec(s: Strategy, tensor: str) -> mp.Spec:
+    spec = s.spec_of(tensor)
+    if spec is None:
+        raise ApplyError(f"the strategy places no {tensor}; plan again with this meshplan")
+    return spec
+
+
+def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+    """The plan's recomputed layers, each wrapped with the composable checkpoint."""
+    if not s.training.recompute:
+        return
+    from torch.distributed._composable import checkpoint
+
+    mods = dict(module.named_modules())
+    keys = {fqn: _key(fqn) for fqn in mods if fqn}
+    for group in graph.layers:
+        policy = s.training.recompute.get(group.prefix)
+        if policy is None:
+            continue
+        if policy != "full":
+            report.fallbacks.append(f"{group.prefix}: {policy} recomputation is not applied (only full layers "
+                                    "wrap with checkpoint); its activations are kept")
+            continue
+        for i in group.indices[: s.training.recomputed_layers(group.prefix, group.num_layers)]:
+            path = f"{group.prefix}.{i}"
+            fqn = _best_match(_key(path), keys)
+            if fqn is None:
+                report.fallbacks.append(f"recomputed layer {path} has no module here: not recomputed")
+                continue
+            checkpoint(mods[fqn])
+            report.recomputed.append(fqn)
+

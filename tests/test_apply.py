@@ -1,0 +1,217 @@
+"""`meshplan.apply` on the user's own module: a transformers GPT-2 / Llama `nn.Module` (not the ONNX
+interpreter), distributed as a plan of its exported graph says, on 2 gloo ranks.
+
+The check is independent of meshplan's executor: one process trains the same transformers module
+(same seed, same full batch, plain eager torch) and the distributed loss, every gradient and every
+parameter after one AdamW step must equal it (< 1e-5). The collectives the step runs are counted and
+must equal the ones the apply report derives from the plan; the parameters' names in `state_dict()`
+must be the module's own.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from planner.errors import MeshplanError
+
+B, S = 8, 32
+# Megatron's MLP forced by pins: the up projections split by output features, the down projection by
+# input features, and the hidden activation between them split on its last dim.
+TP_PINS = {
+    "gpt2-tiny": {**{f"model.transformer.h.{i}.mlp.c_fc.weight": "S(1)" for i in (0, 1)},
+                  **{f"model.transformer.h.{i}.mlp.c_proj.weight": "S(0)" for i in (0, 1)},
+                  "mul_204": "S(2)", "ids": "R"},
+    "llama-tiny": {**{f"model.model.layers.{i}.mlp.{p}.weight": "S(0)" for i in (0, 1) for p in ("gate_proj", "up_proj")},
+                   **{f"model.model.layers.{i}.mlp.down_proj.weight": "S(1)" for i in (0, 1)},
+                   "mul_362": "S(2)", "ids": "R"},
+}
+PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage": 0}, "tp": {"mode": "semi"},
+                                    "zero3": {"layout": "dp_shard=2", "zero_stage": 3}}
+
+
+def hf_module(zoo_json: Path) -> Any:
+    """The zoo's transformers model, with real (seeded) weights and no dropout."""
+    import torch
+    import transformers
+
+    raw = dict(json.loads(zoo_json.read_text())["config"])
+    model_type = raw.pop("model_type")
+    raw.pop("transformers_version", None)
+    config = transformers.AutoConfig.for_model(model_type, **raw)
+    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
+        if hasattr(config, k):
+            setattr(config, k, 0.0)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _data(vocab: int) -> tuple[Any, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(0, vocab, (B, S), generator=g), torch.randint(0, vocab, (B, S), generator=g)
+
+
+def _loss(module: Any, ids: Any, labels: Any) -> Any:
+    import torch
+
+    logits = module(input_ids=ids).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    import meshplan
+    from executor.measure import CollectiveCounter
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        module = hf_module(Path(zoo_json))
+        names = sorted(module.state_dict())
+        meshplan.apply(module, strategy)
+        report = module.meshplan_report
+        ids, labels = _data(module.config.vocab_size)
+        if report.dp_axis:  # each rank its own rows of the batch, as a data loader gives them
+            rows = slice(rank * B // 2, (rank + 1) * B // 2)
+            ids, labels = ids[rows], labels[rows]
+        optim = torch.optim.SGD(module.parameters(), lr=0.1)
+        counter = CollectiveCounter()
+        with counter:
+            loss = _loss(module, ids, labels)
+            loss.backward()
+        optim.step()
+        total = loss.detach().clone()
+        if report.dp_axis:
+            dist.all_reduce(total)
+            total /= 2
+
+        def full(t: Any) -> Any:
+            return t.full_tensor() if isinstance(t, DTensor) else t
+
+        grads = {n: full(p.grad).detach().numpy().copy() for n, p in module.named_parameters()}
+        params = {n: full(p).detach().numpy().copy() for n, p in module.named_parameters()}
+        if rank == 0:
+            out.put(("report", float(total), grads, params, dict(counter.counts), dict(report.expected),
+                     report.lines(), names, sorted(module.state_dict()), sorted(report.styles.items())))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:
+        out.put(("error", rank, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from e
+
+
+def _run(strategy: Path, zoo_json: Path) -> tuple[Any, ...]:
+    from executor.ranks import run_ranks
+
+    got: list[tuple[Any, ...]] = []
+
+    def handle(msg: tuple[Any, ...]) -> bool:
+        got.append(msg)
+        return True
+
+    run_ranks(worker, 2, lambda r, port, q: (r, port, str(strategy), str(zoo_json), q), handle, timeout_s=240,
+              error=MeshplanError, what="apply")
+    return got[0]
+
+
+def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
+    from planner.plan import PlanRequest, make_plan
+
+    kw = dict(PLANS[kind])
+    if kind == "tp":
+        kw["pins"] = TP_PINS[name]
+    s, _ = make_plan(PlanRequest(model=str(zoo(name)), dims={"batch": B, "seq": S}, profile="cpu", devices=2,
+                                 **kw))
+    path = tmp / f"{name}-{kind}.json"
+    s.save(path)
+    return path
+
+
+CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
+def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    import torch
+
+    strategy = _plan(zoo, tmp_path, name, kind)
+    zoo_json = zoo(name).with_suffix(".json")
+    _, loss, grads, params, executed, expected, lines, names_before, names_after, styles = _run(strategy, zoo_json)
+    assert names_after == names_before  # nothing of the distribution leaks into the module's names
+    ref = hf_module(zoo_json)
+    ids, labels = _data(ref.config.vocab_size)
+    optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_loss = _loss(ref, ids, labels)
+    ref_loss.backward()
+    optim.step()
+    assert abs(loss - float(ref_loss)) < 1e-5
+    for n, p in ref.named_parameters():
+        assert float(abs(grads[n] - p.grad.numpy()).max()) < 1e-5, n
+        assert float(abs(params[n] - p.detach().numpy()).max()) < 1e-5, n
+    assert executed == expected, lines
+    if kind == "tp":  # the MLPs run Megatron's column / row split, as pinned, with no fallback
+        layers = "transformer.h" if name == "gpt2-tiny" else "model.layers"
+        up = ("c_fc",) if name == "gpt2-tiny" else ("gate_proj", "up_proj")
+        down = "c_proj" if name == "gpt2-tiny" else "down_proj"
+        assert dict(styles) == {**{f"{layers}.{i}.mlp.{u}": "colwise" for i in (0, 1) for u in up},
+                                **{f"{layers}.{i}.mlp.{down}": "rowwise" for i in (0, 1)}}
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
+        assert executed == {"all_reduce": 4}  # per layer: the row split's output, the column split's input grad
+    if kind == "dp":
+        assert executed == {"all_reduce": 1}  # one gradient bucket
+    if kind == "zero3":
+        assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
+
+
+def test_bind_refuses_another_model(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """A strategy for another model: one line naming the first parameter that does not match."""
+    from executor.apply import ApplyError, bind_parameters
+    from planner.graph import load_graph
+    from planner.strategy import load_strategy
+
+    strategy = load_strategy(_plan(zoo, tmp_path, "gpt2-tiny", "dp"))
+    graph = load_graph(zoo("gpt2-tiny"), dict(strategy.model.dims))
+    llama = hf_module(zoo("llama-tiny").with_suffix(".json"))
+    with pytest.raises(ApplyError, match=r"^strategy parameter model\.transformer\.wpe\.weight \[64, 64\] has no "
+                                         r"parameter in the module; plan the ONNX exported from this module") as e:
+        bind_parameters(strategy, graph, llama)
+    assert "\n" not in str(e.value)
+    gpt2 = hf_module(zoo("gpt2-tiny").with_suffix(".json"))
+    bindings = {b.onnx: b.fqns for b in bind_parameters(strategy, graph, gpt2)}
+    # The exporter's wrapper prefix is gone; the tied embedding is one parameter under both names.
+    assert bindings["model.lm_head.weight"] == ("transformer.wte.weight", "lm_head.weight")
+    assert bindings["model.transformer.h.1.mlp.c_proj.bias"] == ("transformer.h.1.mlp.c_proj.bias",)
+    import torch
+
+    wider = hf_module(zoo("gpt2-tiny").with_suffix(".json"))
+    wider.transformer.h[1].mlp.c_fc.weight = torch.nn.Parameter(torch.zeros(64, 128))
+    with pytest.raises(ApplyError, match=r"^parameter transformer\.h\.1\.mlp\.c_fc\.weight: the module's shape is "
+                                         r"\[64, 128\], the strategy's model\.transformer\.h\.1\.mlp\.c_fc\.weight "
+                                         r"is \[64, 256\]"):
+        bind_parameters(strategy, graph, wider)
+    extra = hf_module(zoo("gpt2-tiny").with_suffix(".json"))
+    extra.register_parameter("scale", torch.nn.Parameter(torch.ones(3)))
+    with pytest.raises(ApplyError, match=r"^module parameter scale \[3\] is not in the strategy"):
+        bind_parameters(strategy, graph, extra)
+
+
+def test_apply_needs_process_group(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    import meshplan
+    from executor.apply import ApplyError
+
+    path = _plan(zoo, tmp_path, "gpt2-tiny", "dp")
+    with pytest.raises(ApplyError, match=r"needs torch\.distributed initialised"):
+        meshplan.apply(hf_module(zoo("gpt2-tiny").with_suffix(".json")), str(path))
