@@ -98,10 +98,12 @@ class ApplyReport:
     def lines(self) -> list[str]:
         out = [f"data parallel: {self.data_parallel or 'none'} over {self.dp_axis}" if self.dp_axis
                else "data parallel: none"]
-        if self.tp_axis:
+        if self.tp_axis and self.styles:
             cols = sum(1 for s in self.styles.values() if s == "colwise")
             out.append(f"tensor parallel over {self.tp_axis}: {cols} column-wise, {len(self.styles) - cols} row-wise "
                        "modules")
+        elif self.tp_axis:
+            out.append(f"replicated over {self.tp_axis}: every rank computes the whole step, as the plan does")
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules")
         if self.micro_batches > 1:
@@ -289,7 +291,8 @@ def _tensor_parallel(strategy: Strategy, graph: OpGraph, module: nn.Module, bind
         if isinstance(src, mp.Partial) and isinstance(dst, mp.Replicate) and from_module in styled \
                 and roles.get(onnx_module[from_module]) == "rowwise":
             continue  # a row-wise module's output, all-reduced at its boundary
-        if r.tensor in param_names and consumer.module in styled and isinstance(dst, mp.Partial):
+        if _source_parameter(graph, r.tensor) in param_names and consumer.module in styled \
+                and isinstance(dst, mp.Partial):
             continue  # a row-wise module's bias, added once: DTensor's addmm does the same
         deviations.append(f"{r.tensor} re-placed {src} → {dst} at {r.consumer} ({consumer.module or 'top level'})")
         deviation_s += sum(c.time_s for c in r.collectives)
@@ -300,7 +303,7 @@ def _tensor_parallel(strategy: Strategy, graph: OpGraph, module: nn.Module, bind
                 colwise_inputs[t].add(owner)
     for name, node in strategy.nodes.items():
         for c in node.collectives:
-            if strategy.mesh.axis_names[axis] not in c.axes or c.tensor in param_names:
+            if strategy.mesh.axis_names[axis] not in c.axes or _source_parameter(graph, c.tensor) in param_names:
                 continue
             if c.purpose.value == "grad sync" and (c.tensor in colwise_inputs or (
                     node.module in styled and roles[onnx_module[node.module]] == "colwise")):
@@ -340,6 +343,18 @@ def _origin_module(graph: OpGraph, tensor: str) -> str:
         node = graph.node_by_name[producer]
         if node.op_type not in _VIEWS or not node.inputs:
             return node.module_path
+        tensor = node.inputs[0]
+
+
+def _source_parameter(graph: OpGraph, tensor: str) -> str:
+    """The parameter `tensor` is a view of (a transposed or cast weight), or `tensor` itself."""
+    while True:
+        producer = graph.producer.get(tensor)
+        if producer is None:
+            return tensor
+        node = graph.node_by_name[producer]
+        if node.op_type not in _VIEWS | {"Transpose"} or not node.inputs:
+            return tensor
         tensor = node.inputs[0]
 
 
@@ -440,8 +455,9 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
                          bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
     name = s.mesh.axis_names[axis]
     sharded = [b for b in bindings if isinstance(_spec(s, b.onnx).placements[axis], mp.Shard)]
+    params = {b.onnx for b in bindings}
     for r in s.reshards:  # activations the plan gathers over the batch: batch-local here
-        if r.tensor not in {b.onnx for b in bindings} and r.src.placements[axis] != r.dst.placements[axis]:
+        if _source_parameter(graph, r.tensor) not in params and r.src.placements[axis] != r.dst.placements[axis]:
             report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
             report.fallback_saves_s += sum(c.time_s for c in r.collectives)
     sub = mesh[name]

@@ -31,7 +31,12 @@ TP_PINS = {
                    **{f"model.model.layers.{i}.mlp.down_proj.weight": "S(1)" for i in (0, 1)},
                    "mul_362": "S(2)", "ids": "R"},
 }
+# Only the weights pinned: the ILP stores them split but gathers them for use (cheaper than splitting
+# the activations on this profile), which module-boundary hooks cannot run: `apply` falls back.
+GATHERED_PINS = {f"model.transformer.h.{i}.mlp.{m}.weight": d for i in (0, 1) for m, d in (("c_fc", "S(1)"),
+                                                                                        ("c_proj", "S(0)"))}
 PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage": 0}, "tp": {"mode": "semi"},
+                                    "gathered": {"mode": "semi", "pins": GATHERED_PINS},
                                     "zero3": {"layout": "dp_shard=2", "zero_stage": 3}}
 
 
@@ -139,7 +144,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
     return path
 
 
-CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")]
+CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + [("gpt2-tiny", "gathered")]
 
 
 @pytest.mark.slow
@@ -170,6 +175,9 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
                                 **{f"{layers}.{i}.mlp.{down}": "rowwise" for i in (0, 1)}}
         assert not [ln for ln in lines if ln.startswith("fallback")], lines
         assert executed == {"all_reduce": 4}  # per layer: the row split's output, the column split's input grad
+    if kind == "gathered":  # replicated over the axis, as the report says; no collective left to run
+        assert [ln for ln in lines if ln.startswith("fallback: 'dp': the plan re-places model.transformer.h.0.mlp")]
+        assert executed == {} and styles == []
     if kind == "dp":
         assert executed == {"all_reduce": 1}  # one gradient bucket
     if kind == "zero3":

@@ -1,0 +1,128 @@
+"""Train a transformers model with a meshplan plan applied to the module itself.
+
+    torchrun --nproc-per-node 2 examples/train_hf.py                     # GPT-2, tiny, gloo on CPU
+    torchrun --nproc-per-node 2 examples/train_hf.py --model llama --layout dp_shard=2
+    torchrun --nproc-per-node 8 examples/train_hf.py --config my/config.json --profile h100-sxm  # nccl
+
+Rank 0 exports the config's model shape-only (`meshplan export`: no weights are made) and plans it
+(`meshplan plan`); every rank then builds the model (its own weights: random here, a checkpoint in
+real use), hands it to `meshplan.apply` with the plan, and trains with plain eager torch: the
+module's forward and backward run the plan's data / tensor parallelism and ZeRO through torch's own
+DDP, fully_shard and DTensor. On GPUs (CUDA visible) it uses nccl, one GPU per rank; otherwise gloo.
+A bad config, plan or mesh stops with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import meshplan
+from planner.errors import MeshplanError
+
+TINY = {
+    "gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4,
+             "bos_token_id": 0, "eos_token_id": 0, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+    "llama": {"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 64, "bos_token_id": 0, "eos_token_id": 0},
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=sorted(TINY), default="gpt2", help="a tiny config of this family")
+    ap.add_argument("--config", help="a transformers config.json instead")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per step (all ranks together)")
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--profile", default="cpu", help="meshplan's hardware profile (h100-sxm, a100-80gb, …)")
+    ap.add_argument("--layout", help="hold the plan to torchtitan degrees, e.g. dp_shard=2 (default: the ILP's)")
+    ap.add_argument("--pin", action="append", default=[], help="TENSOR=PLACEMENTS, as for meshplan plan")
+    ap.add_argument("--workdir", default="meshplan-train-hf")
+    args = ap.parse_args()
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    work = Path(args.workdir).resolve()
+    config_path = Path(args.config).resolve() if args.config else work / "config.json"
+    onnx_path, strategy_path = work / "model.onnx", work / "strategy.json"
+    if rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        if not args.config:
+            config_path.write_text(json.dumps(TINY[args.model]))
+        _meshplan("export", "--hf-config", str(config_path), "-o", str(onnx_path))
+        plan = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"batch={args.batch}",
+                "--dim", f"seq={args.seq}", "--profile", args.profile, "-o", str(strategy_path)]
+        plan += ["--layout", args.layout] if args.layout else []
+        plan += [a for p in args.pin for a in ("--pin", p)]
+        print(_meshplan(*plan), flush=True)
+    dist.barrier()
+
+    model = _build(config_path).to("cuda" if cuda else "cpu")
+    meshplan.apply(model, str(strategy_path))
+    report = model.meshplan_report
+    if rank == 0:
+        print("\n".join(f"apply: {line}" for line in report.lines()), flush=True)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)  # the same global batch on every rank
+    for step in range(args.steps):
+        ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        if report.dp_axis:  # a data loader's share: this rank's rows
+            ids = ids.chunk(world)[rank]
+        ids = ids.to("cuda" if cuda else "cpu")
+        t0 = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        seen = loss.detach().clone()
+        if report.dp_axis:
+            dist.all_reduce(seen)
+            seen /= world
+        if rank == 0:
+            print(f"step {step}: loss {float(seen):.4f}  {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+    dist.destroy_process_group()
+
+
+def _build(config_path: Path) -> torch.nn.Module:
+    import transformers
+
+    raw = json.loads(config_path.read_text())
+    model_type = raw.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **raw)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)  # the same weights on every rank (DDP also broadcasts rank 0's)
+    return transformers.AutoModelForCausalLM.from_config(config)
+
+
+def _meshplan(*argv: str) -> str:
+    """The `meshplan` command a user runs (the one installed beside this Python)."""
+    exe = shutil.which("meshplan", path=str(Path(sys.executable).parent)) or shutil.which("meshplan")
+    if exe is None:
+        raise MeshplanError("the meshplan command is not installed; pip install -e . (make test does it)")
+    r = subprocess.run([exe, *argv], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise MeshplanError(f"meshplan {argv[0]}: {(r.stderr or r.stdout).strip().splitlines()[-1]}")
+    return r.stdout.strip()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except MeshplanError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
