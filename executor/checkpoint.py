@@ -9,13 +9,21 @@ degree, ZeRO-3 or not — a parameter at a time, never a whole model on one rank
 optimizer steps the parameters have had.
 
 A pipeline stage's ranks save and load their stage's parameters (a tied weight's copies are the same
-tensor: DCP writes it once). Not yet: plans whose optimizer steps fused ZeRO-1/2 buckets (their states
-are per bucket shard), refused in one line.
+tensor: DCP writes it once).
+
+ZeRO-1/2 fuse a bucket's parameters into one flat buffer and step each rank's contiguous shard of it
+(the seed's tensor fusion): a rank's optimizer states cover a flat range that starts and ends inside
+parameters, unevenly. Each parameter's part of that range is saved as the hyper-rectangles of the
+parameter it tiles (a partial row, whole rows, a partial row; `flat_boxes`), each with its offsets —
+a `ShardedTensor` of the parameter's own shape with this rank's pieces (views of the live states).
+The parameter's states are then one tensor in the checkpoint whatever wrote them, and load into
+another world size, another bucket layout, or a plan without ZeRO, by DCP's overlap of chunks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +48,126 @@ def check_plan(strategy: Strategy) -> None:
     """Refuse, before any rank starts, a plan whose checkpoints are not written yet."""
     tr = strategy.training
     zero = set((tr.zero_stages or {}).values()) if tr.zero_stages is not None else {tr.zero_stage % 3}
-    if zero & {1, 2}:
-        raise CheckpointError("--save/--load: plans with ZeRO-1/2 (optimizer states per fused bucket shard) are not "
-                              "checkpointed yet; plan with --zero 0 or --zero 3")
+    if zero & {1, 2} and tr.zero_shard_size is not None:
+        raise CheckpointError("--save/--load: ZeRO-1/2 with a shard group smaller than the data-parallel group "
+                              "(optimizer_weight_shard_size) keeps copies of each shard; checkpoint it without "
+                              "--zero-shard-size")
+
+
+def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The flat (row-major) range [lo, hi) of a tensor of `shape` as hyper-rectangles, in order, each
+    (offsets, sizes) and each a contiguous part of the range: the rest of a partial first row, whole
+    rows, the start of a partial last row (a row being the sub-tensor at one index of dim 0)."""
+    if lo >= hi:
+        return []
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,))]
+    inner = 1
+    for d in shape[1:]:
+        inner *= d
+
+    def in_row(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *o), (1, *z)) for o, z in flat_boxes(shape[1:], a, b)]
+
+    first, last = lo // inner, (hi - 1) // inner  # the rows the range touches
+    if first == last:
+        return in_row(first, lo - first * inner, hi - first * inner)
+    out = []
+    if lo % inner:
+        out += in_row(first, lo % inner, inner)
+        first += 1
+    whole_to = last + 1 if hi % inner == 0 else last
+    if whole_to > first:
+        out.append(((first, *(0,) * (len(shape) - 1)), (whole_to - first, *shape[1:])))
+    if hi % inner:
+        out += in_row(last, 0, hi % inner)
+    return out
+
+
+# Pieces a saved tensor is written in, at most: a load reads (and deserialises: twice its size) one
+# saved piece at a time, whatever the tensor, so a load holds about this much beyond the live shards,
+# not a whole parameter (GPT-2's 50257 × 768 embedding is 147 MiB).
+PIECE_BYTES = 16 << 20
+
+
+class Pieces:
+    """A tensor of `shape` as this rank's boxes of it, each (offsets, a view of live data): what DCP
+    writes and reads through the protocol DTensor implements (`__create_write_items__`,
+    `__get_tensor_shard__`; DCP's planner finds tensors by type, hence `_save_planner`). A box the
+    same on several ranks (a replicated tensor's) is written once: DCP deduplicates writes by offsets."""
+
+    def __init__(self, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], torch.Tensor]]) -> None:
+        self.shape = torch.Size(shape)
+        self.boxes = {torch.Size(o): t for o, t in boxes}
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=o, sizes=t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for o, t in self.boxes.items()]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        return self.boxes[torch.Size(index.offset)]
+
+
+def _save_planner() -> Any:
+    """DCP's default save planner, finding a `Pieces` box by its offsets (its lookup takes tensors only)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    class PiecesSavePlanner(DefaultSavePlanner):
+        def lookup_object(self, index: Any) -> Any:
+            obj = self.state_dict.get(index.fqn)
+            return obj.__get_tensor_shard__(index) if isinstance(obj, Pieces) else super().lookup_object(index)
+
+    return PiecesSavePlanner()
+
+
+def _rows(offsets: tuple[int, ...], t: torch.Tensor) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """A box split along its first dim into pieces of at most PIECE_BYTES (views; a row is never split)."""
+    if t.dim() == 0 or t.numel() * t.element_size() <= PIECE_BYTES:
+        return [(offsets, t)]
+    per = max(1, PIECE_BYTES // max(1, (t.numel() // t.shape[0]) * t.element_size()))
+    return [((offsets[0] + a, *offsets[1:]), t[a:a + per]) for a in range(0, t.shape[0], per)]
+
+
+def _local(runner: SpmdRunner, name: str, local: torch.Tensor) -> Pieces:
+    """A parameter-shaped tensor's local shard at the plan's placements, in pieces, for saving."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = tuple(runner.graph.tensors[name].shape)
+    _, offsets = compute_local_shape_and_global_offset(shape, runner.mesh, runner.stored[name])
+    return Pieces(shape, _rows(tuple(offsets), local))
+
+
+def _fused(runner: SpmdRunner, name: str, flat_state: torch.Tensor, *, saving: bool) -> Any:
+    """A fused ZeRO parameter's state on this rank: its part of the shard's flat state, as the boxes of
+    the parameter it covers (views, so loading fills the live state). Saved as `Pieces`; loaded into a
+    ShardedTensor of those boxes (DCP's own uneven shards: no two ranks' ZeRO shards overlap)."""
+    bucket = next(b for b in runner._zero if name in b.names)
+    shape = tuple(runner.graph.tensors[name].shape)
+    numel = math.prod(shape)
+    start, end = bucket.start, bucket.start + bucket.shard.numel()
+    begin = bucket.offsets[name]
+    lo, hi = max(begin, start), min(begin + numel, end)
+    boxes: list[tuple[tuple[int, ...], torch.Tensor]] = []
+    at = lo - start
+    for offsets, sizes in flat_boxes(shape, lo - begin, hi - begin):
+        n = math.prod(sizes)
+        box = flat_state[at:at + n].view(sizes)
+        boxes += _rows(offsets, box) if saving else [(offsets, box)]
+        at += n
+    if saving:
+        return Pieces(shape, boxes)
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    device = flat_state.device
+    where = f"rank:{dist.get_rank()}/{device}"
+    return init_from_local_shards([Shard(t, ShardMetadata(list(o), list(t.shape), where)) for o, t in boxes], *shape)
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
@@ -90,20 +215,34 @@ def _dtensor(runner: SpmdRunner, name: str, local: torch.Tensor) -> DTensor:
                               stride=contiguous_stride(shape), run_check=False)
 
 
-def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """The state dict over this rank's shards (views: loading writes into the live tensors)."""
+def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: bool = False) -> dict[str, Any]:
+    """The state dict over this rank's shards (views: loading writes into the live tensors): saved in
+    pieces of at most PIECE_BYTES, loaded into DTensors at the plan's placements (a fused ZeRO
+    parameter's states: into the pieces of them this rank's shard holds)."""
     params = runner._params
-    out: dict[str, Any] = {"model": {n: _dtensor(runner, n, p.detach()) for n, p in params.items()}}
+
+    def shard(n: str, local: torch.Tensor) -> Any:
+        return _local(runner, n, local) if saving else _dtensor(runner, n, local)
+
+    out: dict[str, Any] = {"model": {n: shard(n, p.detach()) for n, p in params.items()}}
     if optim is not None:
-        out["optim"] = {n: {**{k: _dtensor(runner, n, optim.state[p][k]) for k in ADAM_STATES},
-                            "step": optim.state[p]["step"]} for n, p in params.items()}
+        shards = {n: b.shard for b in runner._zero for n in b.names}
+        out["optim"] = {}
+        for n, p in params.items():
+            if n in shards:  # a fused ZeRO bucket's: the shard's states, this parameter's part of them
+                st = optim.state[shards[n]]
+                out["optim"][n] = {**{k: _fused(runner, n, st[k], saving=saving) for k in ADAM_STATES},
+                                   "step": st["step"]}
+            else:
+                st = optim.state[p]
+                out["optim"][n] = {**{k: shard(n, st[k]) for k in ADAM_STATES}, "step": st["step"]}
     return out
 
 
 def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
-    """AdamW's states, zero, for every parameter (torch creates them at the first step; loading needs
-    them to exist)."""
-    for p in runner._params.values():
+    """AdamW's states, zero, for every parameter the optimizer steps (a ZeRO bucket's shard for its
+    parameters; torch creates them at the first step, loading needs them to exist)."""
+    for p in runner.optimizer_parameters():
         if not optim.state[p]:
             optim.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                               **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}}
@@ -112,7 +251,7 @@ def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> No
 def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, strategy: Strategy, steps: int) -> None:
     if not isinstance(optim, torch.optim.AdamW):
         raise CheckpointError("--save: checkpoints hold AdamW's states; run with --optimizer adamw")
-    dcp.save(_state(runner, optim), checkpoint_id=str(path))
+    dcp.save(_state(runner, optim, saving=True), checkpoint_id=str(path), planner=_save_planner())
     if dist.get_rank() == 0:
         (Path(path) / META).write_text(json.dumps({
             "model_name": strategy.model.name, "model_fingerprint": strategy.model.fingerprint,
@@ -121,6 +260,37 @@ def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, str
             "pipeline_stages": len(strategy.pipeline.stages) if strategy.pipeline is not None else 1,
             "parameters": sorted(_params(strategy)), "parameter_shapes": _params(strategy)}, indent=1) + "\n")
     dist.barrier()
+
+
+class LoadPeak:
+    """How far a load raises this process's resident memory above what it held before: the kernel's
+    high-water mark (VmHWM, reset through /proc/self/clear_refs) after the load, less the resident
+    set (VmRSS) before it. What DCP reads goes straight into the live shards; this is what it held
+    besides them (read buffers, metadata). 0 where /proc cannot say (not Linux)."""
+
+    def __init__(self) -> None:
+        self.peak_extra_bytes = 0
+
+    @staticmethod
+    def _status(key: str) -> int:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def __enter__(self) -> LoadPeak:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # resets VmHWM to the current RSS
+            self._before = self._status("VmRSS")
+        except OSError:
+            self._before = -1
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._before >= 0:
+            self.peak_extra_bytes = max(self.peak_extra_bytes, self._status("VmHWM") - self._before)
 
 
 def load_model(path: str | Path, runner: SpmdRunner) -> None:

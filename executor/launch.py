@@ -174,6 +174,9 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
     result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)
+    if "load_peak_extra_bytes" in r0:
+        result["load_peak_extra_bytes"] = max(r["load_peak_extra_bytes"] for r in reports.values())
+        result["largest_parameter_bytes"] = r0["largest_parameter_bytes"]
     for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff"):
         if key in r0:
             result[key] = max(r[key] for r in reports.values())

@@ -244,6 +244,7 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
     first_loss, _, _ = step(measure=True)  # the first step also infers the stages' shapes
     optim = _optimizer(runner.optimizer_parameters(), opts)
     if opts.load:
+        checkpoint.init_optimizer_state(runner, optim)
         checkpoint.load_optimizer(opts.load, runner, optim)
     first_loss = first_loss.to(device)
     for a in split:

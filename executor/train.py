@@ -170,7 +170,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         from executor import checkpoint
 
         before = int(checkpoint.check_model(opts.load, strategy)["optimizer_steps"])
-        checkpoint.load_model(opts.load, runner)
+        load_peak = checkpoint.LoadPeak()
+        with load_peak:
+            checkpoint.load_model(opts.load, runner)
 
     # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)
     # the class dim gathered; the labels are split like the output's rows.
@@ -219,7 +221,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     first_loss, executed, _, peak_saved = step(count=True, measure=True)
     optim = _optimizer(runner.optimizer_parameters(), opts)  # the first step packed ZeRO's shards
     if opts.load:
-        checkpoint.load_optimizer(opts.load, runner, optim)
+        checkpoint.init_optimizer_state(runner, optim)  # this rank's shards of the states, which the load fills
+        with load_peak:
+            checkpoint.load_optimizer(opts.load, runner, optim)
+        # What a load held beyond this rank's own shards, against the largest parameter (whole).
+        report["load_peak_extra_bytes"] = load_peak.peak_extra_bytes
+        report["largest_parameter_bytes"] = max(graph.tensors[n].size_bytes for n in runner._params)
     first_loss = first_loss.to(device)
     for a in split:  # the whole loss, for the report (not part of a training step)
         dist.all_reduce(first_loss, group=mesh.get_group(a))

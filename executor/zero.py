@@ -41,6 +41,7 @@ class ZeroBucket:
     others: list[Any]  # the groups of the axes that all-reduce the shard (a smaller shard group)
     stage: int
     numel: int  # of the parameters (the buffers are padded beyond it)
+    start: int  # where this rank's shard starts in the flat buffers (its length: `shard.numel()`)
     weights: torch.Tensor
     grads: torch.Tensor | None  # ZeRO-1 only
     shard: torch.nn.Parameter
@@ -79,7 +80,8 @@ class ZeroBucket:
         shard.grad = (grads[start:start + chunk] if grads is not None
                       else torch.zeros(chunk, dtype=weights.dtype, device=weights.device))
         return cls(names=names, offsets=offsets, axes=axes, groups=[mesh.get_group(a) for a in axes],
-                   others=[mesh.get_group(a) for a in rest], stage=unit.stage, numel=numel, weights=weights,
+                   others=[mesh.get_group(a) for a in rest], stage=unit.stage, numel=numel, start=start,
+                   weights=weights,
                    grads=grads, shard=shard)
 
     def reduce_scatter(self, flat: torch.Tensor, *, accumulate: bool = False) -> None:

@@ -34,11 +34,16 @@ def _plan(zoo: Callable[[str], Path], out: Path, devices: int, **kw: object) -> 
 # (plan A, plan B): data parallel → tensor parallel (pins); tensor parallel → ZeRO-3 (FSDP's layout);
 # data parallel on 2 ranks → on 4; no pipeline → 2 stages × 2 data-parallel ranks (GPT-2's tied
 # embedding then on both stages), 4 micro-batches of the same 8 sequences.
-CASES = [("dp2", "tp2"), ("tp2", "zero3"), ("dp2", "dp4"), ("dp2", "pp2")]
+# ZeRO-1's fused buckets: the optimizer states of one flat buffer per bucket, a contiguous shard per
+# rank that starts and ends inside parameters, from 2 ranks to 4 (other cuts), and into a plan without
+# ZeRO.
+CASES = [("dp2", "tp2"), ("tp2", "zero3"), ("dp2", "dp4"), ("dp2", "pp2"), ("zero1-2", "zero1-4"),
+         ("zero1-4", "dp2")]
 PLANS: dict[str, tuple[int, dict[str, object]]] = {
     "dp2": (2, {"mode": "data-parallel", "zero_stage": 0}), "dp4": (4, {"mode": "data-parallel", "zero_stage": 0}),
     "tp2": (2, {"mode": "semi", "pins": TP}), "zero3": (2, {"layout": "dp_shard=2", "zero_stage": 3}),
-    "pp2": (4, {"layout": "dp_replicate=2,pp=2", "global_batch_size": 8, "zero_stage": 0})}
+    "pp2": (4, {"layout": "dp_replicate=2,pp=2", "global_batch_size": 8, "zero_stage": 0}),
+    "zero1-2": (2, {"mode": "data-parallel", "zero_stage": 1}), "zero1-4": (4, {"mode": "data-parallel", "zero_stage": 1})}
 
 
 @pytest.mark.slow
@@ -57,6 +62,8 @@ def test_checkpoint_resharded_continues_as_one_process(a: str, b: str, zoo: Call
     assert len([k for k in held if k.startswith("model.")]) == len(json.loads(shown.stdout)["parameters"])
     # Each rank wrote its own shards: a weight split over 2 ranks is 2 chunks, a replicated one 1.
     assert held["model.model.transformer.h.0.mlp.c_fc.weight"]["shards"] == (2 if a == "tp2" else 1)
+    if a.startswith("zero1"):  # a fused shard's edge inside a parameter: its states saved in pieces, by 2 ranks
+        assert [k for k, v in held.items() if k.startswith("optim.") and v["shards"] > 1]
     r = run(str(pb), model, nproc=nb, opts=RunOptions(steps=1, warmup=1, verify=True, load=str(ck)), timeout_s=240)
     assert r["optimizer_steps_before"] == 3 and r["loss"] != first["loss"]  # it continued, from step 4
     assert r["loss_abs_diff"] < 1e-5 and r["max_abs_diff"] < 1e-5, r
@@ -66,9 +73,10 @@ def test_checkpoint_resharded_continues_as_one_process(a: str, b: str, zoo: Call
 
 def test_checkpoints_refused_in_one_line(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     model = str(zoo("gpt2-tiny"))
-    z1 = _plan(zoo, tmp_path / "z1.json", 2, mode="data-parallel", zero_stage=1)
-    r = CliRunner().invoke(main, ["run", str(z1), "--model", model, "--nproc", "2", "--save", str(tmp_path / "ck")])
-    assert r.exit_code == 2 and "ZeRO-1/2" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    z1 = _plan(zoo, tmp_path / "z1.json", 4, mode="data-parallel", zero_stage=1, zero_shard_size=2)
+    r = CliRunner().invoke(main, ["run", str(z1), "--model", model, "--nproc", "4", "--save", str(tmp_path / "ck")])
+    assert r.exit_code == 2 and "ZeRO-1/2 with a shard group smaller" in r.stderr and \
+        len(r.stderr.strip().splitlines()) == 1, r.stderr
     dp = _plan(zoo, tmp_path / "dp.json", 2, mode="data-parallel", zero_stage=0)
     r = CliRunner().invoke(main, ["run", str(dp), "--model", model, "--nproc", "2", "--load", str(tmp_path / "none")])
     assert r.exit_code == 2 and "no meshplan checkpoint there" in r.stderr, r.stderr
@@ -79,3 +87,26 @@ def test_checkpoints_refused_in_one_line(zoo: Callable[[str], Path], tmp_path: P
     r = CliRunner().invoke(main, ["run", str(dp), "--model", model, "--nproc", "2", "--load", str(tmp_path / "other")])
     assert r.exit_code == 2 and "was saved for model llama-tiny, whose parameters differ" in r.stderr and \
         len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_flat_boxes_tile_the_range() -> None:
+    """A ZeRO shard's flat range of a parameter, as boxes of the parameter: in order, they are exactly
+    the range's elements (2,000 random shapes and ranges, against numpy's row-major order)."""
+    import numpy as np
+
+    from executor.checkpoint import flat_boxes
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        shape = tuple(int(d) for d in rng.integers(1, 6, size=int(rng.integers(1, 5))))
+        n = int(np.prod(shape))
+        lo = int(rng.integers(0, n + 1))
+        hi = int(rng.integers(lo, n + 1))
+        flat = np.arange(n).reshape(shape)
+        got: list[int] = []
+        boxes = flat_boxes(shape, lo, hi)
+        for offsets, sizes in boxes:
+            got += flat[tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))].reshape(-1).tolist()
+        assert got == list(range(lo, hi)), (shape, lo, hi, boxes)
+        assert len(boxes) <= 2 * len(shape) - 1
+    assert flat_boxes((4, 3), 2, 10) == [((0, 2), (1, 1)), ((1, 0), (2, 3)), ((3, 0), (1, 1))]
