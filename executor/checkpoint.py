@@ -101,7 +101,11 @@ class Pieces:
         self.boxes = {torch.Size(o): t for o, t in boxes}
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
-        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            MetadataIndex,
+            TensorProperties,
+        )
         from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
         return [WriteItem(index=MetadataIndex(fqn, o), type=WriteItemType.SHARD,
@@ -178,14 +182,36 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def check_files(path: str | Path) -> Any:
+    """DCP's metadata, and every file it names holding the bytes it says: a checkpoint whose save did
+    not finish (no `.metadata`), or whose files were cut short or lost, is refused before any rank
+    reads it. Returns the metadata."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        md = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # missing, truncated or not DCP's: pickle, EOF and OS errors alike
+        raise CheckpointError(f"{path}: DCP's .metadata is missing or unreadable ({type(e).__name__}): the save did "
+                              "not finish; save the checkpoint again") from e
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        f = Path(path) / name
+        have = f.stat().st_size if f.is_file() else -1
+        if have < size:
+            what = "is missing" if have < 0 else f"holds {have} bytes of the {size} its metadata names"
+            raise CheckpointError(f"{path}: {name} {what}: the checkpoint is truncated; save it again")
+    return md
+
+
 def inspect(path: str | Path) -> dict[str, Any]:
     """What a checkpoint holds: meshplan's record of it, and per saved tensor its shape and the shards
     it was written in (DCP's metadata; nothing is loaded)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = read_meta(path)
-    md = FileSystemReader(str(path)).read_metadata()
+    md = check_files(path)
     tensors = {k: {"shape": list(v.size), "shards": len(v.chunks)} for k, v in sorted(md.state_dict_metadata.items())
                if isinstance(v, TensorStorageMetadata)}
     return {**meta, "tensors": tensors}
@@ -199,6 +225,7 @@ def check_model(path: str | Path, strategy: Strategy) -> dict[str, Any]:
     """The checkpoint's parameters are the plan's, name for name and shape for shape (the batch the
     model was bound at may differ: a pipeline's micro-batch, another global batch)."""
     meta = read_meta(path)
+    check_files(path)
     saved, here = meta.get("parameter_shapes", {}), _params(strategy)
     for name in sorted(set(saved) | set(here)):
         if saved.get(name) != here.get(name):

@@ -110,3 +110,36 @@ def test_flat_boxes_tile_the_range() -> None:
         assert got == list(range(lo, hi)), (shape, lo, hi, boxes)
         assert len(boxes) <= 2 * len(shape) - 1
     assert flat_boxes((4, 3), 2, 10) == [((0, 2), (1, 1)), ((1, 0), (2, 3)), ((3, 0), (1, 1))]
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_refused_in_one_line(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """A checkpoint cut short (a shard file truncated, a file lost, the save's metadata never written):
+    `run --load` and `checkpoint inspect` say which file and exit 2 before any rank reads it; the
+    checkpoint is left as it was."""
+    import shutil
+
+    model = str(zoo("gpt2-tiny"))
+    dp = _plan(zoo, tmp_path / "dp.json", 2, mode="data-parallel", zero_stage=0)
+    ck = tmp_path / "ck"
+    run(str(dp), model, nproc=2, opts=RunOptions(steps=1, warmup=0, save=str(ck)), timeout_s=240)
+    shard = ck / "__0_0.distcp"
+    for damage in ("truncate", "remove", "metadata"):
+        bad = tmp_path / damage
+        shutil.copytree(ck, bad)
+        if damage == "truncate":
+            (bad / shard.name).write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+        elif damage == "remove":
+            (bad / shard.name).unlink()
+        else:
+            (bad / ".metadata").unlink()
+        before = sorted((p.name, p.stat().st_size) for p in bad.iterdir())
+        for argv in (["run", str(dp), "--model", model, "--nproc", "2", "--load", str(bad)],
+                     ["checkpoint", "inspect", str(bad)]):
+            r = CliRunner().invoke(main, argv)
+            assert r.exit_code == 2 and len(r.stderr.strip().splitlines()) == 1, (damage, r.stderr)
+            want = {"truncate": f"{shard.name} holds", "remove": f"{shard.name} is missing",
+                    "metadata": ".metadata is missing or unreadable"}[damage]
+            assert want in r.stderr and "save it again" in r.stderr.replace("save the checkpoint again",
+                                                                          "save it again"), r.stderr
+        assert sorted((p.name, p.stat().st_size) for p in bad.iterdir()) == before  # nothing written
