@@ -159,6 +159,14 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @click.option("--micro-batch-size", type=int, default=None, metavar="M",
               help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout).")
 @click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
+@click.option("--strategy-out", default=None, metavar="FILE",
+              help="Also write a strategy checkpoint (MindSpore's strategy_ckpt_save_file): the strategy JSON, or "
+                   "with --only-trainable-params the parameters' layout only.")
+@click.option("--only-trainable-params", is_flag=True,
+              help="--strategy-out holds only the trainable parameters' placements and the mesh.")
+@click.option("--strategy-in", default=None, metavar="FILE",
+              help="Hold the plan to a strategy checkpoint's parameter placements and mesh (a strategy JSON or "
+                   "a --only-trainable-params file); the rest is planned anew.")
 @click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
 @_one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
@@ -167,8 +175,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
-         micro_batch_size: int | None, out_path: str | None,
-         as_json: bool) -> None:
+         micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, only_trainable_params: bool,
+         strategy_in: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
     from pathlib import Path
@@ -178,10 +186,21 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     if accumulation_steps != "auto" and not accumulation_steps.isdigit():
         raise MeshplanError(f"--accumulation-steps {accumulation_steps}: give a positive integer or auto")
 
+    if only_trainable_params and not strategy_out:
+        raise MeshplanError("--only-trainable-params shapes the --strategy-out file; pass --strategy-out FILE")
     shape = parse_mesh_shape(mesh)
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
+    held: dict[str, str] = {}
+    if strategy_in:
+        shape, names, held = _strategy_in(strategy_in, model, dims, shape, names, devices)
+        mode = "semi" if mode == "auto" else mode
+    user_pins = parse_pins(pins, pin_file)
+    clash = sorted(t for t in set(held) & set(user_pins) if held[t] != user_pins[t])
+    if clash:
+        raise MeshplanError(f"--pin {clash[0]}={user_pins[clash[0]]} contradicts --strategy-in {strategy_in} "
+                            f"({held[clash[0]]}); drop one")
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
-                      mode=mode, search=search, pins=parse_pins(pins, pin_file), memory_limit_gib=memory_limit,
+                      mode=mode, search=search, pins={**held, **user_pins}, memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=dtype, solver=solver, workers=workers, follow=not no_follow,
                       strict=strict,
                       all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
@@ -203,12 +222,39 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                                         recompute="auto", recompute_layers=None), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
+    if strategy_out:
+        from planner.strategy import save_strategy_checkpoint
+
+        save_strategy_checkpoint(strategy, strategy_out, only_trainable_params=only_trainable_params)
     if as_json:
         click.echo(strategy.to_json())
         return
     render_plan(strategy, candidates, out)
     if best is not None:
         render_layout_comparison(strategy, best)
+
+
+def _strategy_in(path: str, model: str, dims: dict[str, int], shape: tuple[int, ...] | None,
+                 names: tuple[str, ...] | None, devices: int) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, str]]:
+    """A strategy checkpoint's mesh and parameter placements, checked against the model and the flags."""
+    from planner.graph import load_graph
+    from planner.strategy import held_to_layout, load_parameter_layout
+
+    layout = load_parameter_layout(path)
+    pins = held_to_layout(layout, load_graph(model, dims), path)
+    n = 1
+    for d in layout.mesh_shape:
+        n *= d
+    if n != devices:
+        raise MeshplanError(f"--strategy-in {path} lays parameters out over {n} devices, not --devices {devices}; "
+                            "plan for those devices, or without --strategy-in")
+    if shape is not None and tuple(shape) != layout.mesh_shape:
+        raise MeshplanError(f"--mesh {'x'.join(map(str, shape))} differs from --strategy-in {path}'s "
+                            f"{'x'.join(map(str, layout.mesh_shape))}; drop --mesh")
+    if names is not None and tuple(names) != layout.axis_names:
+        raise MeshplanError(f"--axis-names {','.join(names)} differ from --strategy-in {path}'s "
+                            f"{','.join(layout.axis_names)}; drop --axis-names")
+    return layout.mesh_shape, layout.axis_names, pins
 
 
 @main.command()

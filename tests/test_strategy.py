@@ -99,3 +99,44 @@ def test_round_trip_and_refusals(zoo: Callable[[str], Path], tmp_path: Path) -> 
         from_dict(bad, "edited.json")
     with pytest.raises(StrategyError, match="schema_version 3 is not one this meshplan reads"):
         from_dict({**doc, "schema_version": 3}, "future.json")
+
+
+def test_strategy_checkpoint_holds_a_new_plan_to_the_parameters(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """MindSpore's strategy checkpoints: `plan --strategy-out F --only-trainable-params` writes the mesh and
+    every trainable parameter's placements only; `plan --strategy-in F` (that file, or a whole strategy)
+    plans again — here a batch twice as large — with every parameter laid out as before."""
+    model = str(zoo("llama-tiny"))
+    base = ["plan", model, "--devices", "4", "--dim", "seq=32", "--profile", "cpu"]
+    up = "model.model.layers.0.mlp.up_proj.weight"
+    ck, full = tmp_path / "ck.json", tmp_path / "full.json"
+    r = CliRunner().invoke(main, [*base, "--dim", "batch=8", "--mesh", "2x2", "--pin", f"{up}=R,S(0)", "-o", str(full),
+                                  "--strategy-out", str(ck), "--only-trainable-params"])
+    assert r.exit_code == 0, r.output
+    saved = json.loads(ck.read_text())
+    whole = json.loads(full.read_text())
+    params = {n: v for n, v in whole["tensors"].items() if v["kind"] == "param"}
+    assert saved["only_trainable_params"] is True and saved["mesh"] == {"shape": [2, 2], "axis_names": ["dp", "tp"]}
+    assert {n: v["placements"] for n, v in saved["parameters"].items()} == {n: v["placements"] for n, v in params.items()}
+    assert saved["parameters"][up]["placements"] == ["R", "S(0)"] and len(ck.read_text()) < len(full.read_text()) / 10
+    for source in (ck, full):
+        again = tmp_path / f"again-{source.stem}.json"
+        r = CliRunner().invoke(main, [*base, "--dim", "batch=16", "--strategy-in", str(source), "-o", str(again)])
+        assert r.exit_code == 0, r.output
+        new = json.loads(again.read_text())
+        assert new["mesh"]["shape"] == [2, 2] and new["model"]["dims"]["batch"] == 16
+        assert {n: v["placements"] for n, v in new["tensors"].items() if v["kind"] == "param"} == \
+            {n: v["placements"] for n, v in params.items()}
+
+    def refused(argv: list[str], message: str) -> None:
+        r = CliRunner().invoke(main, argv)
+        assert r.exit_code == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+    refused(["run", str(ck), "--model", model, "--nproc", "4"], "holds only the trainable parameters' placements")
+    refused(["plan", str(zoo("gpt2-tiny")), "--devices", "4", "--dim", "batch=8", "--dim", "seq=32", "--profile", "cpu",
+             "--strategy-in", str(ck)], "is for model llama-tiny, whose parameters differ: model.model.embed_tokens.weight (not in this model)")
+    refused([*base, "--dim", "batch=8", "--strategy-in", str(ck), "--pin", f"{up}=R,R"], f"--pin {up}=R,R contradicts")
+    refused([*base, "--dim", "batch=8", "--strategy-in", str(ck), "--mesh", "4"], "--mesh 4 differs from --strategy-in")
+    refused([*base, "--dim", "batch=8", "--only-trainable-params"], "pass --strategy-out FILE")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({**saved, "mesh": {"shape": [0], "axis_names": ["dp"]}}))
+    refused([*base, "--dim", "batch=8", "--strategy-in", str(bad)], "not a strategy checkpoint (mesh/shape/0")
