@@ -37,7 +37,9 @@ GATHERED_PINS = {f"model.transformer.h.{i}.mlp.{m}.weight": d for i in (0, 1) fo
                                                                                         ("c_proj", "S(0)"))}
 PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage": 0}, "tp": {"mode": "semi"},
                                     "gathered": {"mode": "semi", "pins": GATHERED_PINS},
-                                    "zero3": {"layout": "dp_shard=2", "zero_stage": 3}}
+                                    "zero3": {"layout": "dp_shard=2", "zero_stage": 3},
+                                    "zero1": {"mode": "data-parallel", "zero_stage": 1},
+                                    "recompute": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full"}}
 
 
 def hf_module(zoo_json: Path) -> Any:
@@ -144,7 +146,8 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
     return path
 
 
-CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + [("gpt2-tiny", "gathered")]
+CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
+    [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "recompute")]
 
 
 @pytest.mark.slow
@@ -178,8 +181,13 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
     if kind == "gathered":  # replicated over the axis, as the report says; no collective left to run
         assert [ln for ln in lines if ln.startswith("fallback: 'dp': the plan re-places model.transformer.h.0.mlp")]
         assert executed == {} and styles == []
-    if kind == "dp":
+    if kind in ("dp", "recompute"):
         assert executed == {"all_reduce": 1}  # one gradient bucket
+    if kind == "recompute":  # both layers recomputed, as planned: checkpoint on each block
+        assert "recomputed: 2 modules" in lines, lines
+    if kind == "zero1":  # the nearest torch has: fully_shard keeping its gathered parameters for backward
+        assert executed == {"all_gather": 1, "reduce_scatter": 1}
+        assert [ln for ln in lines if ln.startswith("fallback: ZeRO-1 runs as fully_shard(reshard_after_forward=False)")]
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
 
@@ -223,3 +231,18 @@ def test_apply_needs_process_group(zoo: Callable[[str], Path], tmp_path: Path) -
     path = _plan(zoo, tmp_path, "gpt2-tiny", "dp")
     with pytest.raises(ApplyError, match=r"needs torch\.distributed initialised"):
         meshplan.apply(hf_module(zoo("gpt2-tiny").with_suffix(".json")), str(path))
+
+
+@pytest.mark.slow
+def test_example_trains_under_torchrun(tmp_path: Path) -> None:
+    """examples/train_hf.py as a user runs it: torchrun, 2 ranks; it exports, plans, applies, trains."""
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_hf.py"
+    torchrun = Path(sys.executable).parent / "torchrun"
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", str(script), "--model", "llama", "--steps", "2",
+                        "--layout", "dp_shard=2", "--workdir", str(tmp_path / "work")],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "apply: data parallel: fully_shard over dp_shard" in r.stdout and "step 1: loss" in r.stdout, r.stdout
