@@ -225,7 +225,6 @@ def check_model(path: str | Path, strategy: Strategy) -> dict[str, Any]:
     """The checkpoint's parameters are the plan's, name for name and shape for shape (the batch the
     model was bound at may differ: a pipeline's micro-batch, another global batch)."""
     meta = read_meta(path)
-    check_files(path)
     saved, here = meta.get("parameter_shapes", {}), _params(strategy)
     for name in sorted(set(saved) | set(here)):
         if saved.get(name) != here.get(name):
@@ -233,6 +232,7 @@ def check_model(path: str | Path, strategy: Strategy) -> dict[str, Any]:
                 f"{saved[name]} there, {here[name]} here"
             raise CheckpointError(f"{path} was saved for model {meta['model_name']}, whose parameters differ: {name} "
                                   f"({what}); load it with the model it was saved for")
+    check_files(path)
     return meta
 
 
