@@ -247,8 +247,16 @@ def bench_pipeline(repeat: int) -> None:
     console.print(table)
 
 
+def bench_published_runs(repeat: int) -> None:
+    """The cost model against the published runs of bench/published_runs.toml (see bench/published.py)."""
+    from bench.published import bench_published
+
+    bench_published(console)
+
+
 BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
-                                                "layers": bench_layers, "pipeline": bench_pipeline}
+                                                "layers": bench_layers, "pipeline": bench_pipeline,
+                                                "published": bench_published_runs}
 
 
 def main() -> None:

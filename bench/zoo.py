@@ -201,15 +201,22 @@ for _layers in (4, 8, 16, 80):
         input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
         default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
         description=f"Llama-3-8B width, {_layers} layers, shape-only (benchmark)")
-# GPT shapes of published runs (Megatron-LM SC'21, GPT-3; ../shared/published-runs.md), shape-only, for
-# the pipeline search benchmark: name → (layers, hidden, heads, vocab).
-GPT_SHAPES = {"gpt-1.3b": (24, 2048, 16, 50257), "gpt3-175b": (96, 12288, 96, 50257),
-              "gpt-145b": (80, 12288, 96, 51200), "gpt-1t": (128, 25600, 160, 51200)}
-for _name, (_n, _h, _heads, _vocab) in GPT_SHAPES.items():
+# GPT shapes of published runs (Megatron-LM SC'21, GPT-3, llm-foundry's MPT; ../shared/published-runs.md and
+# bench/published_runs.toml), shape-only, for the pipeline search and the published-runs benchmarks:
+# name → (layers, hidden, heads, vocab, sequence). A transformers GPT-2 of the size stands in for MPT
+# (same matmuls; MPT has ALiBi and no biases) and for Megatron's GPT.
+GPT_SHAPES = {"gpt-1.3b": (24, 2048, 16, 50257, 2048), "gpt3-175b": (96, 12288, 96, 50257, 2048),
+              "gpt-145b": (80, 12288, 96, 51200, 2048), "gpt-1t": (128, 25600, 160, 51200, 2048),
+              "gpt-1.7b": (24, 2304, 24, 51200, 2048), "gpt-7.5b": (36, 4096, 32, 51200, 2048),
+              "gpt-18.4b": (40, 6144, 48, 51200, 2048), "gpt-175b": (96, 12288, 96, 51200, 2048),
+              "mpt-1b": (24, 2048, 16, 50368, 2048), "mpt-7b": (32, 4096, 32, 50368, 2048),
+              "mpt-7b-8k": (32, 4096, 32, 50368, 8192), "mpt-13b": (40, 5120, 40, 50368, 2048),
+              "mpt-30b": (48, 7168, 56, 50368, 2048), "mpt-70b": (80, 8192, 64, 50368, 2048)}
+for _name, (_n, _h, _heads, _vocab, _seq) in GPT_SHAPES.items():
     ZOO[_name] = ZooEntry(
-        name=_name, build=lambda n=_n, h=_h, a=_heads, v=_vocab: _gpt2(n, h, a, v, 2048), input_kind="tokens",
-        input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 8, "seq": 2048},
-        vocab=_vocab, with_weights=False, dim_max={"seq": 2048},
+        name=_name, build=lambda n=_n, h=_h, a=_heads, v=_vocab, q=_seq: _gpt2(n, h, a, v, q), input_kind="tokens",
+        input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 8, "seq": _seq},
+        vocab=_vocab, with_weights=False, dim_max={"seq": _seq},
         description=f"GPT, {_n} layers, h={_h}, shape-only (benchmark)")
 SMALL = [n for n, e in ZOO.items() if e.with_weights]
 BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES]

@@ -69,7 +69,7 @@ def test_efficiency_curve() -> None:
     assert e.fraction(1e15) == pytest.approx(0.8, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["h100-sxm", "a100-sxm"])
+@pytest.mark.parametrize("name", ["h100-sxm", "a100-sxm", "a100-sxm-roce", "a100-40gb-roce"])
 def test_presets_load_with_sources(name: str) -> None:
     p = load_profile(name)
     assert p.origin["kind"] == "datasheet"
@@ -129,7 +129,7 @@ def test_validation_names_the_field(mutate: Any, message: str) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["show", "h200"], "unknown profile 'h200'; known presets: a100-sxm, cpu, h100-sxm"),
+        (["show", "h200"], "unknown profile 'h200'; known presets: a100-40gb-roce, a100-sxm, a100-sxm-roce, cpu, h100-sxm"),
         (["show", "{missing}.json"], "no such profile file"),
         (["show", "{bad}"], "malformed JSON at line 1"),
         (["show", "{negative}"], "field device.mem_capacity_bytes.value"),
