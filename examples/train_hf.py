@@ -15,6 +15,7 @@ A bad config, plan or mesh stops with one line and exit code 2.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import shutil
@@ -96,6 +97,11 @@ def main() -> None:
             seen /= world
         if rank == 0:
             print(f"step {step}: loss {float(seen):.4f}  {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+    # Every rank done with the collectives, and the module's hooks and communication state gone, before
+    # the process groups are (gloo's worker threads must not outlive them at exit).
+    dist.barrier()
+    del model, optim, report
+    gc.collect()
     dist.destroy_process_group()
 
 
