@@ -6,6 +6,10 @@ Messages name the problem and the fix. This module is the root of the flow: ever
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 
 class MeshplanError(Exception):
     """A problem with the user's input (model, profile, mesh, strategy, limits); never a bug."""
@@ -25,3 +29,14 @@ class DimBindingError(ModelError):
 
 class ProfileError(MeshplanError):
     """A hardware profile is unknown, malformed or inconsistent."""
+
+
+def read_json(path: Path, error: type[MeshplanError], fix: str) -> Any:
+    """A user's JSON file, or `error` in one line: the file missing, or not JSON; `fix` says what to
+    pass instead (`…; {fix}`)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise error(f"{path}: no such file; {fix}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not JSON ({e.__class__.__name__}: {e}); {fix}") from e

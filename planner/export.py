@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import time
 import warnings
@@ -25,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.errors import MeshplanError, ModelError
+from planner.errors import MeshplanError, ModelError, read_json
 from planner.params import KIND_KEY
 from planner.replicate import replicate_layers
 
@@ -156,12 +155,7 @@ def load_hf_config(path: str | Path) -> Any:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    try:
-        raw = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise ModelError(f"{p}: no such file; pass a transformers config.json") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ModelError(f"{p}: not JSON ({e.__class__.__name__}); pass a transformers config.json") from e
+    raw = read_json(p, ModelError, "pass a transformers config.json")
     if not isinstance(raw, dict) or "model_type" not in raw:
         raise ModelError(f"{p}: not a transformers config (no \"model_type\"); pass a model's config.json")
     try:

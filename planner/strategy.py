@@ -24,7 +24,7 @@ import jsonschema
 
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
-from planner.errors import MeshplanError
+from planner.errors import MeshplanError, read_json
 from planner.graph import OpGraph
 from planner.mesh import DeviceMesh
 from planner.placement import Spec, parse_spec
@@ -566,12 +566,7 @@ def save_strategy_checkpoint(s: Strategy, path: str | Path, *, only_trainable_pa
 def load_parameter_layout(path: str | Path) -> ParameterLayout:
     """A strategy checkpoint: a parameters-only file, or any strategy file (its parameters' layout)."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError as e:
-        raise StrategyError(f"{p}: no such strategy checkpoint; write one with plan --strategy-out {p}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StrategyError(f"{p}: not JSON ({e}); write one with plan --strategy-out") from e
+    data = read_json(p, StrategyError, f"write one with plan --strategy-out {p}")
     if not (isinstance(data, dict) and data.get("only_trainable_params")):
         return parameter_layout(from_dict(data, str(p)))
     try:
