@@ -152,6 +152,11 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @click.option("--overlap", is_flag=True,
               help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
                    "(default: serial, as the gloo executor runs).")
+@click.option("--attention", type=click.Choice(["flash", "eager", "fused-softmax"]), default="flash", show_default=True,
+              help="How the runtime runs attention: FlashAttention (scores on chip), torch's eager ops or "
+                   "Megatron-LM's fused scale-mask-softmax (scores and probabilities through memory; priced per kernel).")
+@click.option("--attention-dropout", type=float, default=0.0, metavar="P",
+              help="Dropout on the attention probabilities (priced where they are materialised).")
 @click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
               help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best.")
 @click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",
@@ -174,7 +179,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
-         parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool, layout: str | None, schedule: str | None,
+         parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool,
+         attention: str, attention_dropout: float, layout: str | None, schedule: str | None,
          micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -212,7 +218,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
                       force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size,
-                      pipeline_result_broadcast=pipeline_result_broadcast)
+                      pipeline_result_broadcast=pipeline_result_broadcast, attention=attention,
+                      attention_dropout=attention_dropout)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

@@ -38,7 +38,10 @@ class Run:
     global_batch: int
     micro_batch: int
     layout: str
+    zero: int
     recompute: str
+    attention: str
+    attention_dropout: float
     dtype: str
     published: str
     step_s: float
@@ -54,7 +57,8 @@ def _request(run: Run) -> Any:
 
     return PlanRequest(model=str(zoo.export(run.model)), dims={"seq": run.seq}, profile=run.profile, devices=run.gpus,
                        dtype=run.dtype, global_batch_size=run.global_batch, layout=run.layout,
-                       micro_batch_size=run.micro_batch, recompute=run.recompute)
+                       micro_batch_size=run.micro_batch, zero_stage=run.zero, recompute=run.recompute,
+                       attention=run.attention, attention_dropout=run.attention_dropout, composer="overlap")
 
 
 def price(run: Run) -> tuple[Any, float]:
@@ -70,7 +74,7 @@ def own_plan(run: Run) -> Any:
     """meshplan's own plan for the same cluster and global batch (every lever its choice)."""
     from planner.plan import make_plan
 
-    req = replace(_request(run), layout=None, micro_batch_size=None, recompute="auto")
+    req = replace(_request(run), layout=None, micro_batch_size=None, zero_stage=None, recompute="auto")
     strategy, _ = make_plan(req)
     return strategy
 

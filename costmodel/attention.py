@@ -8,14 +8,28 @@ the s×s scores and probabilities never reach memory and backward recomputes the
 prices exactly these chains so (`memory.attention_score_tensors`), and the executor runs exactly
 these as torch's fused SDPA (`executor/interpreter.py`, `executor/spmd.py`); a chain of any other
 shape is priced and run op by op.
+
+Runtimes without FlashAttention write the s×s tensors to memory (`--attention`, `ATTENTION_KERNELS`):
+"eager" is torch's own ops (transformers' `attn_implementation="eager"`): QKᵀ GEMM, the mask added, a
+softmax, dropout, the ·V GEMM, each a kernel reading and writing memory; "fused-softmax" is Megatron-LM's
+(apex `FusedScaleMaskSoftmax`, SC'21's runs): the mask and the scale fused into the softmax kernel.
+`materialized_kernels` lists their kernels, each priced as a roofline (`materialized_attention_s`);
+the exporter's NaN guard (IsNaN → Where) is SDPA's decomposition, not a kernel either runtime runs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from planner.graph import OpGraph, TensorKind
+
+if TYPE_CHECKING:
+    from hwprofiles.profile import DeviceSpec
+
+# How the attention chain runs: FlashAttention (scores on chip), torch's eager ops, Megatron-LM's fused
+# scale-mask-softmax.
+ATTENTION_KERNELS = ("flash", "eager", "fused-softmax")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,3 +127,53 @@ def _is_zero(graph: OpGraph, t: str) -> bool:
         return False
     v = graph.const_values.get(t)
     return v is not None and v.size == 1 and float(v.reshape(-1)[0]) == 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One kernel of a materialised attention: its matmul FLOPs and the bytes it reads and writes."""
+    name: str
+    flops: float
+    bytes: float
+
+
+def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_dim: float, element_bytes: float,
+                         masked: bool, dropout: bool) -> tuple[list[Kernel], list[Kernel], float]:
+    """The forward and backward kernels of one attention whose s×s tensors go through memory, and the
+    bytes it saves for backward. `scores`: elements of the score tensor (batch × heads × s_q × s_k on
+    this rank); `q`: elements of q (and of the output), `kv`: of k (and of v); `element_bytes`: the
+    activations' (2 in mixed precision). Forward: QKᵀ writes S, ["eager" with a mask: the mask added,
+    S read and written], the softmax reads S and writes P, [dropout reads P, writes the dropped P and
+    a one-byte mask], P·V reads it. Backward: dP = dO·Vᵀ writes dP, dV = Pᵀ·dO reads P, [dropout's
+    backward: dP and the mask read, dP written], the softmax's backward reads dP and P and writes dS,
+    dQ = dS·K and dK = dSᵀ·Q read dS (the mask's add has no backward kernel). Saved: P, and with
+    dropout the mask and the dropped P — Korthikanti et al. 2022 §4's 5·a·s²·b bytes per layer in 2-byte
+    activations."""
+    if kind not in ATTENTION_KERNELS[1:]:
+        raise ValueError(f"materialised attention kernels: one of {', '.join(ATTENTION_KERNELS[1:])}, got {kind!r}")
+    s, e, mm = scores, element_bytes, 2.0 * scores * head_dim
+    fwd = [Kernel("QKᵀ", mm, (q + kv + s) * e)]
+    if kind == "eager" and masked:
+        fwd.append(Kernel("mask add", 0.0, 2 * s * e))
+    fwd.append(Kernel("softmax", 0.0, 2 * s * e))
+    if dropout:
+        fwd.append(Kernel("dropout", 0.0, 2 * s * e + s))
+    fwd.append(Kernel("P·V", mm, (s + kv + q) * e))
+    bwd = [Kernel("dP = dO·Vᵀ", mm, (q + kv + s) * e), Kernel("dV = Pᵀ·dO", mm, (s + q + kv) * e)]
+    if dropout:
+        bwd.append(Kernel("dropout backward", 0.0, 2 * s * e + s))
+    bwd += [Kernel("softmax backward", 0.0, 3 * s * e), Kernel("dQ = dS·K", mm, (s + kv + q) * e),
+            Kernel("dK = dSᵀ·Q", mm, (s + q + kv) * e)]
+    saved = s * e + (s + s * e if dropout else 0.0)
+    return fwd, bwd, saved
+
+
+def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: float) -> float:
+    """Kernels one after another, each a roofline: its matmul FLOPs at the profile's matmul curve or its
+    bytes at memory bandwidth (a GEMM's) or element-wise bandwidth (the others'), whichever is slower,
+    plus a launch."""
+    total = 0.0
+    for k in kernels:
+        bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_bytes_per_s
+        total += max(device.matmul_time_s(k.flops, dtype), k.bytes / bw) + launch_s
+    return total

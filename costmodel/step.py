@@ -36,12 +36,20 @@ from dataclasses import replace
 
 import numpy as np
 
+from costmodel.attention import (
+    ATTENTION_KERNELS,
+    AttentionRegion,
+    attention_regions,
+    kernels_s,
+    materialized_kernels,
+)
 from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_split, zero_units
 from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
 from costmodel.compose import POLICIES, StepCost, compose
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
+    ComputeCost,
     compute_cost,
     local_shapes,
     tensor_bytes,
@@ -84,7 +92,8 @@ class CostModel:
                  enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
                  zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
-                 fp32_communication: bool = False, zero_shard_size: int | None = None) -> None:
+                 fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = "flash",
+                 attention_dropout: float = 0.0) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -97,8 +106,17 @@ class CostModel:
         method) —, "none" (and "selective") saves every activation; `composer`: the step composer's
         policy; `fp32_communication`: all-reduces and reduce-scatters carry fp32 whatever the training
         dtype (MindSpore's force_fp32_communication); `zero_shard_size`: ZeRO-1/2 shard groups of that
-        many ranks, the inner ones of a gradient's data-parallel group (optimizer_weight_shard_size)."""
+        many ranks, the inner ones of a gradient's data-parallel group (optimizer_weight_shard_size);
+        `attention`: how the runtime runs attention (`attention.ATTENTION_KERNELS`): FlashAttention, or
+        with its s×s tensors in memory (torch's eager ops, Megatron-LM's fused softmax), whose kernels
+        `attention.materialized_kernels` lists — with dropout on the probabilities when
+        `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost)."""
         self.fp32_communication = fp32_communication
+        if attention not in ATTENTION_KERNELS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
+        if not 0.0 <= attention_dropout < 1.0:
+            raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
+        self.attention, self.attention_dropout = attention, attention_dropout
         self.zero_shard_size = zero_shard_size  # optimizer_weight_shard_size: ranks a ZeRO shard group spans
         if composer not in POLICIES:
             raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
@@ -133,6 +151,9 @@ class CostModel:
                                      and graph.tensors[n.inputs[0]].kind is TensorKind.PARAM for t in n.outputs)
         self.needs_grad = _gradient_tensors(graph)
         self.on_chip = attention_score_tensors(graph)
+        # Materialised attention: each chain priced as its runtime's kernels, at its last node.
+        self.materialized: dict[str, AttentionRegion] = {} if attention == "flash" else {
+            n: r for r in attention_regions(graph).values() for n in r.nodes}
         self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
         self.param_owner: dict[str, str] = {}
@@ -152,6 +173,10 @@ class CostModel:
                                needs_grad=self.needs_grad)
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs
                   if t in self.saved and t not in self.param_views)
+        region = self.materialized.get(node.name)
+        if region is not None:
+            compute, saved = self._materialized(node, region, shapes, compute)
+            act += saved
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
@@ -161,6 +186,24 @@ class CostModel:
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
                             recomputed_bytes=act)
         return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+
+    def _materialized(self, node: OpNode, region: AttentionRegion, shapes: Mapping[str, tuple[int, ...]],
+                      compute: ComputeCost) -> tuple[ComputeCost, float]:
+        """A node of a materialised attention: the chain's kernels are timed at its last node (P·V, whose
+        inputs give the score tensor's local shape and v's), the others keep their FLOPs and no time."""
+        if node.name != region.nodes[-1]:
+            return replace(compute, fwd_s=0.0, bwd_s=0.0), 0.0
+        probs, v = shapes[node.inputs[0]], shapes[region.v]
+        scores = float(np.prod(probs, dtype=np.float64))
+        head_dim = float(v[-1])
+        fwd, bwd, saved = materialized_kernels(
+            self.attention, scores=scores, q=scores / probs[-1] * head_dim, kv=float(np.prod(v, dtype=np.float64)),
+            head_dim=head_dim, element_bytes=self.precision.activation_bytes, masked=region.mask is not None,
+            dropout=self.attention_dropout > 0)
+        dev = self.profile.device
+        dtype = self.precision.name if self.precision.name in dev.peak_flops_per_s else "fp32"
+        return replace(compute, fwd_s=kernels_s(fwd, dev, dtype, dev.graph_op_s),
+                       bwd_s=kernels_s(bwd, dev, dtype, dev.graph_op_s)), saved
 
     def _find_recomputed_layers(self) -> None:
         """Every (recomputed) layer of every repeated-layer group is a checkpointed segment; its inputs are the

@@ -103,6 +103,12 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         from executor.pipeline import check_pipeline
 
         check_pipeline(strategy, graph)
+    tr = strategy.training
+    if tr.attention == "fused-softmax" or tr.attention_dropout:
+        raise RunError(f"the executor runs attention as FlashAttention (torch's SDPA) or torch's eager ops, without "
+                       f"dropout; this plan prices {tr.attention} attention"
+                       + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")
+                       + ": plan with --attention flash or eager and --attention-dropout 0 to run it")
     k = strategy.training.micro_batches
     batch = strategy.model.dims.get("batch")
     odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]

@@ -43,6 +43,15 @@ def fused_attention(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None
     return F.scaled_dot_product_attention(q, kt.transpose(-1, -2), v, attn_mask=mask, scale=1.0)
 
 
+def eager_attention(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """The same chain as torch's eager ops (transformers' eager attention): the scores and the
+    probabilities written to memory, each step its own kernel (`attention.materialized_kernels`)."""
+    scores = torch.matmul(q, kt)
+    if mask is not None:
+        scores = scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 def run_op(node: OpNode, inputs: list[Any]) -> list[Any]:
     fn = OPS.get(node.op_type)
     if fn is None:

@@ -23,7 +23,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.interpreter import OnnxModule
-from executor.ops import fused_attention, run_op
+from executor.ops import eager_attention, fused_attention, run_op
 from executor.zero import Regather, ZeroBucket, gather_units
 from planner import placement as mp
 from planner.graph import OpNode
@@ -304,10 +304,12 @@ class SpmdRunner:
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
             return redistribute(wrapped[t], want).to_local(grad_placements=grad)
 
+        attention = eager_attention if self.strategy.training.attention == "eager" else fused_attention
+
         def run(start: int, end: int) -> None:
             for node, region, direct, want_out, kernels in self._program[start:end]:
-                if region is not None:  # the attention chain ending here, as one fused kernel
-                    outs = [fused_attention(*(prepare(n, i) for n, i in region.inputs))]
+                if region is not None:  # the attention chain ending here, as the planned kernel(s)
+                    outs = [attention(*(prepare(n, i) for n, i in region.inputs))]
                 else:
                     outs = self._run_local(node, [local[t] if d else prepare(node.name, i)
                                                   for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],

@@ -99,6 +99,9 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                                           ("fp32 reductions", tr.force_fp32_communication)) if on]
         if switches:
             head.add_row("switches", "; ".join(switches))
+    if tr.attention != "flash":
+        head.add_row("attention", f"{tr.attention} (scores through memory)"
+                     + (f", dropout {tr.attention_dropout:g}" if tr.attention_dropout else ""))
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""
     if c.bubble_s:
         overhead += f" + pipeline bubble {c.bubble_s * 1e3:.2f} ms"

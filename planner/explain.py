@@ -62,6 +62,7 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
                    recompute_layers=strategy.training.recompute_layers,
                    fp32_communication=strategy.training.force_fp32_communication,
                    zero_shard_size=strategy.training.zero_shard_size,
+                   attention=strategy.training.attention, attention_dropout=strategy.training.attention_dropout,
                    fusion=strategy.training.comm_fusion,
                    zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes
@@ -146,7 +147,8 @@ def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any
         full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
                          zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
                          fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes,
-                         fp32_communication=cm.fp32_communication, zero_shard_size=cm.zero_shard_size)
+                         fp32_communication=cm.fp32_communication, zero_shard_size=cm.zero_shard_size,
+                         attention=cm.attention, attention_dropout=cm.attention_dropout)
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

@@ -406,6 +406,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
                                 layout=str(layout), zero_threshold_bytes=req.zero_threshold_bytes,
                                 gradients_mean=req.gradients_mean, parameter_broadcast=req.parameter_broadcast,
                                 force_fp32_communication=req.force_fp32_communication,
+                                attention=req.attention, attention_dropout=req.attention_dropout,
                                 zero_shard_size=req.zero_shard_size)
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     record = CandidateRecord(mesh=full.shape, axis_names=full.axis_names, step_time_s=cost.step_time_s,

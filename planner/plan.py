@@ -22,6 +22,7 @@ from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+from costmodel.attention import ATTENTION_KERNELS
 from costmodel.buckets import CommFusion
 from costmodel.collectives import Phase
 from costmodel.compose import POLICIES, StepCost
@@ -100,6 +101,8 @@ class PlanRequest:
     gradients_mean: bool = True
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
+    attention: str = "flash"  # how the runtime runs attention: flash | eager | fused-softmax
+    attention_dropout: float = 0.0  # dropout on the attention probabilities (priced where materialised)
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
     pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
 
@@ -156,6 +159,11 @@ class PlanRequest:
                                 "full recomputation covers; give --recompute full and a count of 0 or more")
         if self.recompute_layers is not None and (self.mode not in ("auto", "semi") or self.search != "ilp"):
             raise MeshplanError("--recompute-layers is decided with the sharding by the ILP: use --mode auto or semi")
+        if self.attention not in ATTENTION_KERNELS:
+            raise MeshplanError(f"--attention {self.attention}: choose {', '.join(ATTENTION_KERNELS)} (FlashAttention, "
+                                f"torch's eager ops, Megatron-LM's fused softmax)")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise MeshplanError(f"--attention-dropout {self.attention_dropout}: a probability in [0, 1)")
         if self.zero_shard_size is not None and self.zero_shard_size < 1:
             raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: a ZeRO shard group needs at least 1 rank")
         if self.zero_stage not in (None, 0, 1, 2, 3):
@@ -537,6 +545,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                 recompute_layers=recomputed, gradients_mean=req.gradients_mean,
                                 parameter_broadcast=req.parameter_broadcast,
                                 force_fp32_communication=req.force_fp32_communication,
+                                attention=req.attention, attention_dropout=req.attention_dropout,
                                 zero_shard_size=req.zero_shard_size,
                                 global_batch_size=micro * steps if micro is not None else None,
                                 micro_batch_size=-(-micro // dp) if micro is not None else None,  # rank 0's
@@ -569,7 +578,8 @@ def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: Har
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
-                     fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size)
+                     fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
+                     attention=req.attention, attention_dropout=req.attention_dropout)
 
 
 def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],

@@ -90,6 +90,10 @@ class TrainingSettings:
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
     zero_shard_size: int | None = None  # optimizer_weight_shard_size: ZeRO-1/2 shard groups of this many ranks
+    # How the runtime runs attention (costmodel/attention.py's ATTENTION_KERNELS) and the dropout on its
+    # probabilities (a cost only where the probabilities are materialised).
+    attention: str = "flash"
+    attention_dropout: float = 0.0
 
     @property
     def bucket_bytes(self) -> float:
@@ -336,6 +340,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "gradients_mean": s.training.gradients_mean, "parameter_broadcast": s.training.parameter_broadcast,
                      "force_fp32_communication": s.training.force_fp32_communication,
                      "zero_shard_size": s.training.zero_shard_size,
+                     "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
         "pipeline": _pipeline_doc(s.pipeline),
         "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
@@ -464,7 +469,9 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   gradients_mean=tr.get("gradients_mean", True),
                                   parameter_broadcast=tr.get("parameter_broadcast", False),
                                   force_fp32_communication=tr.get("force_fp32_communication", False),
-                                  zero_shard_size=tr.get("zero_shard_size")),
+                                  zero_shard_size=tr.get("zero_shard_size"),
+                                  attention=tr.get("attention", "flash"),
+                                  attention_dropout=tr.get("attention_dropout", 0.0)),
         pipeline=_pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))

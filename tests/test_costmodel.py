@@ -11,6 +11,7 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from costmodel.attention import attention_regions, materialized_kernels
 from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.collectives import Cadence, Collective, LinkLevel, Phase
 from costmodel.comm import collective_time_s
@@ -395,3 +396,52 @@ def test_a_split_tensor_made_addends_gets_its_gradient_reduce_scattered(zoo: Cal
     full = g.tensors[bias].numel * BF16.weight_bytes
     assert [(e.kind, e.phase, e.size_bytes) for e in events] == [
         (Collective.ALL_GATHER, Phase.FORWARD, full), (Collective.REDUCE_SCATTER, Phase.BACKWARD, full)]
+
+
+def test_materialized_attention_kernels_closed_forms() -> None:
+    # Per score element S (2-byte activations): Megatron-LM's fused softmax with dropout saves the
+    # probabilities (2), the dropout mask (1) and the dropped probabilities (2) — Korthikanti et al.
+    # 2022 §4's 5·a·s²·b per layer; without dropout only the probabilities (2·a·s²·b).
+    s, q, kv, d = 1e6, 64e3, 64e3, 64.0
+    fwd, bwd, saved = materialized_kernels("fused-softmax", scores=s, q=q, kv=kv, head_dim=d, element_bytes=2,
+                                           masked=True, dropout=True)
+    assert saved == 5 * s
+    assert [k.name for k in fwd] == ["QKᵀ", "softmax", "dropout", "P·V"]
+    assert sum(k.bytes for k in fwd) == 2 * (q + kv + s) + 4 * s + (4 * s + s) + 2 * (s + kv + q)
+    assert sum(k.bytes for k in bwd) == 4 * 2 * (q + kv + s) + (4 * s + s) + 6 * s
+    assert sum(k.flops for k in fwd) == 2 * 2 * s * d and sum(k.flops for k in bwd) == 4 * 2 * s * d
+    eager, _, saved = materialized_kernels("eager", scores=s, q=q, kv=kv, head_dim=d, element_bytes=2, masked=True,
+                                           dropout=False)
+    assert [k.name for k in eager] == ["QKᵀ", "mask add", "softmax", "P·V"] and saved == 2 * s
+    with pytest.raises(ValueError, match="flash"):
+        materialized_kernels("flash", scores=s, q=q, kv=kv, head_dim=d, element_bytes=2, masked=False, dropout=False)
+
+
+@pytest.mark.parametrize(("kind", "dropout", "saved_per_score"), [("eager", 0.0, 2), ("fused-softmax", 0.1, 5)])
+def test_materialized_attention_priced_per_layer(kind: str, dropout: float, saved_per_score: int,
+                                                 zoo: Callable[[str], Path]) -> None:
+    # GPT-2 medium (24 layers, 16 heads, head dim 64), 2 × 1024 tokens, bf16, one H100: the s×s tensors
+    # in memory add saved_per_score bytes per score element to the activations (b·a·s² per layer), and
+    # each layer's chain runs at memory bandwidth — head dim 64 keeps QKᵀ and P·V below the H100's ridge
+    # — so its time is its bytes over HBM bandwidth plus a launch per kernel.
+    b, s, layers, heads, d = 2, 1024, 24, 16, 64
+    g = load_graph(zoo("gpt2-medium"), {"batch": b, "seq": s})
+    mesh = DeviceMesh.build(1)
+    plan = replicated_plan(g, mesh)
+    flash = CostModel(g, mesh, H100, BF16).price(plan)
+    cm = CostModel(g, mesh, H100, BF16, attention=kind, attention_dropout=dropout)
+    mat = cm.price(plan)
+    scores = b * heads * s * s
+    assert mat.memory["activations"] - flash.memory["activations"] == pytest.approx(layers * saved_per_score * scores)
+    assert mat.flops_matmul == flash.flops_matmul
+    dev = H100.device
+    fwd, bwd, _ = materialized_kernels(kind, scores=scores, q=b * heads * s * d, kv=b * heads * s * d, head_dim=d,
+                                       element_bytes=2, masked=True, dropout=dropout > 0)
+    assert all(dev.matmul_time_s(k.flops, "bf16") < k.bytes / dev.mem_bandwidth_bytes_per_s for k in fwd + bwd)
+    last = next(iter(attention_regions(g).values())).nodes[-1]
+    node = cm.node_cost(g.node_by_name[last], plan[last]).compute
+    assert node.fwd_s == pytest.approx(sum(k.bytes for k in fwd) / dev.mem_bandwidth_bytes_per_s
+                                       + len(fwd) * dev.graph_op_s)
+    assert node.bwd_s == pytest.approx(sum(k.bytes for k in bwd) / dev.mem_bandwidth_bytes_per_s
+                                       + len(bwd) * dev.graph_op_s)
+    assert mat.compute_s > flash.compute_s

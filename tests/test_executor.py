@@ -118,3 +118,31 @@ def test_crashing_rank_stops_everything(zoo: Callable[[str], Path], tmp_path: Pa
     assert r.exit_code == 2
     assert "rank" in r.stderr and "failed" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_eager_attention_runs_as_planned(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # --attention eager: the executor runs each attention as torch's eager ops (scores and probabilities
+    # in memory); the step equals one process's, and the eager plan keeps every layer's probabilities
+    # (b·heads·s² fp32 each) beyond what the flash plan keeps. A plan the executor cannot run as priced
+    # (Megatron's fused softmax, dropout) is refused before any rank starts.
+    model, dims = zoo("gpt2-tiny"), {"batch": 8, "seq": 32}
+    plans = {}
+    for kind in ("flash", "eager"):
+        plans[kind], _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=2, mesh_shape=(2,),
+                                               mode="data-parallel", attention=kind))
+    layers, heads, s = 2, 4, 32
+    out = plans["eager"].nodes["node_scaled_dot_product_attention"].outputs[0]  # batch split or not, as planned
+    b = out.local_shape((8, heads, s, 16), (2,))[0]
+    gap = plans["eager"].cost.memory["activations"] - plans["flash"].cost.memory["activations"]
+    assert gap == pytest.approx(layers * b * heads * s * s * 4)
+    plans["eager"].save(tmp_path / "eager.json")
+    r = run(str(tmp_path / "eager.json"), str(model), nproc=2, opts=SGD, timeout_s=240)
+    assert r["max_abs_diff"] < TOL and r["collectives_executed"] == r["collectives_planned"]
+    for kind, p in (("fused-softmax", 0.0), ("eager", 0.1)):
+        held, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=2, mesh_shape=(2,),
+                                        mode="data-parallel", attention=kind, attention_dropout=p))
+        held.save(tmp_path / "held.json")
+        r = CliRunner().invoke(main, ["run", str(tmp_path / "held.json"), "--model", str(model), "--nproc", "2"])
+        assert r.exit_code == 2 and "--attention flash or eager" in r.stderr and \
+            len(r.stderr.strip().splitlines()) == 1, r.stderr
