@@ -130,12 +130,30 @@ def bench_layers(repeat: int) -> None:
     console.print(table)
 
 
+# The plans `--only fidelity` predicts and runs: (label, zoo model, dims, PlanRequest levers) — every
+# small zoo model as the ILP plans it for 2 ranks, and GPT-2 under each lever of the training step.
+_GPT2 = {"batch": 8, "seq": 64}
+FIDELITY_PLANS: list[tuple[str, str, dict[str, int], dict[str, Any]]] = [
+    ("mlp", "mlp", {"batch": 256}, {}), ("mlp-legacy", "mlp-legacy", {"batch": 256}, {}),
+    ("convnet", "convnet", {"batch": 16}, {}), ("convnet-legacy", "convnet-legacy", {"batch": 16}, {}),
+    ("gpt2-tiny", "gpt2-tiny", _GPT2, {}), ("bert-tiny", "bert-tiny", {"batch": 8, "seq": 64}, {}),
+    ("vit-tiny", "vit-tiny", {"batch": 16}, {}), ("llama-tiny", "llama-tiny", {"batch": 8, "seq": 64}, {}),
+    ("gpt2-tiny accumulation ×2", "gpt2-tiny", {"seq": 64}, {"global_batch_size": 16, "accumulation_steps": 2}),
+    ("gpt2-tiny full recompute", "gpt2-tiny", _GPT2, {"recompute": "full"}),
+    ("gpt2-tiny ZeRO-2", "gpt2-tiny", _GPT2, {"mode": "data-parallel", "zero_stage": 2}),
+    ("gpt2-tiny eager attention", "gpt2-tiny", _GPT2, {"attention": "eager"}),
+    ("gpt2-tiny 2 stages", "gpt2-tiny", {"seq": 64}, {"mesh_shape": None, "layout": "pp=2", "global_batch_size": 16,
+                                                "micro_batch_size": 4}),
+]
+
+
 def bench_fidelity(rounds: int, profile: str | None = None) -> None:
-    """Predicted vs measured: every small zoo model planned (auto) for 2 ranks on a profile calibrated
-    on this machine and run by the executor (gloo); |predicted − measured| / measured for step time
+    """Predicted vs measured: every plan of FIDELITY_PLANS (the small zoo models planned by the ILP for
+    2 ranks, GPT-2 with accumulation, recomputation, ZeRO-2, eager attention, 2 pipeline stages) on a
+    profile calibrated on this machine and run by the executor (gloo); |predicted − measured| / measured for step time
     and memory. This machine's speed drifts over hours (a shared VM: the same matmul takes 212 µs in
     one hour and 270 µs in another), so by default the profile is calibrated first, here and now;
-    `--profile cpu` starts from the stored preset instead. Each model runs `rounds` times (about 3 s
+    `--profile cpu` starts from the stored preset instead. Each plan runs `rounds` times (about 3 s
     of timed steps each, rounds interleaved across models, each run planned on compute re-measured just
     before it); the median round (by error) is reported."""
     from executor.calibrate import calibrate
@@ -157,37 +175,34 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
                       f"({stored.elementwise_bytes_per_s / 1e9:.1f}), executor per-op overhead {d.graph_op_s * 1e6:.2f} µs "
                       f"({stored.graph_op_s * 1e6:.2f})")
 
-    dims = {"mlp": {"batch": 256}, "mlp-legacy": {"batch": 256}, "convnet": {"batch": 16},
-            "convnet-legacy": {"batch": 16}, "gpt2-tiny": {"batch": 8, "seq": 64}, "bert-tiny": {"batch": 8, "seq": 64},
-            "vit-tiny": {"batch": 16}, "llama-tiny": {"batch": 8, "seq": 64}}
     table = Table(title=f"fidelity: cost model (links from {profile}, compute re-measured before each run) vs executor on "
                         f"2 gloo ranks, median of {rounds} rounds")
-    for col in ("model", "mesh", "predicted ms", "measured ms", "rounds min–max", "time error", "predicted MiB",
+    for col in ("plan", "mesh", "predicted ms", "measured ms", "rounds min–max", "time error", "predicted MiB",
                 "measured MiB",
                 "memory error", "collectives (planned = executed)"):
-        table.add_column(col, justify="right" if col != "model" else "left")
+        table.add_column(col, justify="right" if col != "plan" else "left")
     phases = Table(title="where the time goes (ms, median round): measured phases of the slowest rank vs predicted terms")
-    for col in ("model", "forward", "backward", "gradient sync", "optimizer", "predicted compute",
+    for col in ("plan", "forward", "backward", "gradient sync", "optimizer", "predicted compute",
                 "predicted comm", "predicted optimizer", "predicted per-step overhead"):
-        phases.add_column(col, justify="right" if col != "model" else "left")
-    # Rounds over all models; each model planned on compute figures measured just before its run (the
-    # links stay those of the full calibration): prediction and measurement see the same machine.
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in zoo.SMALL}
+        phases.add_column(col, justify="right" if col != "plan" else "left")
+    # Rounds over all plans; each planned on compute figures measured just before its run (the links
+    # stay those of the full calibration): prediction and measurement see the same machine.
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in FIDELITY_PLANS}
     for _ in range(rounds):
-        for name in zoo.SMALL:
+        for label, name, dims, levers in FIDELITY_PLANS:
             now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True))
             save_profile(now, "/tmp/meshplan-fidelity-round.json")
             path = str(zoo.export(name))
-            strategy, _ = make_plan(PlanRequest(model=path, dims=dims[name], profile="/tmp/meshplan-fidelity-round.json",
-                                                devices=2, mesh_shape=(2,)))
-            out = f"/tmp/meshplan-fidelity-{name}.json"
+            strategy, _ = make_plan(PlanRequest(model=path, dims=dims, profile="/tmp/meshplan-fidelity-round.json",
+                                                devices=2, **({"mesh_shape": (2,)} | levers)))  # type: ignore[arg-type]
+            out = f"/tmp/meshplan-fidelity-{label.replace(' ', '-')}.json"
             strategy.save(out)
             # About 3 s of timed steps: this VM's cores switch speed every few seconds, and a short run
             # would catch one speed at random.
             steps = min(1500, max(30, math.ceil(3.0 / strategy.step_time_s)))
-            runs[name].append(run(out, path, nproc=2, opts=RunOptions(steps=steps, warmup=5)))
+            runs[label].append(run(out, path, nproc=2, opts=RunOptions(steps=steps, warmup=5)))
     t_err, m_err = [], []
-    for name, rs in runs.items():
+    for label, rs in runs.items():
         for x in rs:
             x["time_error"] = abs(x["predicted_step_s"] - x["measured_step_s"]) / x["measured_step_s"]
         r = sorted(rs, key=lambda x: x["time_error"])[len(rs) // 2]  # the median round
@@ -195,12 +210,12 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
         t_err.append(r["time_error"])
         m_err.append(me)
         steps = [x["measured_step_s"] * 1e3 for x in rs]
-        table.add_row(name, "2", f"{r['predicted_step_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.2f}",
+        table.add_row(label, "2", f"{r['predicted_step_s'] * 1e3:.2f}", f"{r['measured_step_s'] * 1e3:.2f}",
                       f"{min(steps):.1f}–{max(steps):.1f}", f"{r['time_error']:.0%}",
                       f"{r['predicted_memory_bytes'] / 2**20:.1f}", f"{r['measured_memory_bytes'] / 2**20:.1f}", f"{me:.0%}",
                       "yes" if all(x["collectives_planned"] == x["collectives_executed"] for x in rs) else
                       f"no: {r['collectives_planned']} vs {r['collectives_executed']}")
-        phases.add_row(name, *(f"{v * 1e3:.2f}" for v in r["measured_phases_s"].values()),
+        phases.add_row(label, *(f"{v * 1e3:.2f}" for v in r["measured_phases_s"].values()),
                        *(f"{v * 1e3:.2f}" for v in r["predicted_phases_s"].values()))
     console.print(table)
     console.print(phases)

@@ -135,6 +135,7 @@ class Kernel:
     name: str
     flops: float
     bytes: float
+    narrow: float = 0.0  # a GEMM's narrowest dim (the head dim), 0 for the others
 
 
 def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_dim: float, element_bytes: float,
@@ -152,18 +153,18 @@ def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_
     if kind not in ATTENTION_KERNELS[1:]:
         raise ValueError(f"materialised attention kernels: one of {', '.join(ATTENTION_KERNELS[1:])}, got {kind!r}")
     s, e, mm = scores, element_bytes, 2.0 * scores * head_dim
-    fwd = [Kernel("QKᵀ", mm, (q + kv + s) * e)]
+    fwd = [Kernel("QKᵀ", mm, (q + kv + s) * e, head_dim)]
     if kind == "eager" and masked:
         fwd.append(Kernel("mask add", 0.0, 2 * s * e))
     fwd.append(Kernel("softmax", 0.0, 2 * s * e))
     if dropout:
         fwd.append(Kernel("dropout", 0.0, 2 * s * e + s))
-    fwd.append(Kernel("P·V", mm, (s + kv + q) * e))
-    bwd = [Kernel("dP = dO·Vᵀ", mm, (q + kv + s) * e), Kernel("dV = Pᵀ·dO", mm, (s + q + kv) * e)]
+    fwd.append(Kernel("P·V", mm, (s + kv + q) * e, head_dim))
+    bwd = [Kernel("dP = dO·Vᵀ", mm, (q + kv + s) * e, head_dim), Kernel("dV = Pᵀ·dO", mm, (s + q + kv) * e, head_dim)]
     if dropout:
         bwd.append(Kernel("dropout backward", 0.0, 2 * s * e + s))
-    bwd += [Kernel("softmax backward", 0.0, 3 * s * e), Kernel("dQ = dS·K", mm, (s + kv + q) * e),
-            Kernel("dK = dSᵀ·Q", mm, (s + q + kv) * e)]
+    bwd += [Kernel("softmax backward", 0.0, 3 * s * e), Kernel("dQ = dS·K", mm, (s + kv + q) * e, head_dim),
+            Kernel("dK = dSᵀ·Q", mm, (s + q + kv) * e, head_dim)]
     saved = s * e + (s + s * e if dropout else 0.0)
     return fwd, bwd, saved
 
@@ -175,5 +176,5 @@ def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: f
     total = 0.0
     for k in kernels:
         bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_bytes_per_s
-        total += max(device.matmul_time_s(k.flops, dtype), k.bytes / bw) + launch_s
+        total += max(device.matmul_time_s(k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
     return total

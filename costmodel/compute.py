@@ -7,8 +7,9 @@ per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a C
 interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
 the forward FLOPs, or one where an operand needs no gradient (a graph input); memory-bound ops read
 the output gradient and their saved inputs and write the input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
-Element-wise kernels run at the profile's element-wise bandwidth (calibrated on CPUs, where it is
-far below a copy's). Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
+Element-wise kernels run at the profile's element-wise bandwidth for their op type (calibrated on
+CPUs, where it is far below a copy's and differs by op: an erf runs at half an add's rate), else the
+calibrated mix's. Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
 stay on chip, so they cost FLOPs but no memory traffic.
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.flops import conv_channels, node_flops
+from costmodel.flops import conv_channels, matmul_narrow_dim, node_flops
 from costmodel.memory import Precision
 from hwprofiles.profile import HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorInfo
@@ -81,10 +82,12 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
         nbytes = 0.0
     dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
-    mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_bytes_per_s)
+    mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_rate(node.op_type))
     peak = dev.peak_for(dtype)
     mm_s = dev.conv_time_s(flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
-        if node.op_type in ("Conv", "ConvTranspose") else dev.matmul_time_s(flops.matmul, dtype)
+        if node.op_type in ("Conv", "ConvTranspose") else \
+        dev.matmul_time_s(flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
+                          if node.op_type in ("MatMul", "Gemm") else None)
     fwd = max(mm_s + flops.other / peak, mem_s) + launch
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed

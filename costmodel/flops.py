@@ -72,6 +72,21 @@ def conv_channels(node: OpNode, shape: ShapeOf) -> int:
     return min(w[1], w[0] // max(groups, 1) * kernel)
 
 
+def matmul_narrow_dim(node: OpNode, shape: ShapeOf) -> int:
+    """The narrowest of a MatMul's or Gemm's m, k, n per GEMM (batch dims apart): what bounds its
+    efficiency beside its FLOPs (`DeviceSpec.matmul_narrow_efficiency`) — a 64-wide hidden size or a
+    16-wide attention head."""
+    a, b = shape(node.inputs[0]), shape(node.inputs[1])
+    if node.op_type == "Gemm":
+        m, k = (a[1], a[0]) if node.attr("transA", 0) else (a[0], a[1])
+        n = b[0] if node.attr("transB", 0) else b[1]
+        return min(m, k, n)
+    m = a[-2] if len(a) >= 2 else 1
+    k = a[-1] if a else 1
+    n = b[-1] if len(b) >= 2 else 1
+    return min(d for d in (m, k, n) if d > 1) if max(m, k, n) > 1 else 1
+
+
 @register_flops("Einsum")
 def _einsum(node: OpNode, shape: ShapeOf) -> float:
     eq = str(node.attr("equation", "")).replace(" ", "")

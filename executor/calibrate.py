@@ -16,6 +16,7 @@ With --nproc 1, one process measures compute alone and the links come from `--ba
 from __future__ import annotations
 
 import datetime as dt
+import gc
 import os
 import statistics
 import time
@@ -104,6 +105,7 @@ def _rank(rank: int, n: int, port: int, cfg: CalibrationConfig, out: Any) -> Non
         results = {} if cfg.compute_only else collective_times(cfg, rank, n, device, say)
         if rank == 0:
             out.put(("result", results))
+        gc.collect()  # the executor's runs' cycles (their gloo work) gone before the process groups are
         dist.barrier()
         dist.destroy_process_group()
     except Exception as e:  # reported to the parent, which stops every rank

@@ -166,6 +166,9 @@ class DeviceSpec:
     # kernels (the optimizer's, the loss's) cost `kernel_launch_s`.
     graph_op_overhead_s: float | None = None
     conv_efficiency: ChannelCurve | None = None  # None: convolutions run like matmuls of their FLOPs
+    # Matmuls by the narrowest dim of each GEMM (`ChannelCurve`, channels = that dim), calibrated: a
+    # 64-wide or 16-wide GEMM runs below the square-matmul curve at the same FLOPs. None: by FLOPs only.
+    matmul_narrow_efficiency: ChannelCurve | None = None
     # Host time an executor spends issuing one reshard collective beyond the collective itself
     # (DTensor's redistribute: placement logic, functional collective, wait); None: nothing.
     reshard_overhead_s: float | None = None
@@ -174,9 +177,17 @@ class DeviceSpec:
     step_overhead_s: float | None = None
     # The optimizer step, calibrated; None: priced from its memory traffic and kernel launches.
     optimizer_step: OptimizerStep | None = None
+    # What element-wise kernels achieve by ONNX op type (bytes in + out per second), calibrated: on a
+    # CPU core an erf or a pow runs at a fraction of an add's rate. Op types not listed: the mix's.
+    elementwise_by_op: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
+        if self.elementwise_by_op is not None:
+            object.__setattr__(self, "elementwise_by_op", MappingProxyType(dict(self.elementwise_by_op)))
+            for op, v in self.elementwise_by_op.items():
+                if not v > 0:
+                    raise ValueError(f"elementwise_by_op.{op}: must be a positive number, got {v!r}")
         if "fp32" not in self.peak_flops_per_s:
             raise ValueError("peak_flops_per_s.fp32: every device needs an fp32 peak")
         for dtype, v in self.peak_flops_per_s.items():
@@ -198,6 +209,11 @@ class DeviceSpec:
     def elementwise_bytes_per_s(self) -> float:
         return self.elementwise_bandwidth_bytes_per_s or self.mem_bandwidth_bytes_per_s
 
+    def elementwise_rate(self, op_type: str) -> float:
+        """Bytes in + out per second an element-wise kernel of this ONNX op type achieves."""
+        by_op = self.elementwise_by_op
+        return by_op.get(op_type, self.elementwise_bytes_per_s) if by_op else self.elementwise_bytes_per_s
+
     @property
     def graph_op_s(self) -> float:
         return self.kernel_launch_s if self.graph_op_overhead_s is None else self.graph_op_overhead_s
@@ -206,10 +222,15 @@ class DeviceSpec:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
         return self.peak_flops_per_s.get(dtype, self.peak_flops_per_s["fp32"])
 
-    def matmul_time_s(self, flops: float, dtype: str) -> float:
+    def matmul_time_s(self, flops: float, dtype: str, narrow: float | None = None) -> float:
+        """A matmul of `flops` FLOPs whose GEMMs' narrowest dim is `narrow` (None: unknown): the FLOPs
+        curve, and no faster than the narrow dim allows where the profile has that curve."""
         if flops <= 0:
             return 0.0
-        return flops / (self.peak_for(dtype) * self.matmul_efficiency.fraction(flops))
+        t = flops / (self.peak_for(dtype) * self.matmul_efficiency.fraction(flops))
+        if self.matmul_narrow_efficiency is None or not narrow:
+            return t
+        return max(t, flops / (self.peak_for(dtype) * self.matmul_narrow_efficiency.fraction(narrow)))
 
     def conv_time_s(self, flops: float, channels: float, dtype: str) -> float:
         """A convolution: no faster than a matmul of its FLOPs, nor than its channels allow."""
@@ -284,7 +305,7 @@ _UNITS = {
     "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s",
     "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
-    "bus_bandwidth_bytes_per_s": "B/s",
+    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s",
 }
 
 
@@ -296,7 +317,8 @@ class _Reader:
 
     def q(self, obj: Mapping[str, Any], key: str, path: str) -> float:
         quantity = obj[key]
-        unit_key = path.split(".")[-2] if path.split(".")[-2] == "peak_flops_per_s" else key
+        parent = path.split(".")[-2]
+        unit_key = parent if parent in ("peak_flops_per_s", "elementwise_by_op") else key
         expected = _UNITS[unit_key]
         if quantity["unit"] != expected:
             raise ProfileError(f"field {path}: unit must be {expected!r}, got {quantity['unit']!r}")
@@ -331,9 +353,17 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             reshard_overhead_s=(r.q(dev, "reshard_overhead_s", "device.reshard_overhead_s")
                                 if "reshard_overhead_s" in dev else None),
             step_overhead_s=(r.q(dev, "step_overhead_s", "device.step_overhead_s") if "step_overhead_s" in dev else None),
+            elementwise_by_op=({k: r.q(dev["elementwise_by_op"], k, f"device.elementwise_by_op.{k}")
+                                for k in dev["elementwise_by_op"]} if "elementwise_by_op" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
                                              for k in ("fixed_s", "tensor_s", "param_s")})
                             if "optimizer_step" in dev else None),
+            matmul_narrow_efficiency=(ChannelCurve(
+                max_fraction=r.q(dev["matmul_narrow_efficiency"], "max_fraction",
+                                 "device.matmul_narrow_efficiency.max_fraction"),
+                half_channels=r.q(dev["matmul_narrow_efficiency"], "half_channels",
+                                  "device.matmul_narrow_efficiency.half_channels"))
+                if "matmul_narrow_efficiency" in dev else None),
             conv_efficiency=(ChannelCurve(
                 max_fraction=r.q(dev["conv_efficiency"], "max_fraction", "device.conv_efficiency.max_fraction"),
                 half_channels=r.q(dev["conv_efficiency"], "half_channels", "device.conv_efficiency.half_channels"))
@@ -426,6 +456,9 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"elementwise_bandwidth_bytes_per_s": q(d.elementwise_bandwidth_bytes_per_s, "B/s",
                                                        "device.elementwise_bandwidth_bytes_per_s")}
                if d.elementwise_bandwidth_bytes_per_s else {}),
+            **({"elementwise_by_op": {k: q(v, "B/s", f"device.elementwise_by_op.{k}")
+                                      for k, v in d.elementwise_by_op.items()}}
+               if d.elementwise_by_op else {}),
             **({"graph_op_overhead_s": q(d.graph_op_overhead_s, "s", "device.graph_op_overhead_s")}
                if d.graph_op_overhead_s is not None else {}),
             **({"reshard_overhead_s": q(d.reshard_overhead_s, "s", "device.reshard_overhead_s")}
@@ -435,6 +468,12 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"optimizer_step": {k: q(getattr(d.optimizer_step, k), "s", f"device.optimizer_step.{k}")
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),
+            **({"matmul_narrow_efficiency": {
+                "max_fraction": q(d.matmul_narrow_efficiency.max_fraction, "1",
+                                  "device.matmul_narrow_efficiency.max_fraction"),
+                "half_channels": q(d.matmul_narrow_efficiency.half_channels, "1",
+                                   "device.matmul_narrow_efficiency.half_channels")}}
+               if d.matmul_narrow_efficiency is not None else {}),
             **({"conv_efficiency": {
                 "max_fraction": q(d.conv_efficiency.max_fraction, "1", "device.conv_efficiency.max_fraction"),
                 "half_channels": q(d.conv_efficiency.half_channels, "1", "device.conv_efficiency.half_channels")}}

@@ -16,7 +16,7 @@ from costmodel.collectives import Collective, LinkLevel
 from hwprofiles.calibrate import CalibrationConfig, CalibrationError
 from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_efficiency
 from hwprofiles.profile import HardwareProfile, load_profile, profile_from_json, profile_to_json
-from hwprofiles.sweeps import CONV_CHANNELS, conv_flops
+from hwprofiles.sweeps import CONV_CHANNELS, ELEMENTWISE_OPS, NARROW_DIMS, conv_flops, narrow_flops
 from hwprofiles.timing import Measurement
 
 
@@ -27,9 +27,12 @@ class CalibrationReport:
     copy_bandwidth_bytes_per_s: float = 0.0
     op_overhead_s: float = 0.0  # the executor's per-op time: the profile's graph_op_overhead_s (gloo)
     elementwise_bandwidth_bytes_per_s: float = 0.0
+    elementwise_by_op: dict[str, float] = field(default_factory=dict)  # ONNX op type → B/s
     bare_op_s: float = 0.0  # a one-element torch op: the profile's kernel_launch_s
     conv: list[Measurement] = field(default_factory=list)  # size = channels
     conv_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = channels
+    narrow: list[Measurement] = field(default_factory=list)  # size = a GEMM's narrow dim (k and n, interleaved)
+    narrow_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = the narrow dim
     reshard_overhead_s: float = 0.0  # DTensor's redistribute beyond its collective (0: not measured)
     step_overhead_s: float = 0.0  # the executor's cost per training step beyond its ops
     optimizer_fixed_s: float = 0.0  # AdamW's step: per step, per tensor, per parameter
@@ -51,8 +54,16 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dic
     report.optimizer_tensor_s = medians["optimizer per tensor"]
     report.optimizer_param_s = medians["optimizer per parameter"]
     report.elementwise_bandwidth_bytes_per_s = 1.0 / medians["element-wise per byte"]
+    measured = {k: 1.0 / medians[f"element-wise {k} per byte"] for k in set(ELEMENTWISE_OPS.values())
+                if f"element-wise {k} per byte" in medians}
+    report.elementwise_by_op = {op: measured[k] for op, k in ELEMENTWISE_OPS.items() if k in measured}
     report.conv = [Measurement(kind="conv", size=float(c), times_s=[medians[f"conv {c}"]]) for c in CONV_CHANNELS]
     report.reshard_overhead_s = medians["reshard"]
+    report.narrow = [Measurement(kind="matmul", size=float(d), times_s=[medians[f"narrow {side} {d}"]])
+                     for d in NARROW_DIMS for side in ("k", "n") if f"narrow {side} {d}" in medians]
+    if report.narrow:
+        report.narrow_efficiency = fit_efficiency([m.size for m in report.narrow],
+                                                  [narrow_flops(int(m.size)) / m.median_s for m in report.narrow])
     report.conv_efficiency = fit_efficiency([m.size for m in report.conv],
                                             [conv_flops(int(m.size)) / m.median_s for m in report.conv])
 
@@ -135,6 +146,10 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
     dev["elementwise_bandwidth_bytes_per_s"] = q(report.elementwise_bandwidth_bytes_per_s, "B/s",
                                                  "element-wise kernel mix (add, mul, where, tanh, erf, exp, pow, "
                                                  "softmax) on 64k floats, bytes in + out per second")
+    if report.elementwise_by_op:
+        dev["elementwise_by_op"] = {
+            op: q(v, "B/s", f"torch's {ELEMENTWISE_OPS[op]} kernel on 64k floats, bytes in + out per second")
+            for op, v in sorted(report.elementwise_by_op.items())}
     dev["kernel_launch_s"] = q(report.bare_op_s, "s", "median time of a one-element op")
     if report.reshard_overhead_s > 0:
         dev["reshard_overhead_s"] = q(report.reshard_overhead_s, "s", "DTensor partial → replicated redistribute of "
@@ -155,6 +170,11 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         "max_fraction": q(min(1.0, eff.peak_achieved_flops_per_s / peak), "1", "matmul sweep fit"),
         "half_flops": q(eff.half_flops, "FLOP", "matmul sweep fit"),
     }
+    if report.narrow_efficiency is not None:
+        ne = report.narrow_efficiency
+        what = "matmul sweep with one narrow dim (768×d·d×768 and 768×768·768×d, d = 8–256) fit, by that dim"
+        dev["matmul_narrow_efficiency"] = {"max_fraction": q(ne.peak_achieved_flops_per_s / peak, "1", what),
+                                           "half_channels": q(ne.half_flops, "1", what)}
     if report.conv_efficiency is not None:
         ce = report.conv_efficiency
         what = "3×3 convolution sweep (batch 8, 32×32, 8–128 channels) fit, by channels"
@@ -222,12 +242,16 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "op_overhead_s": report.op_overhead_s,
         "bare_op_s": report.bare_op_s,
         "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
+        "elementwise_by_op": report.elementwise_by_op,
         "conv": [{"channels": m.size, "median_s": m.median_s} for m in report.conv],
         "reshard_overhead_s": report.reshard_overhead_s,
         "step_overhead_s": report.step_overhead_s,
         "optimizer_step": {"fixed_s": report.optimizer_fixed_s, "tensor_s": report.optimizer_tensor_s,
                            "param_s": report.optimizer_param_s},
         "conv_efficiency_fit_median_rel_error": report.conv_efficiency.median_rel_error if report.conv_efficiency else None,
+        "narrow": [{"dim": m.size, "median_s": m.median_s} for m in report.narrow],
+        "narrow_efficiency_fit_median_rel_error": (report.narrow_efficiency.median_rel_error
+                                                   if report.narrow_efficiency else None),
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
                 "median_rel_error": report.fits[k].median_rel_error,

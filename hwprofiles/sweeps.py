@@ -15,6 +15,15 @@ from hwprofiles.calibrate import CalibrationConfig, MiB, ProgressFn
 from hwprofiles.timing import time_interleaved
 
 CONV_CHANNELS = (8, 16, 32, 64, 128)
+# Matmuls with one narrow dim (768 × d · d × 768, and 768 × 768 · 768 × d): a hidden size of 64, an
+# attention head of 16 run below the square-matmul curve at the same FLOPs.
+NARROW_DIMS = (8, 16, 32, 64, 128, 256)
+NARROW_SIDE = 768
+
+
+def narrow_flops(d: int) -> float:
+    """FLOPs of the sweep's matmuls with narrow dim d (both shapes: 2·768·768·d)."""
+    return 2.0 * NARROW_SIDE * NARROW_SIDE * d
 
 
 def conv_flops(c: int) -> float:
@@ -41,15 +50,23 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     fns["copy"] = functools.partial(dst.copy_, src)
     one = torch.ones(1, device=device)
     fns["bare op"] = functools.partial(one.add, 1.0)
-    mix = elementwise_kernels(device)
-    fns.update({f"element-wise {i}": fn for i, (fn, _) in enumerate(mix)})
+    kernels = elementwise_kernels(device)
+    fns.update({f"element-wise {op}": fn for op, (fn, _) in kernels.items()})
+    wide = NARROW_SIDE
+    for d in NARROW_DIMS:  # the narrow dim inner (k), then outer (n)
+        fns[f"narrow k {d}"] = functools.partial(torch.matmul, torch.randn(wide, d, device=device, dtype=dtype),
+                                                 torch.randn(d, wide, device=device, dtype=dtype))
+        fns[f"narrow n {d}"] = functools.partial(torch.matmul, torch.randn(wide, wide, device=device, dtype=dtype),
+                                                 torch.randn(wide, d, device=device, dtype=dtype))
     for c in CONV_CHANNELS:  # 3×3 convolutions, batch 8 at 32×32, c → c channels
         fns[f"conv {c}"] = functools.partial(torch.nn.functional.conv2d, torch.randn(8, c, 32, 32, device=device, dtype=dtype),
                                              torch.randn(c, c, 3, 3, device=device, dtype=dtype), padding=1)
     progress("compute", 0, 3)
     out = time_interleaved(fns, device, min_time_s=1.5 if cfg.quick else 4.0, repeats=cfg.repeats)
     out["copy per byte"] = out.pop("copy") / (2 * nbytes)
-    out["element-wise per byte"] = sum(out.pop(f"element-wise {i}") for i in range(len(mix))) / sum(b for _, b in mix)
+    times = {op: out.pop(f"element-wise {op}") for op in kernels}
+    out["element-wise per byte"] = sum(times[op] for op in MIX) / sum(kernels[op][1] for op in MIX)
+    out.update({f"element-wise {op} per byte": times[op] / kernels[op][1] for op in kernels})
     out["optimizer per parameter"] = optimizer_param_s(device)
     progress("compute", 1, 3)
     return out
@@ -66,22 +83,44 @@ def reduce_max(medians: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, values.tolist(), strict=True))
 
 
-def elementwise_kernels(device: Any, elems: int = 1 << 16) -> list[tuple[Callable[[], object], float]]:
-    """A mix of the element-wise kernels transformers run (add, mul, where, tanh, erf, exp, pow,
-    softmax) on tensors of `elems` floats, each with the bytes it reads + writes: their summed bytes
-    over their summed times is what the roofline's memory-bound side achieves for them (on a CPU
-    core far below a copy's bandwidth)."""
+# The kernel mix whose summed bytes over summed times is the profile's element-wise bandwidth (the
+# rate of op types not measured one by one).
+MIX = ("Add", "Mul", "Where", "Tanh", "Erf", "Exp", "Pow", "Softmax")
+# Op types priced at a measured kernel's rate (`DeviceSpec.elementwise_by_op`): the ONNX ops transformers
+# export, each as the kernel torch runs for it.
+ELEMENTWISE_OPS = {"Add": "Add", "Sub": "Add", "Mul": "Mul", "Div": "Div", "Where": "Where", "Tanh": "Tanh",
+                   "Erf": "Erf", "Exp": "Exp", "Pow": "Pow", "Sqrt": "Sqrt", "Sigmoid": "Sigmoid",
+                   "Softmax": "Softmax", "ReduceMean": "ReduceMean", "LayerNormalization": "LayerNormalization",
+                   "Relu": "Relu", "Neg": "Neg", "Gelu": "Gelu", "BatchNormalization": "BatchNormalization",
+                   "Concat": "Concat"}
+
+
+def elementwise_kernels(device: Any, elems: int = 1 << 16) -> dict[str, tuple[Callable[[], object], float]]:
+    """The element-wise kernels transformers run, by the ONNX op type each stands for, on tensors of
+    `elems` floats, each with the bytes it reads + writes: bytes over time is what the roofline's
+    memory-bound side achieves for that op (on a CPU core far below a copy's bandwidth, and an erf at
+    half an add's rate)."""
     import torch
+    import torch.nn.functional as F
 
     x = torch.randn(elems, device=device)
     y = torch.randn(elems, device=device)
+    pos = x.abs() + 1.0
     mask = x > 0
-    kernels: list[tuple[Callable[[], object], int]] = [  # (kernel, tensors read + written)
-        (lambda: x + y, 3), (lambda: x * y, 3), (lambda: torch.where(mask, x, y), 4), (lambda: torch.tanh(x), 2),
-        (lambda: torch.erf(x), 2), (lambda: torch.exp(x), 2), (lambda: torch.pow(x, 3.0), 2),
-        (lambda: torch.softmax(x.view(-1, 256), -1), 2),
-    ]
-    return [(fn, tensors * elems * 4.0) for fn, tensors in kernels]
+    rows = x.view(-1, 256)
+    images = x.view(16, 16, -1, 16)  # batch, channels, height, width
+    kernels: dict[str, tuple[Callable[[], object], float]] = {  # op: (kernel, tensors read + written)
+        "Add": (lambda: x + y, 3), "Mul": (lambda: x * y, 3), "Div": (lambda: x / pos, 3),
+        "Where": (lambda: torch.where(mask, x, y), 4), "Tanh": (lambda: torch.tanh(x), 2),
+        "Erf": (lambda: torch.erf(x), 2), "Exp": (lambda: torch.exp(x), 2), "Pow": (lambda: torch.pow(x, 3.0), 2),
+        "Sqrt": (lambda: torch.sqrt(pos), 2), "Sigmoid": (lambda: torch.sigmoid(x), 2),
+        "Softmax": (lambda: torch.softmax(rows, -1), 2), "ReduceMean": (lambda: rows.mean(-1), 1 + 1 / 256),
+        "LayerNormalization": (lambda: F.layer_norm(rows, (256,)), 2), "Relu": (lambda: torch.relu(x), 2),
+        "Neg": (lambda: torch.neg(x), 2), "Gelu": (lambda: F.gelu(x), 2),
+        "BatchNormalization": (lambda: F.batch_norm(images, None, None, training=True), 2),
+        "Concat": (lambda: torch.cat([x, y]), 4),
+    }
+    return {op: (fn, tensors * elems * 4.0) for op, (fn, tensors) in kernels.items()}
 
 
 def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tensors: int = 8) -> float:

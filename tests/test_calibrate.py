@@ -28,6 +28,12 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     opt = p.device.optimizer_step
     assert opt is not None and opt.tensor_s > 0 and opt.param_s > 0 and p.device.step_overhead_s is not None
     assert report["conv_efficiency_fit_median_rel_error"] < 0.35
+    # Matmuls by their narrowest dim, element-wise kernels by op type: measured, in the profile. A
+    # 768 × 8 · 8 × 768 matmul achieves fewer FLOP/s than a 768 × 256 · 256 × 768 one on any core.
+    assert p.device.matmul_narrow_efficiency is not None and report["narrow_efficiency_fit_median_rel_error"] < 0.35
+    narrow = {pt["dim"]: pt["median_s"] for pt in report["narrow"]}
+    assert narrow[8.0] / 8 > narrow[256.0] / 256
+    assert set(p.device.elementwise_by_op or {}) >= {"Add", "Mul", "Erf", "Pow", "Tanh", "Softmax"}
     assert p.name == "here" and p.origin["kind"] == "calibrated"
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())
     for kind in Collective:

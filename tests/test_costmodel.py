@@ -445,3 +445,60 @@ def test_materialized_attention_priced_per_layer(kind: str, dropout: float, save
     assert node.bwd_s == pytest.approx(sum(k.bytes for k in bwd) / dev.mem_bandwidth_bytes_per_s
                                        + len(bwd) * dev.graph_op_s)
     assert mat.compute_s > flash.compute_s
+
+
+def test_elementwise_kernels_priced_at_their_op_types_rate(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # A profile measuring element-wise kernels by op type (as `profile calibrate` writes it): a Pow
+    # (GPT-2's GELU) is priced at the Pow rate — its bytes in + out over that rate, plus the per-op
+    # overhead, backward twice the bytes —, an Add at the Add rate, any other op at the mix's; the field
+    # survives a save and a load.
+    import dataclasses
+
+    from hwprofiles.profile import save_profile
+
+    cpu = load_profile("cpu")
+    rates = {"Pow": cpu.device.elementwise_bytes_per_s / 3, "Add": cpu.device.elementwise_bytes_per_s * 2}
+    prof = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, elementwise_by_op=rates))
+    save_profile(prof, tmp_path / "p.json")
+    loaded = load_profile(str(tmp_path / "p.json"))
+    assert dict(loaded.device.elementwise_by_op or {}) == pytest.approx(rates)
+    g = load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 8})
+    mesh = DeviceMesh.build(1)
+    cm = CostModel(g, mesh, loaded, PRECISIONS["fp32"])
+    dev = loaded.device
+    for op in ("Pow", "Add", "Tanh"):
+        node = next(n for n in g.compute_nodes if n.op_type == op and all(g.tensors[t].is_float for t in n.inputs if t))
+        c = cm.node_cost(node, replicated_strategy(OpContext.of(node, g), 1)).compute
+        rate = rates.get(op, dev.elementwise_bytes_per_s)
+        assert c.fwd_s == pytest.approx(c.fwd_bytes / rate + dev.graph_op_s)
+        assert c.bwd_s == pytest.approx(2 * c.fwd_bytes / rate + 2 * dev.graph_op_s)
+
+
+def test_matmuls_priced_by_their_narrowest_dim(zoo: Callable[[str], Path]) -> None:
+    # With a narrow-dim curve (fraction f(d) = P·d/(d + d½) of peak), a matmul is no faster than
+    # FLOPs / (peak · f(narrowest of m, k, n)): GPT-2 tiny's QKV projection (k = 64) and its attention
+    # scores (per head 64 × 16 · 16 × 64: d = 16) are priced at f(64) and f(16); without the curve,
+    # by FLOPs only.
+    import dataclasses
+
+    from costmodel.flops import matmul_narrow_dim
+    from hwprofiles.profile import ChannelCurve
+
+    cpu = load_profile("cpu")
+    curve = ChannelCurve(max_fraction=0.9, half_channels=64.0)
+    prof = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, matmul_narrow_efficiency=curve))
+    dev, peak = prof.device, prof.device.peak_for("fp32")
+    g = load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 64})
+    regions = attention_regions(g)
+    scores = g.node_by_name[next(iter(regions.values())).nodes[0]]
+    linear = next(n for n in g.compute_nodes if n.op_type in ("MatMul", "Gemm") and n.name not in
+                  {m for r in regions.values() for m in r.nodes})
+    shape = lambda t: g.tensors[t].shape  # noqa: E731
+    assert matmul_narrow_dim(scores, shape) == 16 and matmul_narrow_dim(linear, shape) == 64
+    for node, d in ((scores, 16), (linear, 64)):
+        flops = 2.0 * np.prod(g.tensors[node.outputs[0]].shape) * (16 if node is scores else 64)
+        assert dev.matmul_time_s(flops, "fp32", d) == pytest.approx(
+            max(flops / (peak * dev.matmul_efficiency.fraction(flops)), flops / (peak * curve.fraction(d))))
+        assert cpu.device.matmul_time_s(flops, "fp32", d) == pytest.approx(
+            flops / (peak * cpu.device.matmul_efficiency.fraction(flops)))
+    assert dev.matmul_time_s(1e9, "fp32", 16) > dev.matmul_time_s(1e9, "fp32", 256)
