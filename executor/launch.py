@@ -172,7 +172,8 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "measured_phases_s": max((r["measured_phases_s"] for r in reports.values()),
                                  key=lambda p: sum(p.values())),  # the slowest rank's
         "predicted_phases_s": {"compute_s": strategy.cost.compute_s, "comm_s": strategy.cost.comm_s,
-                               "optimizer_s": strategy.cost.optimizer_s, "overhead_s": strategy.cost.overhead_s},
+                               "bubble_s": strategy.cost.bubble_s, "optimizer_s": strategy.cost.optimizer_s,
+                               "overhead_s": strategy.cost.overhead_s},
         "predicted_memory_bytes": strategy.cost.memory_bytes_per_device,
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy, graph=graph),

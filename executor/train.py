@@ -21,6 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -240,8 +241,15 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.verify:
         after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in _ordered_params(module)}
     times, phases = [], []
+    # MESHPLAN_PROFILE=FILE: rank 0's timed steps under torch.profiler, its op table written to FILE
+    # (where the step's time goes, op by op, against the cost model's terms).
+    trace = os.environ.get("MESHPLAN_PROFILE") if dist.get_rank() == 0 else None
+    profiler = None
     for i in range(opts.warmup + opts.steps):
         warm = i < opts.warmup
+        if trace and i == opts.warmup:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
         dist.barrier()  # every step starts together; the barrier itself is not timed
         t0 = time.perf_counter()
         _, _, spans, peak = step(measure=warm)  # memory is measured in the warm-up steps, time in the others
@@ -254,6 +262,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         else:
             times.append(t2 - t0)
             phases.append([*spans, t2 - t1])
+    if profiler is not None and trace:
+        profiler.__exit__(None, None, None)
+        Path(trace).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
     if opts.verify:  # after the timed steps, which it would disturb
         final = {n: runner.full_parameter(n, p.detach()).cpu() for n, p in _ordered_params(module)}
         report["trained_parameters"] = sum(t.numel() for t in final.values())  # what the optimizer stepped, whole

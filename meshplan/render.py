@@ -233,7 +233,8 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     t.add_row("step time", f"measured {ms * 1e3:.2f} ms, predicted {ps * 1e3:.2f} ms (ratio {ps / ms:.2f})")
     mp, pp = result["measured_phases_s"], result["predicted_phases_s"]
     t.add_row("  measured", ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in mp.items()) + " ms")
-    t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, "
+    bubble = f"pipeline bubble {pp['bubble_s'] * 1e3:.2f}, " if pp.get("bubble_s") else ""
+    t.add_row("  predicted", f"compute {pp['compute_s'] * 1e3:.2f}, communication {pp['comm_s'] * 1e3:.2f}, {bubble}"
               f"optimizer {pp['optimizer_s'] * 1e3:.2f}, per-step overhead {pp.get('overhead_s', 0.0) * 1e3:.2f} ms")
     mm, pm = result["measured_memory_bytes"], result["predicted_memory_bytes"]
     t.add_row("memory per rank", f"measured {fmt_bytes(mm)} (model states + saved activations), "
