@@ -120,10 +120,10 @@ class EfficiencyCurve:
 class ChannelCurve:
     """Achieved fraction of peak for a convolution by the narrowest dim d of its implicit GEMM (output
     channels, or input channels × kernel size, per group): max_fraction · d/(d + half_channels).
-    Few channels leave the vector units half idle whatever the FLOPs (on this CPU a 3×3 conv with
-    32 channels runs at half the rate of a matmul of the same FLOPs). The fitted asymptote may lie
-    above the peak (max_fraction > 1): a convolution is never priced faster than a matmul of its
-    FLOPs, so the curve only bites where channels are few."""
+    Few channels leave the vector units half idle whatever the FLOPs (on an Intel core a 3×3 conv
+    with 32 channels ran at half the rate of a matmul of the same FLOPs). The fitted asymptote may lie
+    above the matmul peak (max_fraction > 1: on an AMD EPYC core oneDNN's convolutions at 64–128
+    channels outrun torch.matmul), and a convolution is priced at it."""
 
     max_fraction: float
     half_channels: float
@@ -233,11 +233,13 @@ class DeviceSpec:
         return max(t, flops / (self.peak_for(dtype) * self.matmul_narrow_efficiency.fraction(narrow)))
 
     def conv_time_s(self, flops: float, channels: float, dtype: str) -> float:
-        """A convolution: no faster than a matmul of its FLOPs, nor than its channels allow."""
-        t = self.matmul_time_s(flops, dtype)
+        """A convolution: at the rate its channels allow where the profile measured convolutions (a
+        CPU's direct convolution kernels may beat its matmul at many channels, or fall to half of it at
+        few), scaled by the matmul curve's small-size factor F/(F + F½); else as a matmul of its FLOPs."""
         if self.conv_efficiency is None or flops <= 0 or channels <= 0:
-            return t
-        return max(t, flops / (self.peak_for(dtype) * self.conv_efficiency.fraction(channels)))
+            return self.matmul_time_s(flops, dtype)
+        size = flops / (flops + self.matmul_efficiency.half_flops)
+        return flops / (self.peak_for(dtype) * self.conv_efficiency.fraction(channels) * size)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

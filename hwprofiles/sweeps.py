@@ -109,6 +109,7 @@ def elementwise_kernels(device: Any, elems: int = 1 << 16, pool: int = 128) -> d
     ys = [torch.randn(elems, device=device) for _ in range(pool)]
     pos = [x.abs() + 1.0 for x in xs]
     masks = [x > 0 for x in xs]
+    stats = torch.ones(16, device=device)  # per channel: running mean and variance, scale, shift
     turn = [0]
 
     def nxt() -> int:
@@ -127,7 +128,9 @@ def elementwise_kernels(device: Any, elems: int = 1 << 16, pool: int = 128) -> d
         "Softmax": (lambda: torch.softmax(rows(), -1), 2), "ReduceMean": (lambda: rows().mean(-1), 1 + 1 / 256),
         "LayerNormalization": (lambda: F.layer_norm(rows(), (256,)), 2), "Relu": (lambda: torch.relu(xs[nxt()]), 2),
         "Neg": (lambda: torch.neg(xs[nxt()]), 2), "Gelu": (lambda: F.gelu(xs[nxt()]), 2),
-        "BatchNormalization": (lambda: F.batch_norm(xs[nxt()].view(16, 16, -1, 16), None, None, training=True), 2),
+        # ONNX's default (training_mode 0, what exports write): the running statistics' affine map.
+        "BatchNormalization": (lambda: F.batch_norm(xs[nxt()].view(16, 16, -1, 16), stats, stats, stats, stats,
+                                                    training=False), 2),
         "Concat": (lambda: torch.cat([xs[i := nxt()], ys[i]]), 4),
     }
     return {op: (fn, tensors * elems * 4.0) for op, (fn, tensors) in kernels.items()}

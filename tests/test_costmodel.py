@@ -298,7 +298,8 @@ def test_reshards_pay_the_executors_host_cost_bucketed_gradients_do_not(zoo: Cal
 
 def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path]) -> None:
     # With a channel curve P·d/(d + d½), a conv of F FLOPs whose implicit GEMM's narrowest dim is d
-    # takes max(matmul time of F, F / (peak · max_fraction · d/(d + d½))); without one, the former.
+    # takes F / (peak · max_fraction · d/(d + d½) · F/(F + F½)) (F½: the matmul curve's small-size
+    # half point); without one, the matmul time of F.
     import dataclasses
 
     from costmodel.compute import compute_cost, local_shapes
@@ -319,7 +320,8 @@ def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path])
         d = conv_channels(node, shapes.__getitem__)
         assert d == min(w[0], w[1] * w[2] * w[3])  # groups = 1
         mm = cpu.device.matmul_time_s(f, "fp32")
-        expected = max(mm, f / (cpu.device.peak_for("fp32") * 1.2 * d / (d + 32.0)))
+        size = f / (f + cpu.device.matmul_efficiency.half_flops)
+        expected = f / (cpu.device.peak_for("fp32") * 1.2 * d / (d + 32.0) * size)
         a, b = (compute_cost(node, g, shapes, p, fp32) for p in (with_curve, without))
         assert a.fwd_s - b.fwd_s == pytest.approx(max(expected, a.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s)
                                                   - max(mm, b.fwd_bytes / cpu.device.mem_bandwidth_bytes_per_s), rel=1e-9)
