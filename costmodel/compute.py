@@ -87,7 +87,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     mm_s = dev.conv_time_s(flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
         if node.op_type in ("Conv", "ConvTranspose") else \
         dev.matmul_time_s(flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
-                          if node.op_type in ("MatMul", "Gemm") else None)
+                          if dev.matmul_narrow_efficiency is not None and node.op_type in ("MatMul", "Gemm") else None)
     fwd = max(mm_s + flops.other / peak, mem_s) + launch
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
