@@ -7,7 +7,9 @@ saved activation. Composing says how those pieces add up into a step, and that i
   serial   nothing overlapped: step = k × (compute + per-micro-batch communication) + per-step
            communication + optimizer + the executor's fixed cost, for k accumulation steps (the
            graph is bound at one micro-step's batch); memory = model states + every activation one
-           micro-batch saves (a sum over the step, not a liveness peak).
+           micro-batch saves (a sum over the step, not a liveness peak). A step with collectives
+           also waits for its slowest rank: the profile's rank skew × compute, counted as exposed
+           communication (ranks meet at each collective; 0 where the profile measured none).
 
   overlap  `serial` less what DDP and FSDP hide under compute on GPUs (`overlap` below); the
            gloo executor here runs every collective synchronously, so it is checked against serial.
@@ -82,7 +84,8 @@ def serial(p: PricedStep) -> StepCost:
     return StepCost(
         priced=p, policy="serial",
         compute_s=sum(p.node_compute_s.values()) * k,
-        comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events),
+        comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events)
+        + (p.rank_skew * sum(p.node_compute_s.values()) * k if p.events else 0.0),
         optimizer_s=sum(p.optimizer_s.values(), p.optimizer_fixed_s),
         overhead_s=p.overhead_s,
         memory={category: sum(items.values()) for category, items in p.memory.items()},

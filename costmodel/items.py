@@ -67,6 +67,7 @@ class PricedStep:
     optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
     optimizer_fixed_s: float = 0.0  # per step (a calibrated optimizer's fixed cost)
     overhead_s: float = 0.0  # the executor's fixed host cost per step
+    rank_skew: float = 0.0  # the profile's: a synchronising step waits this fraction of its compute
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # category → owner → bytes per device
     flops_matmul: float = 0.0  # per device, forward + backward
     placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)

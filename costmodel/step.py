@@ -496,6 +496,7 @@ class CostModel:
         if self.param_owner and dev.optimizer_step is not None:
             priced.optimizer_fixed_s = dev.optimizer_step.fixed_s
         priced.overhead_s = dev.step_overhead_s or 0.0
+        priced.rank_skew = dev.rank_skew or 0.0
         self._resharded_params_per_micro_batch(priced)
         degree = self._apply_zero(priced, zero)
         for t in self.param_owner:

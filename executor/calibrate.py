@@ -54,10 +54,11 @@ def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: fl
     if cfg.backend != "gloo":
         progress("compute", 3, 3)
         return {"graph op": bare_op_s, "step overhead": 0.0, "optimizer per tensor": 0.0, "optimizer fixed": 0.0,
-                "reshard": 0.0}
+                "reshard": 0.0, "rank skew": 0.0}
     out = executor_step_costs(min_time_s=1.5 if cfg.quick else 3.0)
     progress("compute", 2, 3)
     out["reshard"] = reshard_overhead_s()
+    out["rank skew"] = rank_skew(min_time_s=1.5 if cfg.quick else 3.0)
     progress("compute", 3, 3)
     return out
 
@@ -215,6 +216,43 @@ def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: in
         nodes, "blocks", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, s, h])],
         [helper.make_tensor_value_info(x, TensorProto.FLOAT, [b, s, h])], initializer=inits),
         opset_imports=[helper.make_opsetid("", 20)])
+
+
+def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> float:
+    """How much later than the mean the slowest rank finishes the same work: every rank runs the same
+    ~2 ms of matmuls, times it, and the ranks' times meet in an all-reduce (as a step's ranks meet at
+    each collective); over `min_time_s` of segments, Σ slowest / Σ mean − 1. A step that synchronises
+    waits that much longer than one rank's compute (on this VM, cores that switch speeds every few
+    seconds, independently); 0 without a process group."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return 0.0
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    t0 = time.perf_counter()
+    reps = 0
+    while time.perf_counter() - t0 < segment_s:  # matmuls per segment, agreed by all ranks (the max)
+        torch.matmul(a, b)
+        reps += 1
+    agreed = torch.tensor([reps], dtype=torch.int64)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    slowest = mean = 0.0
+    start = time.perf_counter()
+    going = True
+    while going:
+        t = time.perf_counter()
+        for _ in range(int(agreed)):
+            torch.matmul(a, b)
+        took = time.perf_counter() - t
+        top, total = torch.tensor([took], dtype=torch.float64), torch.tensor([took], dtype=torch.float64)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        slowest, mean = slowest + float(top), mean + float(total) / dist.get_world_size()
+        more = torch.tensor([int(time.perf_counter() - start < min_time_s)])
+        dist.all_reduce(more, op=dist.ReduceOp.MIN)  # every rank stops after the same segment
+        going = bool(int(more))
+    return max(0.0, slowest / mean - 1.0) if mean > 0 else 0.0
 
 
 def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:

@@ -243,7 +243,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     times, phases = [], []
     # MESHPLAN_PROFILE=FILE: rank 0's timed steps under torch.profiler, its op table written to FILE
     # (where the step's time goes, op by op, against the cost model's terms).
-    trace = os.environ.get("MESHPLAN_PROFILE") if dist.get_rank() == 0 else None
+    trace = os.environ.get("MESHPLAN_PROFILE") \
+        if dist.get_rank() == int(os.environ.get("MESHPLAN_PROFILE_RANK", "0")) else None
     profiler = None
     for i in range(opts.warmup + opts.steps):
         warm = i < opts.warmup

@@ -180,6 +180,9 @@ class DeviceSpec:
     # What element-wise kernels achieve by ONNX op type (bytes in + out per second), calibrated: on a
     # CPU core an erf or a pow runs at a fraction of an add's rate. Op types not listed: the mix's.
     elementwise_by_op: Mapping[str, float] | None = None
+    # How much later than the mean the slowest rank finishes the same work between two collectives (a
+    # fraction), measured: a step that synchronises waits that much beyond its compute. None: 0.
+    rank_skew: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -204,6 +207,8 @@ class DeviceSpec:
             _positive(self, "reshard_overhead_s", allow_zero=True)
         if self.step_overhead_s is not None:
             _positive(self, "step_overhead_s", allow_zero=True)
+        if self.rank_skew is not None:
+            _positive(self, "rank_skew", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
@@ -307,7 +312,7 @@ _UNITS = {
     "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s",
     "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
-    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s",
+    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "rank_skew": "1",
 }
 
 
@@ -355,6 +360,7 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             reshard_overhead_s=(r.q(dev, "reshard_overhead_s", "device.reshard_overhead_s")
                                 if "reshard_overhead_s" in dev else None),
             step_overhead_s=(r.q(dev, "step_overhead_s", "device.step_overhead_s") if "step_overhead_s" in dev else None),
+            rank_skew=r.q(dev, "rank_skew", "device.rank_skew") if "rank_skew" in dev else None,
             elementwise_by_op=({k: r.q(dev["elementwise_by_op"], k, f"device.elementwise_by_op.{k}")
                                 for k in dev["elementwise_by_op"]} if "elementwise_by_op" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
@@ -467,6 +473,7 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                if d.reshard_overhead_s is not None else {}),
             **({"step_overhead_s": q(d.step_overhead_s, "s", "device.step_overhead_s")}
                if d.step_overhead_s is not None else {}),
+            **({"rank_skew": q(d.rank_skew, "1", "device.rank_skew")} if d.rank_skew is not None else {}),
             **({"optimizer_step": {k: q(getattr(d.optimizer_step, k), "s", f"device.optimizer_step.{k}")
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),

@@ -34,6 +34,8 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     narrow = {pt["dim"]: pt["median_s"] for pt in report["narrow"]}
     assert narrow[8.0] / 8 > narrow[256.0] / 256
     assert set(p.device.elementwise_by_op or {}) >= {"Add", "Mul", "Erf", "Pow", "Tanh", "Softmax"}
+    # The slowest rank's lateness for the same work, measured on the 2 ranks: a fraction, at least 0.
+    assert p.device.rank_skew is not None and 0.0 <= p.device.rank_skew == report["rank_skew"] < 5.0
     assert p.name == "here" and p.origin["kind"] == "calibrated"
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())
     for kind in Collective:

@@ -504,3 +504,28 @@ def test_matmuls_priced_by_their_narrowest_dim(zoo: Callable[[str], Path]) -> No
         assert cpu.device.matmul_time_s(flops, "fp32", d) == pytest.approx(
             flops / (peak * cpu.device.matmul_efficiency.fraction(flops)))
     assert dev.matmul_time_s(1e9, "fp32", 16) > dev.matmul_time_s(1e9, "fp32", 256)
+
+
+def test_a_synchronising_step_waits_for_its_slowest_rank(zoo: Callable[[str], Path]) -> None:
+    # A profile measuring rank skew r (the slowest rank's excess over the mean for the same work): a
+    # step with collectives waits r × its compute more, counted as exposed communication; a step with
+    # none (one device) does not wait.
+    import dataclasses
+
+    cpu = load_profile("cpu")
+    skewed = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, rank_skew=0.25))
+    g = load_graph(zoo("mlp"), {"batch": 64})
+    for n, expect_wait in ((2, True), (1, False)):
+        mesh = DeviceMesh.build(n)
+        batch = "S(0)" if n > 1 else "R"  # data parallel: the batch split, everything else replicated
+
+        def data_parallel(s: OpStrategy, batch: str = batch) -> bool:
+            return str(s.input_specs[0]) == batch and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+        plan = {node.name: next(filter(data_parallel, strategies_for(node, g, mesh).strategies))
+                for node in g.compute_nodes}
+        plain = CostModel(g, mesh, cpu, PRECISIONS["fp32"]).price(plan)
+        waits = CostModel(g, mesh, skewed, PRECISIONS["fp32"]).price(plan)
+        assert waits.compute_s == pytest.approx(plain.compute_s)
+        assert waits.comm_s - plain.comm_s == pytest.approx(0.25 * plain.compute_s if expect_wait else 0.0)
+        assert bool(plain.events) is expect_wait
