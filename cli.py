@@ -152,7 +152,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @click.option("--overlap", is_flag=True,
               help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
                    "(default: serial, as the gloo executor runs).")
-@click.option("--attention", type=click.Choice(["flash", "eager", "fused-softmax"]), default="flash", show_default=True,
+@click.option("--attention", default="flash", show_default=True, metavar="flash|eager|fused-softmax",
               help="How the runtime runs attention: FlashAttention (scores on chip), torch's eager ops or "
                    "Megatron-LM's fused scale-mask-softmax (scores and probabilities through memory; priced per kernel).")
 @click.option("--attention-dropout", type=float, default=0.0, metavar="P",

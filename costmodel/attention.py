@@ -13,7 +13,7 @@ Runtimes without FlashAttention write the s×s tensors to memory (`--attention`,
 "eager" is torch's own ops (transformers' `attn_implementation="eager"`): QKᵀ GEMM, the mask added, a
 softmax, dropout, the ·V GEMM, each a kernel reading and writing memory; "fused-softmax" is Megatron-LM's
 (apex `FusedScaleMaskSoftmax`, SC'21's runs): the mask and the scale fused into the softmax kernel.
-`materialized_kernels` lists their kernels, each priced as a roofline (`materialized_attention_s`);
+`materialized_kernels` lists their kernels, each priced as a roofline (`kernels_s`);
 the exporter's NaN guard (IsNaN → Where) is SDPA's decomposition, not a kernel either runtime runs.
 """
 
@@ -136,6 +136,7 @@ class Kernel:
     flops: float
     bytes: float
     narrow: float = 0.0  # a GEMM's narrowest dim (the head dim), 0 for the others
+    op: str = ""  # an element-wise kernel's ONNX op type: priced at that op's rate (`DeviceSpec.elementwise_rate`)
 
 
 def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_dim: float, element_bytes: float,
@@ -155,15 +156,15 @@ def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_
     s, e, mm = scores, element_bytes, 2.0 * scores * head_dim
     fwd = [Kernel("QKᵀ", mm, (q + kv + s) * e, head_dim)]
     if kind == "eager" and masked:
-        fwd.append(Kernel("mask add", 0.0, 2 * s * e))
-    fwd.append(Kernel("softmax", 0.0, 2 * s * e))
+        fwd.append(Kernel("mask add", 0.0, 2 * s * e, op="Add"))
+    fwd.append(Kernel("softmax", 0.0, 2 * s * e, op="Softmax"))
     if dropout:
-        fwd.append(Kernel("dropout", 0.0, 2 * s * e + s))
+        fwd.append(Kernel("dropout", 0.0, 2 * s * e + s, op="Dropout"))
     fwd.append(Kernel("P·V", mm, (s + kv + q) * e, head_dim))
     bwd = [Kernel("dP = dO·Vᵀ", mm, (q + kv + s) * e, head_dim), Kernel("dV = Pᵀ·dO", mm, (s + q + kv) * e, head_dim)]
     if dropout:
-        bwd.append(Kernel("dropout backward", 0.0, 2 * s * e + s))
-    bwd += [Kernel("softmax backward", 0.0, 3 * s * e), Kernel("dQ = dS·K", mm, (s + kv + q) * e, head_dim),
+        bwd.append(Kernel("dropout backward", 0.0, 2 * s * e + s, op="Dropout"))
+    bwd += [Kernel("softmax backward", 0.0, 3 * s * e, op="Softmax"), Kernel("dQ = dS·K", mm, (s + kv + q) * e, head_dim),
             Kernel("dK = dSᵀ·Q", mm, (s + q + kv) * e, head_dim)]
     saved = s * e + (s + s * e if dropout else 0.0)
     return fwd, bwd, saved
@@ -171,10 +172,10 @@ def materialized_kernels(kind: str, *, scores: float, q: float, kv: float, head_
 
 def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: float) -> float:
     """Kernels one after another, each a roofline: its matmul FLOPs at the profile's matmul curve or its
-    bytes at memory bandwidth (a GEMM's) or element-wise bandwidth (the others'), whichever is slower,
-    plus a launch."""
+    bytes at memory bandwidth (a GEMM's) or its op type's element-wise bandwidth (the others'),
+    whichever is slower, plus a launch."""
     total = 0.0
     for k in kernels:
-        bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_bytes_per_s
+        bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_rate(k.op)
         total += max(device.matmul_time_s(k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
     return total

@@ -81,11 +81,11 @@ class StepCost:
 def serial(p: PricedStep) -> StepCost:
     k = p.micro_batches
     per_step = {Cadence.MICRO_BATCH: k, Cadence.STEP: 1}
+    compute = sum(p.node_compute_s.values()) * k
     return StepCost(
         priced=p, policy="serial",
-        compute_s=sum(p.node_compute_s.values()) * k,
-        comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events)
-        + (p.rank_skew * sum(p.node_compute_s.values()) * k if p.events else 0.0),
+        compute_s=compute,
+        comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events) + (p.rank_skew * compute if p.events else 0.0),
         optimizer_s=sum(p.optimizer_s.values(), p.optimizer_fixed_s),
         overhead_s=p.overhead_s,
         memory={category: sum(items.values()) for category, items in p.memory.items()},

@@ -241,8 +241,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.verify:
         after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in _ordered_params(module)}
     times, phases = [], []
-    # MESHPLAN_PROFILE=FILE: rank 0's timed steps under torch.profiler, its op table written to FILE
-    # (where the step's time goes, op by op, against the cost model's terms).
+    # MESHPLAN_PROFILE=FILE: the timed steps of rank MESHPLAN_PROFILE_RANK (default 0) under
+    # torch.profiler, its op table written to FILE (where the step's time goes, op by op).
     trace = os.environ.get("MESHPLAN_PROFILE") \
         if dist.get_rank() == int(os.environ.get("MESHPLAN_PROFILE_RANK", "0")) else None
     profiler = None

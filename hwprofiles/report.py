@@ -16,7 +16,7 @@ from costmodel.collectives import Collective, LinkLevel
 from hwprofiles.calibrate import CalibrationConfig, CalibrationError
 from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_efficiency
 from hwprofiles.profile import HardwareProfile, load_profile, profile_from_json, profile_to_json
-from hwprofiles.sweeps import CONV_CHANNELS, ELEMENTWISE_OPS, NARROW_DIMS, conv_flops, narrow_flops
+from hwprofiles.sweeps import CONV_CHANNELS, ELEMENTWISE_ALIASES, NARROW_DIMS, conv_flops, narrow_flops
 from hwprofiles.timing import Measurement
 
 
@@ -56,9 +56,10 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dic
     report.optimizer_tensor_s = medians["optimizer per tensor"]
     report.optimizer_param_s = medians["optimizer per parameter"]
     report.elementwise_bandwidth_bytes_per_s = 1.0 / medians["element-wise per byte"]
-    measured = {k: 1.0 / medians[f"element-wise {k} per byte"] for k in set(ELEMENTWISE_OPS.values())
-                if f"element-wise {k} per byte" in medians}
-    report.elementwise_by_op = {op: measured[k] for op, k in ELEMENTWISE_OPS.items() if k in measured}
+    prefix, suffix = "element-wise ", " per byte"
+    measured = {k[len(prefix):-len(suffix)]: 1.0 / v for k, v in medians.items()
+                if k.startswith(prefix) and k.endswith(suffix) and k != "element-wise per byte"}
+    report.elementwise_by_op = {**measured, **{op: measured[k] for op, k in ELEMENTWISE_ALIASES.items() if k in measured}}
     report.conv = [Measurement(kind="conv", size=float(c), times_s=[medians[f"conv {c}"]]) for c in CONV_CHANNELS]
     report.reshard_overhead_s = medians["reshard"]
     report.narrow = [Measurement(kind="matmul", size=float(d), times_s=[medians[f"narrow {side} {d}"]])
@@ -150,7 +151,8 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
                                                  "softmax) on 64k floats, bytes in + out per second")
     if report.elementwise_by_op:
         dev["elementwise_by_op"] = {
-            op: q(v, "B/s", f"torch's {ELEMENTWISE_OPS[op]} kernel on 64k floats, bytes in + out per second")
+            op: q(v, "B/s", f"torch's {ELEMENTWISE_ALIASES.get(op, op)} kernel on 64k floats (each call the next of "
+                  f"128 inputs, past the caches), bytes in + out per second")
             for op, v in sorted(report.elementwise_by_op.items())}
     dev["kernel_launch_s"] = q(report.bare_op_s, "s", "median time of a one-element op")
     if report.reshard_overhead_s > 0:

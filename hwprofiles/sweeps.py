@@ -86,13 +86,9 @@ def reduce_max(medians: dict[str, float]) -> dict[str, float]:
 # The kernel mix whose summed bytes over summed times is the profile's element-wise bandwidth (the
 # rate of op types not measured one by one).
 MIX = ("Add", "Mul", "Where", "Tanh", "Erf", "Exp", "Pow", "Softmax")
-# Op types priced at a measured kernel's rate (`DeviceSpec.elementwise_by_op`): the ONNX ops transformers
-# export, each as the kernel torch runs for it.
-ELEMENTWISE_OPS = {"Add": "Add", "Sub": "Add", "Mul": "Mul", "Div": "Div", "Where": "Where", "Tanh": "Tanh",
-                   "Erf": "Erf", "Exp": "Exp", "Pow": "Pow", "Sqrt": "Sqrt", "Sigmoid": "Sigmoid",
-                   "Softmax": "Softmax", "ReduceMean": "ReduceMean", "LayerNormalization": "LayerNormalization",
-                   "Relu": "Relu", "Neg": "Neg", "Gelu": "Gelu", "BatchNormalization": "BatchNormalization",
-                   "Concat": "Concat"}
+# ONNX op types priced at another op's measured kernel (`elementwise_kernels` measures the others by
+# their own name).
+ELEMENTWISE_ALIASES = {"Sub": "Add"}
 
 
 def elementwise_kernels(device: Any, elems: int = 1 << 16, pool: int = 128) -> dict[str, tuple[Callable[[], object], float]]:
