@@ -147,13 +147,14 @@ FIDELITY_PLANS: list[tuple[str, str, dict[str, int], dict[str, Any]]] = [
 ]
 
 
-def bench_fidelity(rounds: int, profile: str | None = None) -> None:
+def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | None = None) -> None:
     """Predicted vs measured: every plan of FIDELITY_PLANS (the small zoo models planned by the ILP for
     2 ranks, GPT-2 with accumulation, recomputation, ZeRO-2, eager attention, 2 pipeline stages) on a
     profile calibrated on this machine and run by the executor (gloo); |predicted − measured| / measured for step time
     and memory. This machine's speed drifts over hours (a shared VM: the same matmul takes 212 µs in
     one hour and 270 µs in another), so by default the profile is calibrated first, here and now;
-    `--profile cpu` starts from the stored preset instead. Each plan runs `rounds` times (about 3 s
+    `--profile cpu` starts from the stored preset instead; `--plan LABEL` (repeatable) runs only the plans
+    whose label starts with LABEL. Each plan runs `rounds` times (about 3 s
     of timed steps each, rounds interleaved across models, each run planned on compute re-measured just
     before it); the median round (by error) is reported."""
     from executor.calibrate import calibrate
@@ -186,9 +187,13 @@ def bench_fidelity(rounds: int, profile: str | None = None) -> None:
         phases.add_column(col)
     # Rounds over all plans; each planned on compute figures measured just before its run (the links
     # stay those of the full calibration): prediction and measurement see the same machine.
-    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in FIDELITY_PLANS}
+    chosen = [p for p in FIDELITY_PLANS if not plans or any(p[0].startswith(x) for x in plans)]
+    if not chosen:
+        raise SystemExit(f"--plan {plans}: no fidelity plan is labelled so; the labels: "
+                         f"{', '.join(p[0] for p in FIDELITY_PLANS)}")
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in chosen}
     for _ in range(rounds):
-        for label, name, dims, levers in FIDELITY_PLANS:
+        for label, name, dims, levers in chosen:
             now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True))
             save_profile(now, "/tmp/meshplan-fidelity-round.json")
             path = str(zoo.export(name))
@@ -278,10 +283,11 @@ def main() -> None:
     ap.add_argument("--only", choices=list(BENCHMARKS), action="append")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--profile", help="fidelity: a profile name or JSON (default: calibrate this machine first)")
+    ap.add_argument("--plan", action="append", help="fidelity: only the plans whose label starts with this")
     args = ap.parse_args()
     for name in args.only or list(BENCHMARKS):
         if name == "fidelity":
-            bench_fidelity(args.repeat, args.profile)
+            bench_fidelity(args.repeat, args.profile, args.plan)
         else:
             BENCHMARKS[name](args.repeat)
 

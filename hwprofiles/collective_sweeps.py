@@ -65,8 +65,8 @@ def collective_times(cfg: CalibrationConfig, rank: int, n: int, device: Any,
             for _ in range(2):
                 fn()
             sync(device)
-            # Every op is timed on its own: gloo's latency has a heavy tail (p90 up to 5× p50 here),
-            # so a batch mean is unstable while the per-op median is not. The count comes from a
+            # Every op is timed on its own (gloo's latency has a heavy tail, p90 up to 10× p50 here);
+            # the table keeps every repetition, and the profile the mean (what a step pays). The count comes from a
             # MAX-reduced probe, hence is the same on every rank.
             t0 = time.perf_counter()
             fn()
@@ -96,4 +96,4 @@ def fit_collectives(cfg: CalibrationConfig, report: CalibrationReport,
         kind = Collective(kind_name)
         ms = [Measurement(kind=kind_name, size=float(s), times_s=t) for s, t in rows]
         report.collectives[kind_name] = ms
-        report.fits[kind_name] = fit_alpha_beta(kind, cfg.nproc, [m.size for m in ms], [m.median_s for m in ms])
+        report.fits[kind_name] = fit_alpha_beta(kind, cfg.nproc, [m.size for m in ms], [m.mean_s for m in ms])

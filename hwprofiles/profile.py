@@ -15,7 +15,7 @@ n ranks, time = steps(n)·α + factor(n)·S/β_bus, with the ring algorithm's
   broadcast       steps  n−1,   factor  1
   send_recv       steps  1,     factor  1
 A measured table (message size → time at a given n) takes precedence inside its range, interpolated
-log-log and made monotonic.
+log-log through its monotone least-squares fit (a bigger message never takes less time).
 """
 
 from __future__ import annotations
@@ -81,8 +81,22 @@ def _table_arrays(table: tuple[TablePoint, ...], num_ranks: int) -> tuple[np.nda
     if len(pts) < 2:
         return None
     sizes = np.log(np.array([s for s, _ in pts]))
-    times = np.maximum.accumulate(np.array([t for _, t in pts]))  # a bigger message never takes less time
-    return sizes, np.log(times)
+    return sizes, np.log(monotone_fit([t for _, t in pts]))
+
+
+def monotone_fit(values: list[float]) -> np.ndarray:
+    """The non-decreasing sequence nearest to `values` in least squares (pool adjacent violators):
+    a run of measured times that falls with size is replaced by its mean. A calibrated table holds
+    mean times, and gloo's heavy tail makes each mean noisy (±30% here); a running maximum would
+    carry one high mean to every larger size, the pooled mean does not."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
 
 
 def _interpolate(table: tuple[TablePoint, ...], num_ranks: int, size_bytes: float) -> float | None:

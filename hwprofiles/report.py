@@ -189,9 +189,9 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
     colls = data.setdefault("collectives", {}).setdefault(LinkLevel.INTRA_NODE.value, {})
     for kind_name, fit in report.fits.items():
         colls[kind_name] = {
-            "alpha_s": q(fit.alpha_s, "s", "α-β fit"),
-            "bus_bandwidth_bytes_per_s": q(fit.bus_bandwidth_bytes_per_s, "B/s", "α-β fit"),
-            "table": [{"ranks": cfg.nproc, "bytes": m.size, "seconds": m.median_s} for m in report.collectives[kind_name]],
+            "alpha_s": q(fit.alpha_s, "s", "α-β fit of mean times"),
+            "bus_bandwidth_bytes_per_s": q(fit.bus_bandwidth_bytes_per_s, "B/s", "α-β fit of mean times"),
+            "table": [{"ranks": cfg.nproc, "bytes": m.size, "seconds": m.mean_s} for m in report.collectives[kind_name]],
         }
     return profile_from_json(data, origin_hint="calibrated profile")
 
@@ -210,13 +210,13 @@ def plot_report(report: CalibrationReport, profile: HardwareProfile, path: Path)
     for ax, kind_name in zip(flat, kinds, strict=False):
         ms = report.collectives[kind_name]
         sizes = np.array([m.size for m in ms])
-        med = np.array([m.median_s for m in ms])
+        med = np.array([m.mean_s for m in ms])
         err = np.array([m.spread * m.median_s / 2 for m in ms])
         model = profile.collectives[(LinkLevel.INTRA_NODE, Collective(kind_name))]
         xs = np.geomspace(sizes.min(), sizes.max(), 100)
         n = next(iter(p.ranks for p in model.table), 2)
         fit = [model.alpha_beta_time_s(Collective(kind_name), x, n) for x in xs]
-        ax.errorbar(sizes, med, yerr=err, fmt="o", label="measured (median, IQR)")
+        ax.errorbar(sizes, med, yerr=err, fmt="o", label="measured (mean, IQR/2 bars)")
         ax.plot(xs, fit, "-", label=f"α-β fit ({report.fits[kind_name].median_rel_error:.0%} median error)")
         ax.set(xscale="log", yscale="log", title=f"{kind_name}, {n} ranks", xlabel="message bytes", ylabel="seconds")
         ax.legend(fontsize=7)
@@ -262,7 +262,8 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "collectives": {
             k: {"alpha_s": report.fits[k].alpha_s, "bus_bandwidth_bytes_per_s": report.fits[k].bus_bandwidth_bytes_per_s,
                 "median_rel_error": report.fits[k].median_rel_error,
-                "points": [{"bytes": m.size, "median_s": m.median_s, "spread": m.spread} for m in ms]}
+                "points": [{"bytes": m.size, "mean_s": m.mean_s, "median_s": m.median_s, "spread": m.spread}
+                           for m in ms]}
             for k, ms in report.collectives.items()
         },
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from hwprofiles.profile import (
     TablePoint,
     list_presets,
     load_profile,
+    monotone_fit,
     profile_from_json,
     profile_to_json,
 )
@@ -52,15 +54,25 @@ def test_table_takes_precedence_interpolated_and_monotonic() -> None:
     table = (TablePoint(ranks=2, size_bytes=1 << 20, time_s=1e-3), TablePoint(ranks=2, size_bytes=4 << 20, time_s=0.5e-3),
              TablePoint(ranks=2, size_bytes=16 << 20, time_s=16e-3))
     m = CollectiveModel(alpha_s=ALPHA, bus_bandwidth_bytes_per_s=BETA, table=table)
-    assert m.time_s(Collective.ALL_REDUCE, 1 << 20, 2) == pytest.approx(1e-3)
+    # The dip is pooled with the point before it (least squares under monotonicity): both 0.75 ms.
+    assert m.time_s(Collective.ALL_REDUCE, 1 << 20, 2) == pytest.approx(0.75e-3)
+    assert m.time_s(Collective.ALL_REDUCE, 4 << 20, 2) == pytest.approx(0.75e-3)
     sizes = np.geomspace(1 << 20, 16 << 20, 50)
     times = [m.time_s(Collective.ALL_REDUCE, s, 2) for s in sizes]
     assert all(b >= a for a, b in itertools.pairwise(times))
-    # Log-log interpolation between (4 MiB, 1 ms after the monotonic fix) and (16 MiB, 16 ms): at 8 MiB, √16 = 4 ms.
-    assert m.time_s(Collective.ALL_REDUCE, 8 << 20, 2) == pytest.approx(4e-3)
+    # Log-log interpolation between (4 MiB, 0.75 ms) and (16 MiB, 16 ms): at 8 MiB, √(0.75·16) ms.
+    assert m.time_s(Collective.ALL_REDUCE, 8 << 20, 2) == pytest.approx(math.sqrt(0.75 * 16) * 1e-3)
     # Outside the table's range, or at another rank count, the α-β model answers.
     assert m.time_s(Collective.ALL_REDUCE, 64 << 20, 2) == pytest.approx(AB.time_s(Collective.ALL_REDUCE, 64 << 20, 2))
     assert m.time_s(Collective.ALL_REDUCE, 4 << 20, 4) == pytest.approx(AB.time_s(Collective.ALL_REDUCE, 4 << 20, 4))
+
+
+def test_monotone_fit_pools_adjacent_violators() -> None:
+    assert monotone_fit([1.0, 2.0, 3.0]).tolist() == [1.0, 2.0, 3.0]
+    assert monotone_fit([2.0, 1.0, 3.0]).tolist() == [1.5, 1.5, 3.0]
+    # A high first mean pools with the later points it exceeds, not carried forward as a maximum.
+    assert monotone_fit([2.1, 1.5, 1.3, 1.5, 1.2, 3.3]) == pytest.approx([1.52] * 5 + [3.3])
+    assert monotone_fit([3.0, 2.0, 1.0]).tolist() == [2.0, 2.0, 2.0]
 
 
 def test_efficiency_curve() -> None:
