@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.attention import attention_regions
-from planner.graph import OpGraph, TensorKind
+from planner.graph import OpGraph, OpNode, TensorKind
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,6 +65,115 @@ SAVES_NOTHING = frozenset({
     "GlobalAveragePool", "AveragePool", "Equal", "And", "Or", "Not", "IsNaN", "IsInf", "Less", "Greater",
     "LessOrEqual", "GreaterOrEqual", "Where",
 })
+# Products: the gradient of each operand is the incoming gradient times the other operand, so an
+# operand is read only for the other's gradient (Gemm's bias, input 2, for none).
+PRODUCTS = frozenset({"Mul", "MatMul", "Gemm"})
+# Ops whose output is a view of their first input in torch (no new storage): saved, a view keeps the
+# whole storage alive, once however many views of it are saved.
+ALIAS_OPS = frozenset({"Identity", "Squeeze", "Unsqueeze", "Transpose", "Reshape", "Flatten", "Expand", "Slice",
+                       "Split", "SplitToSequence", "SequenceAt"})
+_STRIDED = frozenset({"Expand", "Slice", "Split", "SplitToSequence", "SequenceAt"})  # views with gaps or repeats
+
+
+def gradient_tensors(graph: OpGraph) -> frozenset[str]:
+    """Float tensors that depend on a parameter: the only ones backward computes a gradient for."""
+    out = {t.name for t in graph.params}
+    for n in graph.compute_nodes:
+        if any(t in out for t in n.inputs):  # a sequence (SplitToSequence) carries its elements' gradients
+            out.update(t for t in n.outputs if t in graph.tensors and
+                       (graph.tensors[t].is_float or graph.tensors[t].dtype == "sequence"))
+    return frozenset(out)
+
+
+def backward_reads(node: OpNode, needs_grad: frozenset[str]) -> tuple[int, ...]:
+    """Indices of the inputs an op's backward reads, as torch's autograd saves them: only for the
+    gradients it computes (an op none of whose inputs needs a gradient saves nothing; x·c with c a
+    constant saves c, not x); an op in SAVES_OUTPUT or SAVES_NOTHING reads none of its inputs."""
+    ins = node.inputs
+    if node.op_type in SAVES_NOTHING or node.op_type in SAVES_OUTPUT or not any(t in needs_grad for t in ins if t):
+        return ()
+    if node.op_type in PRODUCTS:
+        return tuple(i for i, other in ((0, 1), (1, 0)) if ins[other] in needs_grad)
+    if node.op_type == "Div":  # a/b: d/da reads b; d/db reads a and b
+        return (0, 1) if ins[1] in needs_grad else (1,)
+    if node.op_type == "Gather":  # an embedding's backward scatters by the indices, never reads the table
+        return (1,)
+    return tuple(i for i, t in enumerate(ins) if t)
+
+
+def storage_roots(graph: OpGraph) -> dict[str, str]:
+    """Each tensor → the tensor whose storage it shares in torch (itself unless made by an ALIAS_OPS
+    view). A reshape is a view unless it merges dims its input does not hold contiguously (after a
+    transpose, an expand or a slice), where torch copies: that output is a storage of its own. Each
+    tensor's physical dim order is followed through transposes; a fused attention's output is laid
+    out (batch, seq, heads, head_dim) under its logical (batch, heads, seq, head_dim), as
+    FlashAttention and torch's SDPA kernels write it, so the usual transpose-and-merge of heads after
+    it is a view."""
+    root: dict[str, str] = {}
+    order: dict[str, tuple[int, ...] | None] = {}  # logical dims, outermost first in memory; None: strided
+    for r in attention_regions(graph).values():
+        if len(graph.tensors[r.out].shape) == 4:
+            order[r.out] = (0, 2, 1, 3)
+    for n in graph.compute_nodes:
+        src = n.inputs[0] if n.inputs else ""
+        if not src or src not in graph.tensors:
+            continue
+        shape = graph.tensors[src].shape
+        have = order.get(src, tuple(range(len(shape))))
+        dense = have is not None and _in_order(have, shape)
+        for t in n.outputs:
+            if not t or t not in graph.tensors:
+                continue
+            op, new = n.op_type, graph.tensors[t].shape
+            if op not in ALIAS_OPS or (op in ("Reshape", "Flatten") and not dense and not _splits_only(shape, new)):
+                root[t] = t
+                order.setdefault(t, tuple(range(len(new))))
+                continue
+            root[t] = root.get(src, src)
+            if op == "Transpose" and have is not None:
+                perm = [int(p) for p in n.attr("perm") or range(len(shape))[::-1]]  # type: ignore[attr-defined]
+                order[t] = tuple(perm.index(d) for d in have)
+            elif op in _STRIDED:
+                order[t] = None
+            elif new == shape:  # an identity view keeps its input's layout
+                order[t] = have
+            elif not dense:
+                order[t] = None
+            else:
+                order[t] = tuple(range(len(new)))
+    return root
+
+
+def _in_order(order: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether a tensor of this physical dim order is contiguous (size-1 dims anywhere)."""
+    moved = [d for d in order if shape[d] != 1]
+    return moved == sorted(moved)
+
+
+def _splits_only(old: tuple[int, ...], new: tuple[int, ...]) -> bool:
+    """Whether `new` only splits dims of `old` (each old dim is the product of consecutive new dims):
+    a view of any strided tensor."""
+    i = 0
+    for d in old:
+        prod = 1
+        while prod < d and i < len(new):
+            prod *= new[i]
+            i += 1
+        if prod != d:
+            return False
+        while i < len(new) and new[i] == 1 and d == 1:
+            i += 1
+    return all(x == 1 for x in new[i:])
+
+
+def read_in_backward(graph: OpGraph, needs_grad: frozenset[str]) -> frozenset[str]:
+    """Every tensor some op's backward reads (`backward_reads`), and the inputs of views of them (a
+    weight whose transpose a matmul saves is read in backward)."""
+    read = {n.inputs[i] for n in graph.compute_nodes for i in backward_reads(n, needs_grad)}
+    for n in reversed(graph.compute_nodes):
+        if n.op_type in ALIAS_OPS and n.inputs and any(t in read for t in n.outputs):
+            read.add(n.inputs[0])
+    return frozenset(read)
 
 
 def attention_score_tensors(graph: OpGraph) -> frozenset[str]:
@@ -74,19 +183,20 @@ def attention_score_tensors(graph: OpGraph) -> frozenset[str]:
 
 
 def saved_tensors(graph: OpGraph) -> frozenset[str]:
-    """Float activations (and inputs) some op's backward reads; parameters are counted as model states.
-    A fused attention keeps its output for backward (FlashAttention: O, and the row log-sum-exp, which
-    is 1/head_dim of it and left out)."""
+    """Float activation (and input) storages some op's backward reads, each named by its root tensor
+    (`storage_roots`: views of one storage count once, a view of a parameter not at all, parameters
+    being model states). What an op reads follows torch's autograd (`backward_reads`). A fused
+    attention keeps its output for backward (FlashAttention: O, and the row log-sum-exp, which is
+    1/head_dim of it and left out)."""
     scores = attention_score_tensors(graph)
+    needs = gradient_tensors(graph)
+    roots = storage_roots(graph)
     out: set[str] = set()
     for n in graph.compute_nodes:
-        if n.op_type == "MatMul" and any(t in scores for t in n.inputs):
-            out.update(n.outputs[:1])
-        if n.op_type in SAVES_NOTHING:
-            continue
-        names = n.outputs[:1] if n.op_type in SAVES_OUTPUT else n.inputs
-        for t in names:
-            info = graph.tensors.get(t)
-            if info is not None and info.is_float and info.kind in (TensorKind.ACTIVATION, TensorKind.INPUT):
-                out.add(t)
-    return frozenset(out - scores)
+        if n.op_type == "MatMul" and any(t in scores for t in n.inputs) and any(t in needs for t in n.inputs):
+            out.update(n.outputs[:1])  # P·V: the fused kernel's output O
+        names = n.outputs[:1] if n.op_type in SAVES_OUTPUT and any(t in needs for t in n.inputs) else \
+            [n.inputs[i] for i in backward_reads(n, needs)]
+        out.update(roots.get(t, t) for t in names)
+    return frozenset(t for t in out - scores if (info := graph.tensors.get(t)) is not None and info.is_float
+                     and info.kind in (TensorKind.ACTIVATION, TensorKind.INPUT))

@@ -57,11 +57,13 @@ from costmodel.compute import (
 from costmodel.items import CommEvent, LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import (
-    SAVES_NOTHING,
-    SAVES_OUTPUT,
+    ALIAS_OPS,
     Precision,
     attention_score_tensors,
+    backward_reads,
+    gradient_tensors,
     model_states,
+    read_in_backward,
     saved_tensors,
 )
 from hwprofiles.profile import HardwareProfile
@@ -82,9 +84,6 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
 RECOMPUTE = ("none", "selective", "full")
 # Ops whose output is a view of their input (torch): saving the output keeps the input's storage.
-VIEW_OPS = frozenset({"Transpose", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand", "Slice"})
-
-
 class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
@@ -145,11 +144,9 @@ class CostModel:
         # latency, as an edge is priced alone (`price` packs the plan's actual buckets).
         total = max(1.0, sum(float(t.numel) * precision.grad_bytes for t in graph.params))
         self.bucket_fill = {kind: min(self.fusion.as_dict()[name], total) for kind, name in _FUSED.items()}
-        self.saved = saved_tensors(graph)
-        # A view of a parameter (a transposed weight) shares its storage: saved, it costs nothing more.
-        self.param_views = frozenset(t for n in graph.compute_nodes if n.op_type in VIEW_OPS and n.inputs
-                                     and graph.tensors[n.inputs[0]].kind is TensorKind.PARAM for t in n.outputs)
-        self.needs_grad = _gradient_tensors(graph)
+        self.saved = saved_tensors(graph)  # by storage: a view of a parameter (a transposed weight) is none
+        self.needs_grad = gradient_tensors(graph)
+        self.backward_read = read_in_backward(graph, self.needs_grad)
         self.on_chip = attention_score_tensors(graph)
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
         self.materialized: dict[str, AttentionRegion] = {} if attention == "flash" else {
@@ -171,8 +168,7 @@ class CostModel:
         shapes = local_shapes(node, g, specs, self.mesh)
         compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
                                needs_grad=self.needs_grad)
-        act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs
-                  if t in self.saved and t not in self.param_views)
+        act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
         region = self.materialized.get(node.name)
         if region is not None:
             compute, saved = self._materialized(node, region, shapes, compute)
@@ -365,13 +361,12 @@ class CostModel:
 
     def reads_in_backward(self, node: OpNode, index: int) -> bool:
         """Whether backward reads input `index` of an op (what decides a gathered parameter's second
-        gather): not ops that save nothing or only their output, not a Gemm's bias, not an embedding's
-        table; a view op's input when its consumer saves the view (a transposed weight)."""
-        op = node.op_type
-        if op in VIEW_OPS:
-            return any(t in self.saved for t in node.outputs)
-        return not (op in SAVES_NOTHING or op in SAVES_OUTPUT or (op == "Gemm" and index == 2)
-                    or (op == "Gather" and index == 0))
+        gather), as torch's autograd saves it (`memory.backward_reads`): not for ops that save nothing
+        or only their output, not a Gemm's bias, not an operand of a product whose other operand needs
+        no gradient; a view op's input when its consumer reads the view (a transposed weight)."""
+        if node.op_type in ALIAS_OPS:
+            return node.inputs[index] in self.backward_read
+        return index in backward_reads(node, self.needs_grad)
 
     def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
                      saved: bool = True) -> tuple[CommEvent, ...]:
@@ -610,11 +605,3 @@ def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> 
     return False
 
 
-def _gradient_tensors(graph: OpGraph) -> frozenset[str]:
-    """Float tensors that depend on a parameter: the only ones backward computes a gradient for."""
-    out = {t.name for t in graph.params}
-    for n in graph.compute_nodes:
-        if any(t in out for t in n.inputs):  # a sequence (SplitToSequence) carries its elements' gradients
-            out.update(t for t in n.outputs if t in graph.tensors and
-                       (graph.tensors[t].is_float or graph.tensors[t].dtype == "sequence"))
-    return frozenset(out)

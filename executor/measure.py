@@ -5,8 +5,8 @@ activations it keeps for backward.
 DTensor's functional collectives and the c10d ones called directly (bucketed all-reduces, ZeRO). It
 tracks no modules (torch's CommDebugMode does, and its tracker breaks on a pipeline stage's module).
 
-`SavedMeter` is a pair of saved-tensor hooks: every tensor autograd saves (parameters aside: they are
-counted as model states) is held through a small `Held` record that adds its storage's bytes while it
+`SavedMeter` is a pair of saved-tensor hooks: every tensor autograd saves (parameters, views of them
+and the module's constants aside: they are model states, or held whether or not a step runs) is held through a small `Held` record that adds its storage's bytes while it
 lives and takes them off when autograd lets it go after backward (several saved views of one storage
 count once). The meter's peak is the most a step held at one time: one micro-batch's worth when they
 run one after another, several when a pipeline schedule keeps several in flight.
@@ -46,21 +46,31 @@ class CollectiveCounter(TorchDispatchMode):
 
 
 class SavedMeter:
-    def __init__(self) -> None:
+    def __init__(self, module: torch.nn.Module | None = None) -> None:
         self.now = 0
         self.peak = 0
         self._refs: Counter[int] = Counter()
         self._bytes: dict[int, int] = {}
+        self._module = module
+        self._held_anyway: frozenset[int] = frozenset()
 
     def reset(self) -> None:
-        """A new step: the peak from what is held now."""
+        """A new step: the peak from what is held now. The storages of the module's parameters and
+        constants (an attention mask folded at load, a transposed weight's storage) are read again
+        here, as a ZeRO bucket or a loaded checkpoint may have moved them."""
         self.peak = self.now
+        if self._module is not None:
+            values = getattr(self._module, "values", {})
+            tensors = [*self._module.parameters(), *(v for v in values.values() if isinstance(v, torch.Tensor))]
+            self._held_anyway = frozenset(_storage_key(t) for t in tensors)
 
     def pack(self, t: torch.Tensor) -> object:
         if isinstance(t, torch.nn.Parameter):
             return t
         storage = t.untyped_storage()
         key = storage.data_ptr()
+        if key in self._held_anyway:
+            return t
         if not self._refs[key]:
             self._bytes[key] = storage.nbytes()
             self.now += self._bytes[key]
@@ -77,6 +87,11 @@ class SavedMeter:
     @staticmethod
     def unpack(x: object) -> torch.Tensor:
         return unwrap(x)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.untyped_storage().data_ptr()
 
 
 class Held:

@@ -215,7 +215,7 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
         stages[0].after_backward = lambda: runner.after_micro_batch() if runner.packed else None
     kind = schedule_class(pipe.schedule)
     schedule = kind(stages if pipe.schedule == "interleaved" else stages[0], m, loss_fn=loss_fn, scale_grads=False)
-    meter = SavedMeter()
+    meter = SavedMeter(module)
 
     def step(measure: bool = False, count: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float]]:
         runner.zero_grad()

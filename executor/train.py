@@ -186,7 +186,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
 
     # Once, as a data loader hands each rank its shard of each micro-batch.
     local_batches = [runner.shard_inputs([micro_batch(x, i, k) for x in batch]) for i in range(k)]
-    meter = SavedMeter()  # the tensors autograd keeps for backward, while it keeps them
+    meter = SavedMeter(module)  # the tensors autograd keeps for backward, while it keeps them
 
     def step(count: bool = False, measure: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float], int]:
         """One training step up to the optimizer: k micro-batches, each forward then backward with the
