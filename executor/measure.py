@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # Collective ops (their overload packets' names) → our kinds. Functional collectives (DTensor's), and
@@ -87,6 +89,42 @@ class SavedMeter:
     @staticmethod
     def unpack(x: object) -> torch.Tensor:
         return unwrap(x)
+
+    def keep(self, tensors: list[torch.Tensor]) -> list[object]:
+        """Tensors held outside autograd for as long as the returned records live (a recomputed
+        layer's inputs, which the executor keeps from forward to backward)."""
+        return [self.pack(t) for t in tensors]
+
+    def watch(self) -> RecomputeWatch:
+        return RecomputeWatch(self)
+
+
+class RecomputeWatch(TorchDispatchMode):
+    """Around one recomputation (torch.utils.checkpoint's, in backward): the storages its ops make,
+    and when it ends, those still alive — what the checkpoint keeps for the layer's backward, the
+    rest freed as it returned — on top of what the meter holds at that moment."""
+
+    def __init__(self, meter: SavedMeter) -> None:
+        super().__init__()
+        self.meter = meter
+        self.made: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor first turns itself into local ops and collectives
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if type(t) is torch.Tensor:  # not a wrapper subclass (a functional collective's pending result)
+                storage = t.untyped_storage()
+                key = storage.data_ptr()
+                if key and (key not in self.made or self.made[key][0].expired()):
+                    self.made[key] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        alive = sum(n for ref, n in self.made.values() if not ref.expired())
+        self.meter.peak = max(self.meter.peak, self.meter.now + alive)
 
 
 def _storage_key(t: torch.Tensor) -> int:

@@ -222,6 +222,8 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
         losses: list[torch.Tensor] = []
         meter.reset()
         runner.regather.on_saved = meter.pack if measure else None
+        runner.on_kept = meter.keep if measure else None  # a recomputed layer's inputs, kept to backward
+        runner.recompute_watch = meter.watch if measure else None
         comm = CollectiveCounter() if count else None
         hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure else nullcontext()
         with comm if comm is not None else nullcontext(), counting_sends() if count else nullcontext():

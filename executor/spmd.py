@@ -11,8 +11,10 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Collection, Mapping, Sequence
+from collections import ChainMap
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -194,6 +196,11 @@ class SpmdRunner:
                          for n in mine if n.name not in self.fused_away]
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
         self._segments = self._recomputed_segments()
+        self._segment_reads, self._segment_outputs = self._segment_boundaries()
+        # Measuring memory (executor/measure.py's SavedMeter): told the tensors held after forward for the
+        # recomputed segments, and a context each recomputation runs in.
+        self.on_kept: Callable[[list[torch.Tensor]], object] | None = None
+        self.recompute_watch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
         self._params = {name: module.params[key] for name, key in module.param_names.items()}
         self._buckets: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # packed at the first reduction
         self._bucketed: set[str] = set()
@@ -275,9 +282,12 @@ class SpmdRunner:
         wrapped: dict[str, DTensor] = {}
         local.update(feeds)
         params = self._params
+        # Where the ops read and write: these two dicts, or a recomputed segment's own scope over them.
+        scope: dict[str, Any] = {"local": local, "wrapped": wrapped}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
+            local, wrapped = scope["local"], scope["wrapped"]
             t = g.node_by_name[node_name].inputs[i]
             want_in, _, split, _ = self._plans[node_name]
             want = want_in[i]
@@ -307,6 +317,7 @@ class SpmdRunner:
         attention = eager_attention if self.strategy.training.attention == "eager" else fused_attention
 
         def run(start: int, end: int) -> None:
+            local = scope["local"]
             for node, region, direct, want_out, kernels in self._program[start:end]:
                 if region is not None:  # the attention chain ending here, as the planned kernel(s)
                     outs = [attention(*(prepare(n, i) for n, i in region.inputs))]
@@ -316,11 +327,37 @@ class SpmdRunner:
                                            want_out, kernels)
                 local.update(zip(node.outputs, outs, strict=False))
 
-        with self.regather.saving():
-            self._run_program(run, start, end)
-        return [local[t] for t in outputs]
+        forward = [True]
 
-    def _run_program(self, run: Any, start: int, end: int) -> None:
+        def segment(start: int, end: int) -> None:
+            """A recomputed layer, in a scope of its own: what it makes is dropped when it returns, but
+            for what is read after it (in forward; its recomputation in backward publishes nothing)."""
+            outer = dict(scope)
+            scope["local"], scope["wrapped"] = ChainMap({}, local), ChainMap({}, wrapped)
+            try:
+                run(start, end)
+                if forward[0]:
+                    made = scope["local"].maps[0]
+                    local.update((t, made[t]) for t in self._segment_outputs[start] if t in made)
+                    wrapped.update((t, w) for t, w in scope["wrapped"].maps[0].items() if t not in made)
+            finally:
+                scope.update(outer)
+
+        with self.regather.saving():
+            self._run_program(run, segment, start, end)
+        forward[0] = False
+        result = [local[t] for t in outputs]
+        if self._segments:  # the checkpoints hold `run` until backward, and with it these dicts: keep only
+            keep = self._segment_reads  # what the recomputed layers read (their inputs), and constants
+            for d in (local, wrapped):
+                for t in [t for t in d if t not in keep and t not in self.module.values and t not in params]:
+                    del d[t]
+            if self.on_kept is not None:  # its record lives in the dict, as long as what it counts
+                local[" kept"] = self.on_kept([v for t, v in local.items()
+                                               if isinstance(v, torch.Tensor) and t not in self.module.values])
+        return result
+
+    def _run_program(self, run: Any, segment: Any, start: int, end: int) -> None:
         i = start
         while i < end:
             stop = self._segments.get(i)
@@ -329,8 +366,37 @@ class SpmdRunner:
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
-                    checkpoint(run, i, stop, use_reentrant=False)
+                    if self.recompute_watch is None:
+                        checkpoint(segment, i, stop, use_reentrant=False)
+                    else:
+                        checkpoint(segment, i, stop, use_reentrant=False, context_fn=self._recompute_contexts)
                 i = stop
+
+    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
+        assert self.recompute_watch is not None
+        return contextlib.nullcontext(), self.recompute_watch()
+
+    def _segment_boundaries(self) -> tuple[frozenset[str], dict[int, frozenset[str]]]:
+        """What the recomputed segments read from outside themselves (kept from forward to backward),
+        and per segment what it makes that is read after it (by any node of the graph, or an output)."""
+        g = self.graph
+        read_by: dict[str, set[str]] = {}
+        for n in g.compute_nodes:
+            for t in n.inputs:
+                read_by.setdefault(t, set()).add(n.name)
+        reads: set[str] = set()
+        outs: dict[int, frozenset[str]] = {}
+        for a, b in self._segments.items():
+            entries = self._program[a:b]
+            inside = {n.name for node, region, *_ in entries for n in
+                      ([node] if region is None else [g.node_by_name[x] for x in region.nodes])}
+            made = {t for node, *_ in entries for t in node.outputs if t}
+            ins: set[str] = set()
+            for node, region, *_ in entries:
+                ins.update(node.inputs if region is None else (g.node_by_name[x].inputs[i] for x, i in region.inputs))
+            reads |= {t for t in ins if t and t not in made}
+            outs[a] = frozenset(t for t in made if (read_by.get(t, set()) - inside) or t in g.outputs)
+        return frozenset(reads), outs
 
     def _recomputed_segments(self) -> dict[int, int]:
         """Program index where each recomputed layer starts → where it ends (exclusive): the first layers

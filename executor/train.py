@@ -201,6 +201,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         fwd_s = bwd_s = 0.0
         meter.reset()
         runner.regather.on_saved = meter.pack if measure else None  # inside the runner's forward (its own hooks)
+        runner.on_kept = meter.keep if measure else None  # a recomputed layer's inputs, kept to backward
+        runner.recompute_watch = meter.watch if measure else None
         with comm if comm is not None else contextlib.nullcontext():
             for i in range(k):
                 t0 = time.perf_counter()
