@@ -147,6 +147,12 @@ class CostModel:
         self.saved = saved_tensors(graph)  # by storage: a view of a parameter (a transposed weight) is none
         self.needs_grad = gradient_tensors(graph)
         self.backward_read = read_in_backward(graph, self.needs_grad)
+        readers: dict[str, list[str]] = {}  # tensor → the nodes whose backward reads it (or a view of it)
+        for n in graph.compute_nodes:
+            for i, t in enumerate(n.inputs):
+                if t and self.reads_in_backward(n, i):
+                    readers.setdefault(t, []).append(n.name)
+        self.backward_readers = {t: tuple(ns) for t, ns in readers.items()}
         self.on_chip = attention_score_tensors(graph)
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
         self.materialized: dict[str, AttentionRegion] = {} if attention == "flash" else {

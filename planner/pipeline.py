@@ -195,6 +195,7 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     # along), forward; a float one's gradient comes back.
     sends = [0.0] * p
     send_s = [0.0] * p
+    acts: dict[int, float] = defaultdict(float)
     for x in crossings(graph, the_cut.chunk_of):
         info = graph.tensors[x.tensor]
         spec = priced.placed.get(x.tensor)
@@ -204,7 +205,11 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
             s = boundary % p
             sends[s] += 2 * one if x.grad else one
             send_s[s] += (2 if x.grad else 1) * collective_time_s(cm.profile, full, Collective.SEND_RECV, one, (0,))
-    acts: dict[int, float] = defaultdict(float)
+        if x.tensor in cm.saved and x.tensor not in graph.inputs:  # saved where backward reads it: a stage
+            # that received it keeps its own copy (the producer's stage, where it is priced, holds its
+            # output to its backward anyway: the schedule's stage backward starts from it)
+            for c in {the_cut.chunk_of[n] for n in cm.backward_readers.get(x.tensor, ())} - {x.src}:
+                acts[c % p] += one
     inputs = 0.0
     transient = priced.memory["activations"].get("(recomputed layer)", 0.0)
     for owner, b in priced.memory["activations"].items():
