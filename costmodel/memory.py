@@ -6,7 +6,10 @@ Model states per parameter (ZeRO paper, Rajbhandari et al. SC'20, §5), AdamW:
 With data-parallel degree N_d, ZeRO stage 1 shards the optimizer states, 2 also the gradients, 3 also
 the weights: (2 + 2 + K)Ψ, 4Ψ + KΨ/N_d, 2Ψ + (2 + K)Ψ/N_d, (4 + K)Ψ/N_d for mixed precision.
 
-Activations: what each op's backward reads, counted once per tensor (by `saved_tensors`). Attention
+Activations: what each op's backward reads as torch's autograd saves it (`backward_reads`: a
+product's operand only for the other operand's gradient), counted once per storage (`storage_roots`:
+views share their input's), by `saved_tensors`; checked against the storages torch saves on six zoo
+models (tests/test_interpreter.py). Attention
 (QKᵀ → scale/mask → Softmax → ·V, as exporters decompose scaled_dot_product_attention) is priced as
 the fused kernel training runs (FlashAttention: scores recomputed in backward), so its s×s score and
 probability tensors are not kept.

@@ -529,3 +529,15 @@ def test_a_synchronising_step_waits_for_its_slowest_rank(zoo: Callable[[str], Pa
         assert waits.compute_s == pytest.approx(plain.compute_s)
         assert waits.comm_s - plain.comm_s == pytest.approx(0.25 * plain.compute_s if expect_wait else 0.0)
         assert bool(plain.events) is expect_wait
+
+
+def test_reshape_of_a_strided_tensor_is_a_view_only_when_it_splits_dims() -> None:
+    # torch.reshape of a non-contiguous tensor (a split's piece, a transpose) is a view when every old
+    # dim is a product of consecutive new ones (splitting heads out of a q slice); merging dims copies.
+    from costmodel.memory import _splits_only
+
+    assert _splits_only((8, 64, 64), (8, 64, 4, 16))
+    assert _splits_only((512, 64), (8, 64, 64))
+    assert _splits_only((1, 64), (64,)) and _splits_only((64,), (1, 64, 1))
+    assert not _splits_only((8, 64, 4, 16), (8, 64, 64))
+    assert not _splits_only((8, 64, 64), (8, 4096))
