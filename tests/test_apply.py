@@ -31,10 +31,11 @@ TP_PINS = {
                    **{f"model.model.layers.{i}.mlp.down_proj.weight": "S(1)" for i in (0, 1)},
                    "mul_362": "S(2)", "ids": "R"},
 }
-# Only the weights pinned: the ILP stores them split but gathers them for use (cheaper than splitting
-# the activations on this profile), which module-boundary hooks cannot run: `apply` falls back.
-GATHERED_PINS = {f"model.transformer.h.{i}.mlp.{m}.weight": d for i in (0, 1) for m, d in (("c_fc", "S(1)"),
-                                                                                        ("c_proj", "S(0)"))}
+# The weights pinned split and the MLPs' hidden activations (c_fc's outputs) whole: the weights are
+# stored split and gathered for use, which module-boundary hooks cannot run: `apply` falls back.
+GATHERED_PINS = {**{f"model.transformer.h.{i}.mlp.{m}.weight": d for i in (0, 1) for m, d in (("c_fc", "S(1)"),
+                                                                                           ("c_proj", "S(0)"))},
+                 "addmm_2": "R", "addmm_6": "R"}
 PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage": 0}, "tp": {"mode": "semi"},
                                     "gathered": {"mode": "semi", "pins": GATHERED_PINS},
                                     "zero3": {"layout": "dp_shard=2", "zero_stage": 3},
