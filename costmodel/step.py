@@ -83,7 +83,8 @@ OPTIMIZER_OPS_PER_TENSOR = 12
 # Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
 RECOMPUTE = ("none", "selective", "full")
-# Ops whose output is a view of their input (torch): saving the output keeps the input's storage.
+
+
 class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 

@@ -6,9 +6,11 @@ DTensor's functional collectives and the c10d ones called directly (bucketed all
 tracks no modules (torch's CommDebugMode does, and its tracker breaks on a pipeline stage's module).
 
 `SavedMeter` is a pair of saved-tensor hooks: every tensor autograd saves (parameters, views of them
-and the module's constants aside: they are model states, or held whether or not a step runs) is held through a small `Held` record that adds its storage's bytes while it
-lives and takes them off when autograd lets it go after backward (several saved views of one storage
-count once). The meter's peak is the most a step held at one time: one micro-batch's worth when they
+and the module's constants aside: they are model states, or held whether or not a step runs) is held
+through a small `Held` record that adds its storage's bytes while it lives and takes them off when
+autograd lets it go after backward (several saved views of one storage count once). Under full
+recomputation it also counts the layers' inputs the executor keeps (`keep`) and what each
+recomputation leaves alive for its layer's backward (`watch`). The meter's peak is the most a step held at one time: one micro-batch's worth when they
 run one after another, several when a pipeline schedule keeps several in flight.
 """
 

@@ -366,15 +366,12 @@ class SpmdRunner:
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
-                    if self.recompute_watch is None:
-                        checkpoint(segment, i, stop, use_reentrant=False)
-                    else:
-                        checkpoint(segment, i, stop, use_reentrant=False, context_fn=self._recompute_contexts)
+                    checkpoint(segment, i, stop, use_reentrant=False, context_fn=self._recompute_contexts)
                 i = stop
 
     def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
-        assert self.recompute_watch is not None
-        return contextlib.nullcontext(), self.recompute_watch()
+        """checkpoint's (forward, recomputation) contexts: the meter's watch around each recomputation."""
+        return contextlib.nullcontext(), (self.recompute_watch or contextlib.nullcontext)()
 
     def _segment_boundaries(self) -> tuple[frozenset[str], dict[int, frozenset[str]]]:
         """What the recomputed segments read from outside themselves (kept from forward to backward),
