@@ -180,7 +180,7 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
                         f"2 gloo ranks, median of {rounds} rounds")
     for col in ("plan", "mesh", "predicted ms", "measured ms", "rounds min–max", "time error", "predicted MiB",
                 "measured MiB",
-                "memory error", "collectives (planned = executed)"):
+                "memory error", "collectives (planned = executed)", "probe during/before"):
         table.add_column(col, justify="right" if col != "plan" else "left")
     phases = Table(title="where the time goes (ms, median round): measured phases of the slowest rank vs predicted terms")
     for col in ("plan", "measured", "predicted"):
@@ -204,7 +204,7 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
             # About 3 s of timed steps: this VM's cores switch speed every few seconds, and a short run
             # would catch one speed at random.
             steps = min(1500, max(30, math.ceil(3.0 / strategy.step_time_s)))
-            runs[label].append(run(out, path, nproc=2, opts=RunOptions(steps=steps, warmup=5)))
+            runs[label].append(run(out, path, nproc=2, opts=RunOptions(steps=steps, warmup=5, probe=True)))
     t_err, m_err = [], []
     for label, rs in runs.items():
         for x in rs:
@@ -218,13 +218,23 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
                       f"{min(steps):.1f}–{max(steps):.1f}", f"{r['time_error']:.0%}",
                       f"{r['predicted_memory_bytes'] / 2**20:.1f}", f"{r['measured_memory_bytes'] / 2**20:.1f}", f"{me:.0%}",
                       "yes" if all(x["collectives_planned"] == x["collectives_executed"] for x in rs) else
-                      f"no: {r['collectives_planned']} vs {r['collectives_executed']}")
+                      f"no: {r['collectives_planned']} vs {r['collectives_executed']}", _probe_ratios(r))
         phases.add_row(label, ", ".join(f"{k.replace('_', ' ')} {v * 1e3:.2f}" for k, v in r["measured_phases_s"].items()),
                        ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f}" for k, v in r["predicted_phases_s"].items() if v))
     console.print(table)
     console.print(phases)
     console.print(f"median time error {statistics.median(t_err):.0%}, median memory error {statistics.median(m_err):.0%} "
                   "(memory measured as model-state tensors + the storages autograd saved for backward)")
+
+
+def _probe_ratios(r: dict[str, Any]) -> str:
+    """The speed probe's time during the steps over before them (`RunOptions.probe`), the slowest
+    rank's, per part: how much slower the machine ran while timed than the moment before."""
+    by_rank = r.get("speed_probe_s_by_rank")
+    if not by_rank:
+        return "—"  # (a pipelined run: not probed)
+    parts = by_rank[0]["before"]
+    return ", ".join(f"{k} {max(p['during'][k] / p['before'][k] for p in by_rank):.2f}" for k in parts)
 
 
 def bench_pipeline(repeat: int) -> None:

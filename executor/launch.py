@@ -187,6 +187,9 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff"):
         if key in r0:
             result[key] = max(r[key] for r in reports.values())
+    if "speed_probe_s" in r0:  # RunOptions.probe
+        result["speed_probe_s_by_rank"] = [reports[r]["speed_probe_s"] for r in sorted(reports)]
+        result["measured_step_times_s_by_rank"] = [reports[r]["measured_step_times_s"] for r in sorted(reports)]
     if "single_process_loss" in r0:
         result["single_process_loss"] = r0["single_process_loss"]
     if "trained_parameters" in r0:

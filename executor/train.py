@@ -33,6 +33,7 @@ from costmodel.loss import loss_input_spec, loss_kind
 from executor.interpreter import OnnxModule, load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.spmd import SpmdRunner, local_shard
+from hwprofiles.timing import SpeedProbe, probe_medians
 from planner.graph import OpGraph
 from planner.placement import Spec
 from planner.strategy import Strategy
@@ -57,6 +58,9 @@ class RunOptions:
     # Sharded checkpoints (executor/checkpoint.py): loaded before the first step, saved after the last.
     save: str | None = None
     load: str | None = None
+    # Time `hwprofiles.timing.SpeedProbe` before the warm-up and after every timed step (outside the
+    # step's time): how fast the machine ran during the steps against just before them.
+    probe: bool = False
 
 
 def make_batch(graph: OpGraph, seed: int, micro_batches: int = 1) -> list[torch.Tensor]:
@@ -248,6 +252,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     trace = os.environ.get("MESHPLAN_PROFILE") \
         if dist.get_rank() == int(os.environ.get("MESHPLAN_PROFILE_RANK", "0")) else None
     profiler = None
+    probe = SpeedProbe(device) if opts.probe else None
+    probed_before = [probe() for _ in range(50)] if probe else []
+    probed_during: list[dict[str, float]] = []
     for i in range(opts.warmup + opts.steps):
         warm = i < opts.warmup
         if trace and i == opts.warmup:
@@ -265,6 +272,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         else:
             times.append(t2 - t0)
             phases.append([*spans, t2 - t1])
+            if probe:
+                probed_during.append(probe())
     if profiler is not None and trace:
         profiler.__exit__(None, None, None)
         Path(trace).write_text(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
@@ -283,6 +292,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     report["optimizer_steps_before"] = before
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
+    if probe:
+        report["speed_probe_s"] = {"before": probe_medians(probed_before), "during": probe_medians(probed_during)}
+        report["measured_step_times_s"] = times
     # Where the time went (medians per phase; waits for other ranks fall in the phase that waits).
     report["measured_phases_s"] = {name: statistics.median(p[k] for p in phases) for k, name in
                                    enumerate(PHASES)} if phases else {}

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli import main
 from costmodel.collectives import Collective, LinkLevel
 from hwprofiles.profile import load_profile, monotone_fit
+from hwprofiles.timing import last_level_cache_bytes, time_interleaved
 
 
 @pytest.mark.slow
@@ -84,3 +87,23 @@ def test_compute_only_keeps_the_base_links(tmp_path: Path) -> None:
     assert p.device.peak_for("fp32") >= base.device.peak_for("fp32")
     r = CliRunner().invoke(main, ["profile", "calibrate", "--compute-only", "--out", str(out)])
     assert r.exit_code == 2 and "--base" in r.output and "Traceback" not in r.output
+
+
+def test_last_level_cache_read_from_sysfs(tmp_path: Path) -> None:
+    for index, level, size in ((0, 1, "32K"), (2, 2, "1024K"), (3, 3, "16M")):
+        (tmp_path / f"index{index}").mkdir()
+        (tmp_path / f"index{index}" / "level").write_text(f"{level}\n")
+        (tmp_path / f"index{index}" / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes(sysfs=tmp_path) == 16 << 20
+    assert last_level_cache_bytes(default=123, sysfs=tmp_path / "absent") == 123
+
+
+def test_time_interleaved_runs_before_each_timed_call_untimed() -> None:
+    calls: list[str] = []
+    # `before` takes 3 ms and each function nothing: the figures are the functions' alone, and every
+    # call but the untimed first ones (one per function, to find its burst) follows a `before`.
+    t = time_interleaved({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, torch.device("cpu"), min_time_s=0.0,
+                         repeats=3, bursts=False, before=lambda: (time.sleep(3e-3), calls.append("scrub")))
+    assert max(t.values()) < 1e-3
+    timed = calls[4:]  # a, a, b, b: each function called twice to size its burst
+    assert calls[:4] == ["a", "a", "b", "b"] and timed == ["scrub", "a", "scrub", "b"] * 3

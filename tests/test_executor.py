@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,9 +83,16 @@ def test_several_steps_match(mesh: tuple[int, ...], pins: dict[str, str], zoo: C
     strategy, model = _plan(zoo, tmp_path, "gpt2-tiny", {"batch": 8, "seq": 32}, mesh, "semi" if pins else "data-parallel",
                             pins)
     r = run(str(strategy), str(model), nproc=math.prod(mesh), timeout_s=240,
-            opts=RunOptions(steps=2, warmup=1, verify=True, optimizer="sgd"))
-    assert r["final_param_max_abs_diff"] < TOL
+            opts=RunOptions(steps=2, warmup=1, verify=True, optimizer="sgd", probe=True))
+    assert r["final_param_max_abs_diff"] < TOL  # the speed probe between steps changes nothing trained
     assert r["max_abs_diff"] < TOL
+    # Each rank's probe, before the steps and between them, by part; its step times, whose median is its figure.
+    assert len(r["speed_probe_s_by_rank"]) == math.prod(mesh)
+    for probe, times, step_s in zip(r["speed_probe_s_by_rank"], r["measured_step_times_s_by_rank"],
+                                    r["measured_step_s_by_rank"], strict=True):
+        for when in ("before", "during"):
+            assert set(probe[when]) == {"matmul", "element-wise", "op"} and min(probe[when].values()) > 0
+        assert len(times) == 2 and statistics.median(times) == step_s
 
 
 def test_run_bad_input(zoo: Callable[[str], Path], tmp_path: Path) -> None:
