@@ -5,8 +5,11 @@ matmul size (a convolution also no faster than its channel count allows, where t
 every op also moves its inputs and outputs through memory; time = max(FLOP time, byte time) + the
 per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the executor's
 interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
-the forward FLOPs, or one where an operand needs no gradient (a graph input); memory-bound ops read
-the output gradient and their saved inputs and write the input gradients, ≈ 2× the forward bytes. Views (Reshape, Transpose, …) move nothing: launch only.
+the forward FLOPs, or one where an operand needs no gradient (a graph input); a memory-bound op runs
+torch's gradient kernels for it, at its op type's calibrated backward rate where the profile has one
+(a tanh's backward is a multiply-add on its output, a fifth of the forward's time on a CPU core; a
+pow's a pow and two multiplies, 5×), else ≈ 2× the forward bytes (they read the output gradient and
+the saved inputs and write the input gradients). Views (Reshape, Transpose, …) move nothing: launch only.
 Element-wise kernels run at the profile's element-wise bandwidth for their op type (calibrated on
 CPUs, where it is far below a copy's and differs by op: an erf runs at half an add's rate), else the
 calibrated mix's. Attention's score chain is one fused kernel (FlashAttention): its s×s tensors
@@ -22,7 +25,7 @@ import numpy as np
 
 from costmodel.flops import conv_channels, matmul_narrow_dim, node_flops
 from costmodel.memory import Precision
-from hwprofiles.profile import HardwareProfile
+from hwprofiles.profile import DeviceSpec, HardwareProfile
 from planner.graph import OpGraph, OpNode, TensorInfo
 from planner.mesh import DeviceMesh
 from planner.placement import Spec
@@ -32,6 +35,20 @@ BACKWARD_FLOPS_FACTOR = 2.0  # element-wise FLOPs of a backward, per forward FLO
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice",
                       "SequenceAt", "SplitToSequence", "Split", "Dropout"})
 BACKWARD_BYTES_FACTOR = 2.0
+
+
+# Inputs whose gradients the calibrated backward of an element-wise op computes (hwprofiles/sweeps.py:
+# every float input; a unary op's one): a node needing fewer runs that share of its kernels (x·c: dx only).
+CALIBRATED_GRAD_INPUTS = {"Add": 2, "Sub": 2, "Mul": 2, "Div": 2, "Where": 2, "Concat": 2}
+
+
+def _backward_memory_s(node: OpNode, dev: DeviceSpec, nbytes: float, fwd_mem_s: float, needed: int) -> float:
+    """A memory-bound op's backward: at its op type's calibrated backward rate (per byte the forward
+    moves), for the share of the calibrated input gradients the node needs; else 2× its forward."""
+    rate = dev.elementwise_backward_rate(node.op_type) if node.op_type not in VIEW_OPS else None
+    if rate is None:
+        return BACKWARD_BYTES_FACTOR * fwd_mem_s
+    return nbytes / rate * min(1.0, needed / CALIBRATED_GRAD_INPUTS.get(node.op_type, 1))
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +109,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
     bwd = max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+              _backward_memory_s(node, dev, nbytes, mem_s, sum(grads)) if not flops.matmul else
               BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch if any(grads) else 0.0
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,
                        fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

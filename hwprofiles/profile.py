@@ -194,17 +194,24 @@ class DeviceSpec:
     # What element-wise kernels achieve by ONNX op type (bytes in + out per second), calibrated: on a
     # CPU core an erf or a pow runs at a fraction of an add's rate. Op types not listed: the mix's.
     elementwise_by_op: Mapping[str, float] | None = None
+    # What their backwards achieve, by op type (bytes the forward moved per second of backward, every
+    # float input needing a gradient), calibrated: torch's gradient kernels are not the forward's — a
+    # tanh's is a multiply-add on its output (0.2× the forward's time here), a pow's a pow and two
+    # multiplies (5×). Op types not listed: 2× the forward's time.
+    elementwise_backward_by_op: Mapping[str, float] | None = None
     # How much later than the mean the slowest rank finishes the same work between two collectives (a
     # fraction), measured: a step that synchronises waits that much beyond its compute. None: 0.
     rank_skew: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
-        if self.elementwise_by_op is not None:
-            object.__setattr__(self, "elementwise_by_op", MappingProxyType(dict(self.elementwise_by_op)))
-            for op, v in self.elementwise_by_op.items():
-                if not v > 0:
-                    raise ValueError(f"elementwise_by_op.{op}: must be a positive number, got {v!r}")
+        for name in ("elementwise_by_op", "elementwise_backward_by_op"):
+            rates = getattr(self, name)
+            if rates is not None:
+                object.__setattr__(self, name, MappingProxyType(dict(rates)))
+                for op, v in rates.items():
+                    if not v > 0:
+                        raise ValueError(f"{name}.{op}: must be a positive number, got {v!r}")
         if "fp32" not in self.peak_flops_per_s:
             raise ValueError("peak_flops_per_s.fp32: every device needs an fp32 peak")
         for dtype, v in self.peak_flops_per_s.items():
@@ -232,6 +239,12 @@ class DeviceSpec:
         """Bytes in + out per second an element-wise kernel of this ONNX op type achieves."""
         by_op = self.elementwise_by_op
         return by_op.get(op_type, self.elementwise_bytes_per_s) if by_op else self.elementwise_bytes_per_s
+
+    def elementwise_backward_rate(self, op_type: str) -> float | None:
+        """Forward bytes per second of this ONNX op type's backward (every float input needing a
+        gradient), where calibrated; None: not measured."""
+        by_op = self.elementwise_backward_by_op
+        return by_op.get(op_type) if by_op else None
 
     @property
     def graph_op_s(self) -> float:
@@ -326,7 +339,8 @@ _UNITS = {
     "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s",
     "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
-    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "rank_skew": "1",
+    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
+    "rank_skew": "1",
 }
 
 
@@ -339,7 +353,7 @@ class _Reader:
     def q(self, obj: Mapping[str, Any], key: str, path: str) -> float:
         quantity = obj[key]
         parent = path.split(".")[-2]
-        unit_key = parent if parent in ("peak_flops_per_s", "elementwise_by_op") else key
+        unit_key = parent if parent in ("peak_flops_per_s", "elementwise_by_op", "elementwise_backward_by_op") else key
         expected = _UNITS[unit_key]
         if quantity["unit"] != expected:
             raise ProfileError(f"field {path}: unit must be {expected!r}, got {quantity['unit']!r}")
@@ -377,6 +391,10 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             rank_skew=r.q(dev, "rank_skew", "device.rank_skew") if "rank_skew" in dev else None,
             elementwise_by_op=({k: r.q(dev["elementwise_by_op"], k, f"device.elementwise_by_op.{k}")
                                 for k in dev["elementwise_by_op"]} if "elementwise_by_op" in dev else None),
+            elementwise_backward_by_op=({k: r.q(dev["elementwise_backward_by_op"], k,
+                                                f"device.elementwise_backward_by_op.{k}")
+                                         for k in dev["elementwise_backward_by_op"]}
+                                        if "elementwise_backward_by_op" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
                                              for k in ("fixed_s", "tensor_s", "param_s")})
                             if "optimizer_step" in dev else None),
@@ -481,6 +499,9 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"elementwise_by_op": {k: q(v, "B/s", f"device.elementwise_by_op.{k}")
                                       for k, v in d.elementwise_by_op.items()}}
                if d.elementwise_by_op else {}),
+            **({"elementwise_backward_by_op": {k: q(v, "B/s", f"device.elementwise_backward_by_op.{k}")
+                                               for k, v in d.elementwise_backward_by_op.items()}}
+               if d.elementwise_backward_by_op else {}),
             **({"graph_op_overhead_s": q(d.graph_op_overhead_s, "s", "device.graph_op_overhead_s")}
                if d.graph_op_overhead_s is not None else {}),
             **({"reshard_overhead_s": q(d.reshard_overhead_s, "s", "device.reshard_overhead_s")}

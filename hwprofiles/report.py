@@ -28,6 +28,7 @@ class CalibrationReport:
     op_overhead_s: float = 0.0  # the executor's per-op time: the profile's graph_op_overhead_s (gloo)
     elementwise_bandwidth_bytes_per_s: float = 0.0
     elementwise_by_op: dict[str, float] = field(default_factory=dict)  # ONNX op type → B/s
+    elementwise_backward_by_op: dict[str, float] = field(default_factory=dict)  # its backward: forward B/s
     bare_op_s: float = 0.0  # a one-element torch op: the profile's kernel_launch_s
     conv: list[Measurement] = field(default_factory=list)  # size = channels
     conv_efficiency: EfficiencyFit | None = None  # achieved(d) = P·d/(d + d½), d = channels
@@ -60,6 +61,10 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dic
     measured = {k[len(prefix):-len(suffix)]: 1.0 / v for k, v in medians.items()
                 if k.startswith(prefix) and k.endswith(suffix) and k != "element-wise per byte"}
     report.elementwise_by_op = {**measured, **{op: measured[k] for op, k in ELEMENTWISE_ALIASES.items() if k in measured}}
+    backward = {k.removeprefix("backward ").removesuffix(suffix): 1.0 / v for k, v in medians.items()
+                if k.startswith("backward ") and k.endswith(suffix) and v > 0}  # 0: lost in the noise
+    report.elementwise_backward_by_op = {**backward, **{op: backward[k] for op, k in ELEMENTWISE_ALIASES.items()
+                                                        if k in backward}}
     report.conv = [Measurement(kind="conv", size=float(c), times_s=[medians[f"conv {c}"]]) for c in CONV_CHANNELS]
     report.reshard_overhead_s = medians["reshard"]
     report.narrow = [Measurement(kind="matmul", size=float(d), times_s=[medians[f"narrow {side} {d}"]])
@@ -154,6 +159,12 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
             op: q(v, "B/s", f"torch's {ELEMENTWISE_ALIASES.get(op, op)} kernel on 64k floats (each call the next of "
                   f"128 inputs, past the caches), bytes in + out per second")
             for op, v in sorted(report.elementwise_by_op.items())}
+    if report.elementwise_backward_by_op:
+        dev["elementwise_backward_by_op"] = {
+            op: q(v, "B/s", f"torch's backward of {ELEMENTWISE_ALIASES.get(op, op)} through autograd, every float input "
+                  f"needing a gradient, at 64k floats less at 4k (autograd's per-call cost out), per byte its "
+                  f"forward moves")
+            for op, v in sorted(report.elementwise_backward_by_op.items())}
     dev["kernel_launch_s"] = q(report.bare_op_s, "s", "median time of a one-element op")
     if report.reshard_overhead_s > 0:
         dev["reshard_overhead_s"] = q(report.reshard_overhead_s, "s", "DTensor partial → replicated redistribute of "
@@ -249,6 +260,7 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "bare_op_s": report.bare_op_s,
         "elementwise_bandwidth_bytes_per_s": report.elementwise_bandwidth_bytes_per_s,
         "elementwise_by_op": report.elementwise_by_op,
+        "elementwise_backward_by_op": report.elementwise_backward_by_op,
         "conv": [{"channels": m.size, "median_s": m.median_s} for m in report.conv],
         "reshard_overhead_s": report.reshard_overhead_s,
         "step_overhead_s": report.step_overhead_s,

@@ -33,7 +33,8 @@ def conv_flops(c: int) -> float:
 
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
     """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
-    one-element op), "element-wise per byte" of the kernel mix, "conv c" per channel count and
+    one-element op), "element-wise per byte" of the kernel mix, "element-wise OP per byte" and
+    "backward OP per byte" (per byte its forward moves) by op type, "conv c" per channel count and
     "optimizer per parameter". Larger is slower, so the slowest rank's figures are a MAX-reduction
     away (`reduce_max`). The executor adds its own figures (`executor/calibrate.py`)."""
     import torch
@@ -52,6 +53,8 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     fns["bare op"] = functools.partial(one.add, 1.0)
     kernels = elementwise_kernels(device)
     fns.update({f"element-wise {op}": fn for op, (fn, _) in kernels.items()})
+    for tag, elems in BACKWARD_SIZES.items():  # the difference of two sizes: autograd's per-call cost out
+        fns.update({f"backward {op} {tag}": fn for op, fn in elementwise_backward_kernels(device, elems).items()})
     wide = NARROW_SIDE
     for d in NARROW_DIMS:  # the narrow dim inner (k), then outer (n)
         fns[f"narrow k {d}"] = functools.partial(torch.matmul, torch.randn(wide, d, device=device, dtype=dtype),
@@ -67,6 +70,10 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     times = {op: out.pop(f"element-wise {op}") for op in kernels}
     out["element-wise per byte"] = sum(times[op] for op in MIX) / sum(kernels[op][1] for op in MIX)
     out.update({f"element-wise {op} per byte": times[op] / kernels[op][1] for op in kernels})
+    more = BACKWARD_SIZES["large"] - BACKWARD_SIZES["small"]
+    for op, (_, tensors) in _elementwise_ops().items():  # seconds per byte the forward moved; 0: lost in noise
+        extra = out.pop(f"backward {op} large") - out.pop(f"backward {op} small")
+        out[f"backward {op} per byte"] = max(extra, 0.0) / (tensors * more * 4.0)
     out["optimizer per parameter"] = optimizer_param_s(device)
     progress("compute", 1, 3)
     return out
@@ -83,6 +90,8 @@ def reduce_max(medians: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, values.tolist(), strict=True))
 
 
+# Element-wise backwards are timed at two sizes (floats per input): per byte, their difference.
+BACKWARD_SIZES = {"large": 1 << 16, "small": 1 << 12}
 # The kernel mix whose summed bytes over summed times is the profile's element-wise bandwidth (the
 # rate of op types not measured one by one).
 MIX = ("Add", "Mul", "Where", "Tanh", "Erf", "Exp", "Pow", "Softmax")
@@ -91,45 +100,90 @@ MIX = ("Add", "Mul", "Where", "Tanh", "Erf", "Exp", "Pow", "Softmax")
 ELEMENTWISE_ALIASES = {"Sub": "Add"}
 
 
-def elementwise_kernels(device: Any, elems: int = 1 << 16, pool: int = 128) -> dict[str, tuple[Callable[[], object], float]]:
-    """The element-wise kernels transformers run, by the ONNX op type each stands for, on tensors of
-    `elems` floats, each with the bytes it reads + writes: bytes over time is what the roofline's
-    memory-bound side achieves for that op (on a CPU core far below a copy's bandwidth, and a tanh at
-    a thirtieth of an add's rate). Each call reads the next of `pool` inputs (32 MiB of each kind, past
-    the caches), as a model's ops read what the ops before them wrote: a kernel timed on one input
-    kept in cache runs its memory-bound ops 2–3× faster than they run in a step."""
+def _elementwise_ops() -> dict[str, tuple[Callable[..., Any], float]]:
+    """The element-wise kernels transformers run, by the ONNX op type each stands for: a function of
+    (x, y, pos, mask) — two inputs, a positive one, a boolean one — and the tensors it reads + writes,
+    in units of one input."""
     import torch
     import torch.nn.functional as F
 
-    xs = [torch.randn(elems, device=device) for _ in range(pool)]
-    ys = [torch.randn(elems, device=device) for _ in range(pool)]
-    pos = [x.abs() + 1.0 for x in xs]
-    masks = [x > 0 for x in xs]
-    stats = torch.ones(16, device=device)  # per channel: running mean and variance, scale, shift
+    def rows(x: Any) -> Any:
+        return x.view(-1, 256)
+
+    def stats(x: Any) -> Any:  # per channel: running mean and variance, scale, shift
+        return torch.ones(16, device=x.device)
+
+    return {
+        "Add": (lambda x, y, p, m: x + y, 3), "Mul": (lambda x, y, p, m: x * y, 3),
+        "Div": (lambda x, y, p, m: x / p, 3), "Where": (lambda x, y, p, m: torch.where(m, x, y), 4),
+        "Tanh": (lambda x, y, p, m: torch.tanh(x), 2), "Erf": (lambda x, y, p, m: torch.erf(x), 2),
+        "Exp": (lambda x, y, p, m: torch.exp(x), 2), "Pow": (lambda x, y, p, m: torch.pow(x, 3.0), 2),
+        "Sqrt": (lambda x, y, p, m: torch.sqrt(p), 2), "Sigmoid": (lambda x, y, p, m: torch.sigmoid(x), 2),
+        "Softmax": (lambda x, y, p, m: torch.softmax(rows(x), -1), 2),
+        "ReduceMean": (lambda x, y, p, m: rows(x).mean(-1), 1 + 1 / 256),
+        "LayerNormalization": (lambda x, y, p, m: F.layer_norm(rows(x), (256,)), 2),
+        "Relu": (lambda x, y, p, m: torch.relu(x), 2), "Neg": (lambda x, y, p, m: torch.neg(x), 2),
+        "Gelu": (lambda x, y, p, m: F.gelu(x), 2),
+        # ONNX's default (training_mode 0, what exports write): the running statistics' affine map.
+        "BatchNormalization": (lambda x, y, p, m: F.batch_norm(x.view(16, 16, -1, 16), stats(x), stats(x), stats(x),
+                                                               stats(x), training=False), 2),
+        "Concat": (lambda x, y, p, m: torch.cat([x, y]), 4),
+    }
+
+
+def _pool(device: Any, elems: int, pool: int, grad: bool) -> list[tuple[Any, Any, Any, Any]]:
+    import torch
+
+    out = []
+    for _ in range(pool):
+        x, y = torch.randn(elems, device=device), torch.randn(elems, device=device)
+        out.append((x.requires_grad_(grad), y.requires_grad_(grad), (x.detach().abs() + 1.0).requires_grad_(grad),
+                    x.detach() > 0))
+    return out
+
+
+def elementwise_kernels(device: Any, elems: int = 1 << 16, pool: int = 128) -> dict[str, tuple[Callable[[], object], float]]:
+    """Each op of `_elementwise_ops` on tensors of `elems` floats, with the bytes it reads + writes:
+    bytes over time is what the roofline's memory-bound side achieves for that op (on a CPU core far
+    below a copy's bandwidth, and a tanh at a thirtieth of an add's rate). Each call reads the next of
+    `pool` inputs (32 MiB of each kind, past the caches), as a model's ops read what the ops before
+    them wrote: a kernel timed on one input kept in cache runs its memory-bound ops 2–3× faster than
+    they run in a step."""
+    inputs = _pool(device, elems, pool, grad=False)
     turn = [0]
 
-    def nxt() -> int:
-        turn[0] = (turn[0] + 1) % pool
-        return turn[0]
+    def call(fn: Callable[..., Any]) -> Callable[[], object]:
+        def run() -> object:
+            turn[0] = (turn[0] + 1) % pool
+            return fn(*inputs[turn[0]])
+        return run
 
-    def rows() -> Any:
-        return xs[nxt()].view(-1, 256)
+    return {op: (call(fn), tensors * elems * 4.0) for op, (fn, tensors) in _elementwise_ops().items()}
 
-    kernels: dict[str, tuple[Callable[[], object], float]] = {  # op: (kernel, tensors read + written)
-        "Add": (lambda: xs[i := nxt()] + ys[i], 3), "Mul": (lambda: xs[i := nxt()] * ys[i], 3),
-        "Div": (lambda: xs[i := nxt()] / pos[i], 3), "Where": (lambda: torch.where(masks[i := nxt()], xs[i], ys[i]), 4),
-        "Tanh": (lambda: torch.tanh(xs[nxt()]), 2), "Erf": (lambda: torch.erf(xs[nxt()]), 2),
-        "Exp": (lambda: torch.exp(xs[nxt()]), 2), "Pow": (lambda: torch.pow(xs[nxt()], 3.0), 2),
-        "Sqrt": (lambda: torch.sqrt(pos[nxt()]), 2), "Sigmoid": (lambda: torch.sigmoid(xs[nxt()]), 2),
-        "Softmax": (lambda: torch.softmax(rows(), -1), 2), "ReduceMean": (lambda: rows().mean(-1), 1 + 1 / 256),
-        "LayerNormalization": (lambda: F.layer_norm(rows(), (256,)), 2), "Relu": (lambda: torch.relu(xs[nxt()]), 2),
-        "Neg": (lambda: torch.neg(xs[nxt()]), 2), "Gelu": (lambda: F.gelu(xs[nxt()]), 2),
-        # ONNX's default (training_mode 0, what exports write): the running statistics' affine map.
-        "BatchNormalization": (lambda: F.batch_norm(xs[nxt()].view(16, 16, -1, 16), stats, stats, stats, stats,
-                                                    training=False), 2),
-        "Concat": (lambda: torch.cat([xs[i := nxt()], ys[i]]), 4),
-    }
-    return {op: (fn, tensors * elems * 4.0) for op, (fn, tensors) in kernels.items()}
+
+def elementwise_backward_kernels(device: Any, elems: int, pool: int = 16) -> dict[str, Callable[[], object]]:
+    """Each op of `_elementwise_ops`'s backward through autograd (the gradient kernels torch runs for
+    it: tanh's is a multiply-add on its output, not a tanh) on tensors of `elems` floats, every float
+    input needing a gradient, each call the next of `pool` recorded forwards (the ops share the
+    inputs; with their outputs, past the core's caches)."""
+    import torch
+
+    inputs = _pool(device, elems, pool, grad=True)
+    kernels = {}
+    for op, (fn, _) in _elementwise_ops().items():
+        recorded = []
+        for x, y, p, m in inputs:
+            out = fn(x, y, p, m)
+            recorded.append((out, (x, y, p), torch.randn_like(out)))
+        turn = [0]
+
+        def run(recorded: list[Any] = recorded, turn: list[int] = turn) -> object:
+            turn[0] = (turn[0] + 1) % len(recorded)
+            out, leaves, grad = recorded[turn[0]]
+            return torch.autograd.grad(out, leaves, grad, retain_graph=True, allow_unused=True)
+
+        kernels[op] = run
+    return kernels
 
 
 def optimizer_param_s(device: Any, small: int = 256, large: int = 1 << 17, tensors: int = 8) -> float:

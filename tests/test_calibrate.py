@@ -37,6 +37,10 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     narrow = {pt["dim"]: pt["median_s"] for pt in report["narrow"]}
     assert narrow[8.0] / 8 > narrow[256.0] / 256
     assert set(p.device.elementwise_by_op or {}) >= {"Add", "Mul", "Erf", "Pow", "Tanh", "Softmax"}
+    # Their backwards, by op type: torch's gradient kernels, not the forward's — a tanh's backward is a
+    # multiply-add on its output (faster than the tanh), a pow's a pow and two multiplies (slower).
+    fwd, bwd = p.device.elementwise_by_op or {}, p.device.elementwise_backward_by_op or {}
+    assert bwd["Tanh"] > fwd["Tanh"] and bwd["Pow"] < fwd["Pow"]
     # The slowest rank's lateness for the same work, measured on the 2 ranks: a fraction, at least 0.
     assert p.device.rank_skew is not None and 0.0 <= p.device.rank_skew == report["rank_skew"] < 5.0
     assert p.name == "here" and p.origin["kind"] == "calibrated"

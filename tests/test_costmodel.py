@@ -15,10 +15,11 @@ from costmodel.attention import attention_regions, materialized_kernels
 from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.collectives import Cadence, Collective, LinkLevel, Phase
 from costmodel.comm import collective_time_s
+from costmodel.compute import ComputeCost
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel, Purpose
 from hwprofiles.profile import load_profile
-from planner.graph import OpGraph, graph_from_proto, load_graph
+from planner.graph import OpGraph, OpNode, graph_from_proto, load_graph
 from planner.mesh import DeviceMesh
 from planner.placement import Shard, Spec, parse_spec
 from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
@@ -474,6 +475,43 @@ def test_elementwise_kernels_priced_at_their_op_types_rate(zoo: Callable[[str], 
         rate = rates.get(op, dev.elementwise_bytes_per_s)
         assert c.fwd_s == pytest.approx(c.fwd_bytes / rate + dev.graph_op_s)
         assert c.bwd_s == pytest.approx(2 * c.fwd_bytes / rate + 2 * dev.graph_op_s)
+
+
+def test_elementwise_backwards_priced_at_their_calibrated_rates(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # A profile measuring element-wise backwards by op type (bytes the forward moved per second of
+    # backward, every float input needing a gradient, as `profile calibrate` writes it): a Tanh's
+    # backward is its forward bytes over that rate plus two launches; a Mul by a constant (GELU's
+    # x·0.5) computes one of the two calibrated gradients, so half; a Mul of two activations all of
+    # it; an op type not measured (Pow here) keeps 2× its forward. The field survives a save and a load.
+    import dataclasses
+
+    from costmodel.memory import gradient_tensors
+    from hwprofiles.profile import save_profile
+
+    cpu = load_profile("cpu")
+    bw = cpu.device.elementwise_bytes_per_s
+    rates = {"Tanh": bw * 5, "Mul": bw / 3}
+    prof = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, elementwise_backward_by_op=rates))
+    save_profile(prof, tmp_path / "p.json")
+    loaded = load_profile(str(tmp_path / "p.json"))
+    assert dict(loaded.device.elementwise_backward_by_op or {}) == pytest.approx(rates)
+    g = load_graph(zoo("gpt2-tiny"), {"batch": 2, "seq": 8})
+    cm = CostModel(g, DeviceMesh.build(1), loaded, PRECISIONS["fp32"])
+    dev, grads = loaded.device, gradient_tensors(g)
+
+    def cost(node: OpNode) -> ComputeCost:
+        return cm.node_cost(node, replicated_strategy(OpContext.of(node, g), 1)).compute
+
+    def first(op: str, needed: int) -> OpNode:
+        return next(n for n in g.compute_nodes if n.op_type == op and sum(t in grads for t in n.inputs if t) == needed
+                    and all(g.tensors[t].is_float for t in n.inputs if t))
+
+    tanh, scaled, product, power = first("Tanh", 1), first("Mul", 1), first("Mul", 2), first("Pow", 1)
+    assert cost(tanh).bwd_s == pytest.approx(cost(tanh).fwd_bytes / rates["Tanh"] + 2 * dev.graph_op_s)
+    assert cost(scaled).bwd_s == pytest.approx(cost(scaled).fwd_bytes / rates["Mul"] / 2 + 2 * dev.graph_op_s)
+    assert cost(product).bwd_s == pytest.approx(cost(product).fwd_bytes / rates["Mul"] + 2 * dev.graph_op_s)
+    c = cost(power)
+    assert c.bwd_s == pytest.approx(2 * (c.fwd_s - dev.graph_op_s) + 2 * dev.graph_op_s)
 
 
 def test_matmuls_priced_by_their_narrowest_dim(zoo: Callable[[str], Path]) -> None:
