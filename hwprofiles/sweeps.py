@@ -134,7 +134,7 @@ def _elementwise_ops() -> dict[str, tuple[Callable[..., Any], float]]:
 def _pool(device: Any, elems: int, pool: int, grad: bool) -> list[tuple[Any, Any, Any, Any]]:
     import torch
 
-    out = []
+    out: list[tuple[Any, Any, Any, Any]] = []
     for _ in range(pool):
         x, y = torch.randn(elems, device=device), torch.randn(elems, device=device)
         out.append((x.requires_grad_(grad), y.requires_grad_(grad), (x.detach().abs() + 1.0).requires_grad_(grad),
@@ -169,9 +169,9 @@ def elementwise_backward_kernels(device: Any, elems: int, pool: int = 16) -> dic
     import torch
 
     inputs = _pool(device, elems, pool, grad=True)
-    kernels = {}
+    kernels: dict[str, Callable[[], object]] = {}
     for op, (fn, _) in _elementwise_ops().items():
-        recorded = []
+        recorded: list[tuple[Any, tuple[Any, ...], Any]] = []
         for x, y, p, m in inputs:
             out = fn(x, y, p, m)
             recorded.append((out, (x, y, p), torch.randn_like(out)))
