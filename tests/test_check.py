@@ -52,12 +52,34 @@ def test_model_changes_caught(tmp_path: Path) -> None:
     cfg = _write(tmp_path, _case('hf_config = "gpt2.json"'), gpt2=GPT2)
     code, out, err = _check(cfg, "--update")
     assert code == 0 and (tmp_path / "meshplan-baseline" / "c" / "strategy.json.gz").is_file(), err
+    reference = tmp_path / "meshplan-baseline" / "c" / "reference.json"
+    assert json.loads(reference.read_text())["planning_reference_s"] > 0  # the machine's speed when accepted
     code, out, _ = _check(cfg)
     assert code == 0 and "no regression" in out
     _write(tmp_path, _case('hf_config = "gpt2.json"'), gpt2={**GPT2, "n_layer": 3})
     _regressed(cfg, "predicted step time (s)")
     _write(tmp_path, _case('hf_config = "gpt2.json"'), gpt2={**GPT2, "n_inner": 1024})
     _regressed(cfg, "predicted step time (s)")
+    reference.write_text('{"planning_reference_s": "fast"}')
+    code, _, err = _check(cfg)
+    assert code == 2 and "reference.json: not a planning reference" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_solver_time_judged_at_the_baselines_machine_speed() -> None:
+    # Llama-3-8B's 8×8 solve took 1.7 s when its baseline was written and 4.6 s a day later on the same
+    # code: ×2.7, a regression on an unchanged machine, none on one whose planning workload now runs
+    # 2.5× slower (4.6 / 2.5 = 1.84 s, within ×2 of 1.7).
+    from meshplan.check import Tolerance, solver_time_finding
+
+    t = Tolerance()
+    found = solver_time_finding("c", 1.7, 4.6, 1.0, t)
+    assert found is not None and found.status == "regression" and "×2.7 >" in found.note
+    assert solver_time_finding("c", 1.7, 4.6, 2.5, t) is None
+    # Slower than the machine accounts for: still caught (4.6 / 1.2 = 3.83 s > 2 × 1.7, and 2.1 s more).
+    found = solver_time_finding("c", 1.7, 4.6, 1.2, t)
+    assert found is not None and "×2.3 at the baseline's machine speed (this machine ×1.20 slower)" in found.note
+    # Within the slack second: 0.2 → 0.6 s is ×3 but no finding.
+    assert solver_time_finding("c", 0.2, 0.6, 1.0, t) is None
 
 
 def test_profile_planning_and_memory_changes_caught(zoo: Callable[[str], Path], tmp_path: Path) -> None:
