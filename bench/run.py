@@ -283,7 +283,14 @@ def bench_published_runs(repeat: int) -> None:
     bench_published(console)
 
 
-BENCHMARKS: dict[str, Callable[[int], None]] = {"fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
+def bench_collectives(repeat: int) -> None:
+    """A gloo collective back to back (as calibrate times it) and after compute (as a step runs it)."""
+    from bench.collective_wait import bench_collective_wait
+
+    bench_collective_wait(console, max(1, min(repeat, 3)))
+
+
+BENCHMARKS: dict[str, Callable[[int], None]] = {"collectives": bench_collectives, "fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
                                                 "layers": bench_layers, "pipeline": bench_pipeline,
                                                 "published": bench_published_runs}
 

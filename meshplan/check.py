@@ -290,7 +290,7 @@ def planning_reference_s(rounds: int = 15) -> float:
     The fastest round, not the median: within minutes single rounds scatter 7–14 ms without the
     solve beside them moving with them (6 solves of llama-tiny: 5.7–7.5 s, their ratio to the median
     reference scattering more than the raw times, 1.54× against 1.30×), while the fastest round held
-    at 6.9–7.3 ms."""
+    at 6.3–7.3 ms that day (3.4 ms on a fast one)."""
     import time
 
     times = []
