@@ -48,17 +48,18 @@ def calibrate(cfg: CalibrationConfig, progress: ProgressFn | None = None) -> tup
 
 def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: float) -> dict[str, float]:
     """The executor's figures, by name: "graph op", "step overhead", "optimizer fixed", "optimizer per
-    tensor" (`executor_step_costs`) and "reshard" (`reshard_overhead_s`; the ranks run it together).
+    tensor" (`executor_step_costs`), "reshard" (`reshard_overhead_s`; the ranks run it together), "rank
+    skew" and "collective wait" (`rank_skew`).
     Measured on CPUs only: with nccl a graph op costs a bare op (`bare_op_s`), and the profile prices
     the optimizer by its memory traffic."""
     if cfg.backend != "gloo":
         progress("compute", 3, 3)
         return {"graph op": bare_op_s, "step overhead": 0.0, "optimizer per tensor": 0.0, "optimizer fixed": 0.0,
-                "reshard": 0.0, "rank skew": 0.0}
+                "reshard": 0.0, "rank skew": 0.0, "collective wait": 0.0}
     out = executor_step_costs(min_time_s=1.5 if cfg.quick else 3.0)
     progress("compute", 2, 3)
     out["reshard"] = reshard_overhead_s()
-    out["rank skew"] = rank_skew(min_time_s=1.5 if cfg.quick else 3.0)
+    out["rank skew"], out["collective wait"] = rank_skew(min_time_s=1.5 if cfg.quick else 3.0)
     progress("compute", 3, 3)
     return out
 
@@ -218,17 +219,25 @@ def tiny_blocks_model(blocks: int, b: int = 2, s: int = 4, h: int = 8, heads: in
         opset_imports=[helper.make_opsetid("", 20)])
 
 
-def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> float:
-    """How much later than the mean the slowest rank finishes the same work: every rank runs the same
-    ~2 ms of matmuls, times it, and the ranks' times meet in an all-reduce (as a step's ranks meet at
-    each collective); over `min_time_s` of segments, Σ slowest / Σ mean − 1. A step that synchronises
-    waits that much longer than one rank's compute (on this VM, cores that switch speeds every few
-    seconds, independently); 0 without a process group."""
+def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> tuple[float, float]:
+    """How a step's ranks meet, measured as they meet in one: every rank runs the same ~2 ms of
+    matmuls, times it, and the ranks' times meet in an all-reduce, followed at once by a second one;
+    over `min_time_s` of segments. Returns (skew, wait):
+
+    - skew: how much later than the mean the slowest rank finishes the same work, Σ slowest / Σ mean
+      − 1 (on this VM, cores that switch speeds every few seconds, independently); a step that
+      synchronises waits that much beyond one rank's compute.
+    - wait: what a collective entered after compute costs beyond the same collective entered back to
+      back (the second all-reduce, as calibrate's collective sweeps time them) and beyond the skew,
+      per call, averaged over the ranks: a rank blocked in a collective is woken late (gloo: 0.3 ms
+      back to back, 1–2 ms after compute at the median, `python -m bench.run --only collectives`).
+
+    (0, 0) without a process group."""
     import torch
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() < 2:
-        return 0.0
+        return 0.0, 0.0
     a, b = torch.randn(128, 128), torch.randn(128, 128)
     t0 = time.perf_counter()
     reps = 0
@@ -238,6 +247,8 @@ def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> float:
     agreed = torch.tensor([reps], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     slowest = mean = 0.0
+    after = back = 0.0  # this rank's seconds inside the first (after compute) and second all-reduces
+    segments = 0
     start = time.perf_counter()
     going = True
     while going:
@@ -246,13 +257,23 @@ def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> float:
             torch.matmul(a, b)
         took = time.perf_counter() - t
         top, total = torch.tensor([took], dtype=torch.float64), torch.tensor([took], dtype=torch.float64)
+        t1 = time.perf_counter()
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        t2 = time.perf_counter()
         dist.all_reduce(total)
+        after, back = after + t2 - t1, back + time.perf_counter() - t2
         slowest, mean = slowest + float(top), mean + float(total) / dist.get_world_size()
+        segments += 1
         more = torch.tensor([int(time.perf_counter() - start < min_time_s)])
         dist.all_reduce(more, op=dist.ReduceOp.MIN)  # every rank stops after the same segment
         going = bool(int(more))
-    return max(0.0, slowest / mean - 1.0) if mean > 0 else 0.0
+    inside = torch.tensor([after, back], dtype=torch.float64)
+    dist.all_reduce(inside)  # summed over the ranks
+    n = dist.get_world_size() * segments
+    # The first all-reduce holds each rank for the slower ranks' compute (the skew: Σ slowest − Σ
+    # mean over the ranks, on average) and for the wake-up; the second, for neither.
+    wait = (float(inside[0]) - float(inside[1])) / n - (slowest - mean) / segments
+    return (max(0.0, slowest / mean - 1.0) if mean > 0 else 0.0), max(0.0, wait)
 
 
 def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:

@@ -202,6 +202,10 @@ class DeviceSpec:
     # How much later than the mean the slowest rank finishes the same work between two collectives (a
     # fraction), measured: a step that synchronises waits that much beyond its compute. None: 0.
     rank_skew: float | None = None
+    # What one collective call costs, as a step makes it (entered after compute), beyond the same
+    # collective back to back as the link tables time it and beyond the skew's wait, measured: a rank
+    # blocked in the collective is woken late (gloo on a shared VM: ~1 ms). None: 0.
+    collective_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "peak_flops_per_s", MappingProxyType(dict(self.peak_flops_per_s)))
@@ -230,6 +234,8 @@ class DeviceSpec:
             _positive(self, "step_overhead_s", allow_zero=True)
         if self.rank_skew is not None:
             _positive(self, "rank_skew", allow_zero=True)
+        if self.collective_wait_s is not None:
+            _positive(self, "collective_wait_s", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
@@ -318,7 +324,9 @@ class HardwareProfile:
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
 
     def collective_time_s(self, kind: Collective, size_bytes: float, num_ranks: int, level: LinkLevel) -> float:
-        return self.collectives[(level, kind)].time_s(kind, size_bytes, num_ranks)
+        """One call of a collective as a step makes it: the link's α-β model or table, plus the device's
+        collective wait (after compute) where calibrated."""
+        return self.collectives[(level, kind)].time_s(kind, size_bytes, num_ranks) + (self.device.collective_wait_s or 0.0)
 
     @property
     def digest(self) -> str:
@@ -340,7 +348,7 @@ _UNITS = {
     "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
     "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
     "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
-    "rank_skew": "1",
+    "rank_skew": "1", "collective_wait_s": "s",
 }
 
 
@@ -389,6 +397,8 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                 if "reshard_overhead_s" in dev else None),
             step_overhead_s=(r.q(dev, "step_overhead_s", "device.step_overhead_s") if "step_overhead_s" in dev else None),
             rank_skew=r.q(dev, "rank_skew", "device.rank_skew") if "rank_skew" in dev else None,
+            collective_wait_s=(r.q(dev, "collective_wait_s", "device.collective_wait_s")
+                               if "collective_wait_s" in dev else None),
             elementwise_by_op=({k: r.q(dev["elementwise_by_op"], k, f"device.elementwise_by_op.{k}")
                                 for k in dev["elementwise_by_op"]} if "elementwise_by_op" in dev else None),
             elementwise_backward_by_op=({k: r.q(dev["elementwise_backward_by_op"], k,
@@ -509,6 +519,8 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"step_overhead_s": q(d.step_overhead_s, "s", "device.step_overhead_s")}
                if d.step_overhead_s is not None else {}),
             **({"rank_skew": q(d.rank_skew, "1", "device.rank_skew")} if d.rank_skew is not None else {}),
+            **({"collective_wait_s": q(d.collective_wait_s, "s", "device.collective_wait_s")}
+               if d.collective_wait_s is not None else {}),
             **({"optimizer_step": {k: q(getattr(d.optimizer_step, k), "s", f"device.optimizer_step.{k}")
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),

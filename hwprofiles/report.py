@@ -37,6 +37,7 @@ class CalibrationReport:
     reshard_overhead_s: float = 0.0  # DTensor's redistribute beyond its collective (0: not measured)
     step_overhead_s: float = 0.0  # the executor's cost per training step beyond its ops
     rank_skew: float = 0.0  # the slowest rank's excess time over the mean for the same work
+    collective_wait_s: float = 0.0  # a collective after compute beyond back to back and the skew, per call
     optimizer_fixed_s: float = 0.0  # AdamW's step: per step, per tensor, per parameter
     optimizer_tensor_s: float = 0.0
     optimizer_param_s: float = 0.0
@@ -53,6 +54,7 @@ def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dic
     report.bare_op_s, report.op_overhead_s = medians["bare op"], medians["graph op"]
     report.step_overhead_s = medians["step overhead"]
     report.rank_skew = medians.get("rank skew", 0.0)
+    report.collective_wait_s = medians.get("collective wait", 0.0)
     report.optimizer_fixed_s = medians["optimizer fixed"]
     report.optimizer_tensor_s = medians["optimizer per tensor"]
     report.optimizer_param_s = medians["optimizer per parameter"]
@@ -176,6 +178,9 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
         dev["step_overhead_s"] = q(report.step_overhead_s, "s", f"{how}: the matmul's step beyond its launches")
         dev["rank_skew"] = q(report.rank_skew, "1", "the ranks run the same ~2 ms of matmuls and meet in an "
                              "all-reduce, for 3 s: Σ slowest rank's time / Σ mean − 1")
+        dev["collective_wait_s"] = q(report.collective_wait_s, "s", "the same segments' all-reduce (after the "
+                                     "matmuls) against the one right after it (back to back), mean per rank and call, "
+                                     "less the skew's wait")
         in_step = ("torch AdamW (one tensor at a time) in the training step of 4 tiny transformer blocks and "
                    "of one matmul")
         dev["optimizer_step"] = {
@@ -265,6 +270,7 @@ def report_json(report: CalibrationReport) -> dict[str, Any]:
         "reshard_overhead_s": report.reshard_overhead_s,
         "step_overhead_s": report.step_overhead_s,
         "rank_skew": report.rank_skew,
+        "collective_wait_s": report.collective_wait_s,
         "optimizer_step": {"fixed_s": report.optimizer_fixed_s, "tensor_s": report.optimizer_tensor_s,
                            "param_s": report.optimizer_param_s},
         "conv_efficiency_fit_median_rel_error": report.conv_efficiency.median_rel_error if report.conv_efficiency else None,

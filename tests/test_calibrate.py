@@ -43,6 +43,8 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     assert bwd["Tanh"] > fwd["Tanh"] and bwd["Pow"] < fwd["Pow"]
     # The slowest rank's lateness for the same work, measured on the 2 ranks: a fraction, at least 0.
     assert p.device.rank_skew is not None and 0.0 <= p.device.rank_skew == report["rank_skew"] < 5.0
+    # A collective after compute against back to back, per call: seconds, at least 0, under a step's worth.
+    assert p.device.collective_wait_s is not None and 0.0 <= p.device.collective_wait_s == report["collective_wait_s"] < 0.1
     assert p.name == "here" and p.origin["kind"] == "calibrated"
     assert all(src.startswith("calibrated ") or src.startswith("assumed") for src in p.sources.values())
     for kind in Collective:

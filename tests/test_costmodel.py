@@ -569,6 +569,46 @@ def test_a_synchronising_step_waits_for_its_slowest_rank(zoo: Callable[[str], Pa
         assert bool(plain.events) is expect_wait
 
 
+def test_each_collective_call_pays_the_profiles_collective_wait(zoo: Callable[[str], Path]) -> None:
+    # A profile measuring a collective wait w (a collective entered after compute against back to
+    # back): every collective call costs its link time + w, a hierarchical one once per stage of it;
+    # a step prices w once per collective call it makes — the data-parallel mlp's gradients, all in
+    # one 25 MiB bucket, one all-reduce —; one device makes none.
+    import dataclasses
+
+    cpu = load_profile("cpu")
+    w = 1e-3
+    waiting = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, collective_wait_s=w))
+    for kind in Collective:
+        for size in (4.0, 65536.0, 2.0**24):
+            assert waiting.collective_time_s(kind, size, 2, LinkLevel.INTRA_NODE) == pytest.approx(
+                cpu.collective_time_s(kind, size, 2, LinkLevel.INTRA_NODE) + w)
+    h100 = load_profile("h100-sxm")
+    nodes = dataclasses.replace(h100, device=dataclasses.replace(h100.device, collective_wait_s=w))
+    two_nodes = DeviceMesh.build(16, (16,), devices_per_node=8)
+    for kind, stages in ((Collective.ALL_REDUCE, 3), (Collective.ALL_GATHER, 2), (Collective.SEND_RECV, 1)):
+        assert collective_time_s(nodes, two_nodes, kind, 2.0**20, (0,)) == pytest.approx(
+            collective_time_s(h100, two_nodes, kind, 2.0**20, (0,)) + stages * w)
+    g = load_graph(zoo("mlp"), {"batch": 64})
+    for n in (2, 1):
+        mesh = DeviceMesh.build(n)
+        batch = "S(0)" if n > 1 else "R"
+
+        def data_parallel(s: OpStrategy, batch: str = batch) -> bool:
+            return str(s.input_specs[0]) == batch and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+        plan = {node.name: next(filter(data_parallel, strategies_for(node, g, mesh).strategies))
+                for node in g.compute_nodes}
+        plain = CostModel(g, mesh, cpu, PRECISIONS["fp32"]).price(plan)
+        waits = CostModel(g, mesh, waiting, PRECISIONS["fp32"]).price(plan)
+        assert all(e.kind is Collective.ALL_REDUCE and e.purpose is Purpose.GRAD_SYNC for e in plain.events)
+        assert sum(e.size_bytes for e in plain.events) < 25 * 2**20
+        calls = 1 if plain.events else 0
+        assert waits.compute_s == pytest.approx(plain.compute_s)
+        assert waits.comm_s - plain.comm_s == pytest.approx(w * calls)
+        assert (calls > 0) is (n > 1)
+
+
 def test_reshape_of_a_strided_tensor_is_a_view_only_when_it_splits_dims() -> None:
     # torch.reshape of a non-contiguous tensor (a split's piece, a transpose) is a view when every old
     # dim is a product of consecutive new ones (splitting heads out of a q slice); merging dims copies.
