@@ -544,6 +544,16 @@ def test_matmuls_priced_by_their_narrowest_dim(zoo: Callable[[str], Path]) -> No
     assert dev.matmul_time_s(1e9, "fp32", 16) > dev.matmul_time_s(1e9, "fp32", 256)
 
 
+def _data_parallel_plan(g: OpGraph, mesh: DeviceMesh) -> dict[str, OpStrategy]:
+    """Every op data parallel on a 1-d mesh: the batch split (on one device, replicated), the rest replicated."""
+    batch = "S(0)" if mesh.num_devices > 1 else "R"
+
+    def data_parallel(s: OpStrategy) -> bool:
+        return str(s.input_specs[0]) == batch and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
+
+    return {node.name: next(filter(data_parallel, strategies_for(node, g, mesh).strategies)) for node in g.compute_nodes}
+
+
 def test_a_synchronising_step_waits_for_its_slowest_rank(zoo: Callable[[str], Path]) -> None:
     # A profile measuring rank skew r (the slowest rank's excess over the mean for the same work): a
     # step with collectives waits r × its compute more, counted as exposed communication; a step with
@@ -555,13 +565,7 @@ def test_a_synchronising_step_waits_for_its_slowest_rank(zoo: Callable[[str], Pa
     g = load_graph(zoo("mlp"), {"batch": 64})
     for n, expect_wait in ((2, True), (1, False)):
         mesh = DeviceMesh.build(n)
-        batch = "S(0)" if n > 1 else "R"  # data parallel: the batch split, everything else replicated
-
-        def data_parallel(s: OpStrategy, batch: str = batch) -> bool:
-            return str(s.input_specs[0]) == batch and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
-
-        plan = {node.name: next(filter(data_parallel, strategies_for(node, g, mesh).strategies))
-                for node in g.compute_nodes}
+        plan = _data_parallel_plan(g, mesh)
         plain = CostModel(g, mesh, cpu, PRECISIONS["fp32"]).price(plan)
         waits = CostModel(g, mesh, skewed, PRECISIONS["fp32"]).price(plan)
         assert waits.compute_s == pytest.approx(plain.compute_s)
@@ -592,13 +596,7 @@ def test_each_collective_call_pays_the_profiles_collective_wait(zoo: Callable[[s
     g = load_graph(zoo("mlp"), {"batch": 64})
     for n in (2, 1):
         mesh = DeviceMesh.build(n)
-        batch = "S(0)" if n > 1 else "R"
-
-        def data_parallel(s: OpStrategy, batch: str = batch) -> bool:
-            return str(s.input_specs[0]) == batch and all(sp is None or str(sp) == "R" for sp in s.input_specs[1:])
-
-        plan = {node.name: next(filter(data_parallel, strategies_for(node, g, mesh).strategies))
-                for node in g.compute_nodes}
+        plan = _data_parallel_plan(g, mesh)
         plain = CostModel(g, mesh, cpu, PRECISIONS["fp32"]).price(plan)
         waits = CostModel(g, mesh, waiting, PRECISIONS["fp32"]).price(plan)
         assert all(e.kind is Collective.ALL_REDUCE and e.purpose is Purpose.GRAD_SYNC for e in plain.events)
