@@ -9,18 +9,11 @@ the wait for the slower rank and the collective's cold start (README, fidelity).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
 from typing import Any
 
 CASES = ("back to back", "after compute")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, numel: int, rounds: int, out: Any) -> None:
@@ -53,17 +46,17 @@ def _rank(rank: int, port: int, numel: int, rounds: int, out: Any) -> None:
 
 def measure(numel: int = 16384, rounds: int = 300) -> dict[str, list[tuple[float, float]]]:
     """Per case, each rank's (median, mean) seconds inside the collective."""
-    import torch.multiprocessing as mp
+    from executor.ranks import run_ranks
+    from planner.errors import MeshplanError
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, numel, rounds, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(queue.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
+    got: dict[int, dict[str, tuple[float, float]]] = {}
+
+    def handle(msg: tuple[Any, ...]) -> bool:
+        got[msg[0]] = msg[1]
+        return len(got) == 2
+
+    run_ranks(_rank, 2, lambda r, port, out: (r, port, numel, rounds, out), handle, timeout_s=300,
+              error=MeshplanError, what="the collective benchmark")
     return {case: [got[r][case] for r in range(2)] for case in got[0]}
 
 

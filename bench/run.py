@@ -290,9 +290,9 @@ def bench_collectives(repeat: int) -> None:
     bench_collective_wait(console, max(1, min(repeat, 3)))
 
 
-BENCHMARKS: dict[str, Callable[[int], None]] = {"collectives": bench_collectives, "fidelity": bench_fidelity, "import": bench_import, "plan": bench_plan,
-                                                "layers": bench_layers, "pipeline": bench_pipeline,
-                                                "published": bench_published_runs}
+BENCHMARKS: dict[str, Callable[[int], None]] = {"collectives": bench_collectives, "fidelity": bench_fidelity,
+                                                "import": bench_import, "plan": bench_plan, "layers": bench_layers,
+                                                "pipeline": bench_pipeline, "published": bench_published_runs}
 
 
 def main() -> None:
