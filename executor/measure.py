@@ -80,7 +80,12 @@ class SavedMeter:
             self.now += self._bytes[key]
             self.peak = max(self.peak, self.now)
         self._refs[key] += 1
-        return Held(t, key, self)
+        # Held keeps a detached alias (same storage, no grad_fn): a saved *output* held as itself would
+        # point back at the node that saves it (node → saved variable → Held → tensor → grad_fn = node),
+        # a cycle through C++ that gc cannot see, so a graph dropped without its backward (pipelining's
+        # shape-inference forward on the first stage) would stay alive and counted for the whole run.
+        # Autograd puts the grad_fn back on unpack.
+        return Held(t.detach(), key, self)
 
     def release(self, key: int) -> None:
         self._refs[key] -= 1

@@ -103,14 +103,16 @@ def test_pipeline_result_broadcast(zoo: Callable[[str], Path], tmp_path: Path) -
         assert st["collectives_executed"] == st["collectives_planned"], st
 
 
-def test_last_stage_memory_holds_what_it_received(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+def test_each_stages_memory_is_the_measured_one(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # GPT-2 in 2 stages (1F1B): the last stage saves, for its first LayerNorm's backward, its own copy
     # of the residual stream it received (the producer's stage holds its output to its backward too),
-    # one micro-batch in flight. Its predicted memory is the executor's measured one within 2% (without
-    # the received copy: 2.4% short).
+    # one micro-batch in flight; the first stage holds two. Each stage's predicted memory is the
+    # executor's measured one within 2.5% (last stage +0.5%, first −2.1%; without the received copy the
+    # last is 2.4% short; with the meter's old record of a saved output, which kept the graph of
+    # pipelining's shape-inference forward alive, the first stage measured 21% over).
     s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"seq": 64}, profile="cpu", devices=2, layout="pp=2",
                                  global_batch_size=16, micro_batch_size=4))
     s.save(tmp_path / "s.json")
     r = run(str(tmp_path / "s.json"), str(zoo("gpt2-tiny")), nproc=2, opts=RunOptions(steps=1, warmup=1), timeout_s=300)
-    last = r["stages"][-1]
-    assert last["measured_memory_bytes"] == pytest.approx(last["predicted_memory_bytes"], rel=0.02), last
+    for st in r["stages"]:
+        assert st["measured_memory_bytes"] == pytest.approx(st["predicted_memory_bytes"], rel=0.025), st
