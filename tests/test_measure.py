@@ -43,4 +43,4 @@ def test_saved_tensors_count_once_per_storage_and_backward_is_unchanged() -> Non
     assert meter.now == 0 and meter.peak == 4000
     ref = x.detach().clone().requires_grad_()
     (torch.sigmoid(ref * 2) ** 2).sum().backward()
-    assert x.grad is not None and torch.equal(x.grad, ref.grad)
+    assert x.grad is not None and ref.grad is not None and torch.equal(x.grad, ref.grad)
