@@ -196,9 +196,12 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         result["trained_parameters"] = r0["trained_parameters"] if strategy.pipeline is None else \
             sum(reports[st.devices[0]]["trained_parameters"] for st in strategy.pipeline.stages)
     if strategy.pipeline is not None:  # ranks differ by stage: each stage's first rank, planned and executed
+        result["micro_batches"] = strategy.training.micro_batches
         result["stages"] = [{"stage": s, "rank": st.devices[0], "predicted_memory_bytes": st.memory_bytes,
                              "measured_memory_bytes": reports[st.devices[0]]["measured_memory_bytes"],
                              "measured_step_s": reports[st.devices[0]]["measured_step_s"],
+                             "measured_phases_s": reports[st.devices[0]]["measured_phases_s"],
+                             "predicted_micro_batch_s": st.time_s,
                              "collectives_planned": planned_counts(strategy, graph=graph, stage=s),
                              "collectives_executed": reports[st.devices[0]]["collectives_executed"]}
                             for s, st in enumerate(strategy.pipeline.stages)]

@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,11 @@ from planner.graph import OpGraph
 from planner.pipeline import crossings, param_stages, strategy_chunks
 from planner.placement import Spec
 from planner.strategy import Strategy
+
+# A pipelined step's measured phases, in order (summed over the micro-batches): its chunks' forwards and
+# backwards, the rest of the schedule (waits, sends, the loss), the gradient reductions after it, the
+# optimizer step.
+PIPELINE_PHASES = ("forward", "backward", "pipeline_wait", "gradient_sync", "optimizer")
 
 
 class PipelineRunError(MeshplanError):
@@ -97,17 +102,29 @@ class ChunkModule(nn.Module):
 
 class CountedStage(PipelineStage):
     """A pipeline stage that counts the sends it issues (forward activations, backward gradients)
-    while `counting` is set, and calls `after_backward` (ZeRO-2's reduce-scatter) after each
-    micro-batch's backward."""
+    while `counting` is set, times its chunks' forwards and backwards (`spent`, seconds since the
+    last reset: the compute alone — the schedule waits for a chunk's inputs before it, and posts its
+    sends after it), and calls `after_backward` (ZeRO-2's reduce-scatter) after each micro-batch's
+    backward."""
 
     counting = False
     sends = 0
+    spent: ClassVar[dict[str, float]] = {"forward": 0.0, "backward": 0.0}  # this rank's stages, as `sends`
     after_backward: Callable[[], None] | None = None
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
+                          save_forward_output: bool = True) -> Any:
+        t0 = time.perf_counter()
+        out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        CountedStage.spent["forward"] += time.perf_counter() - t0
+        return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
+        t0 = time.perf_counter()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
+        CountedStage.spent["backward"] += time.perf_counter() - t0
         if self.after_backward is not None:
             self.after_backward()
         return out
@@ -227,10 +244,12 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
         comm = CollectiveCounter() if count else None
         hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure else nullcontext()
         with comm if comm is not None else nullcontext(), counting_sends() if count else nullcontext():
+            CountedStage.spent = {"forward": 0.0, "backward": 0.0}
             t0 = time.perf_counter()
             with hooks:
                 schedule.step(*inputs, target=target, losses=losses)
             t1 = time.perf_counter()
+            fwd, bwd = CountedStage.spent["forward"], CountedStage.spent["backward"]
             runner.reduce_gradients()
             # A tied weight's copies: each one's gradient reduced over its own stage's mesh (whatever way
             # its uses there left it partial), then the copies' gradients summed (Megatron's embedding group).
@@ -240,7 +259,9 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
             if pipe.result_broadcast:  # every stage learns the step's loss (this rank's addend of it)
                 dist.broadcast(loss, src=pipe.stages[-1].devices[place], group=world.get_group("pp"))
         executed = dict(comm.counts) if comm is not None else {}
-        return loss, executed, [t1 - t0, time.perf_counter() - t1]
+        # The schedule's time beyond its chunks' compute: waiting for the other stages' sends (their
+        # compute and the transfer), posting its own, the last stage's loss, ZeRO-2's reduce-scatters.
+        return loss, executed, [fwd, bwd, t1 - t0 - fwd - bwd, time.perf_counter() - t1]
 
     report: dict[str, Any] = {"rank": rank, "stage": stage}
     first_loss, _, _ = step(measure=True)  # the first step also infers the stages' shapes
@@ -302,7 +323,7 @@ def run_pipelined_rank(strategy: Strategy, model_path: str, opts: Any, device: t
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None
     report["measured_phases_s"] = {name: statistics.median(ph[k] for ph in phases) for k, name in
-                                   enumerate(("pipeline", "gradient_sync", "optimizer"))} if phases else {}
+                                   enumerate(PIPELINE_PHASES)} if phases else {}
     report["measured_memory_bytes"] = state_bytes(module, optim, runner) + peak_saved
     return report
 

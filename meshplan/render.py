@@ -245,11 +245,14 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     console.print(t)
     if "stages" in result:  # pipelined: ranks differ by stage
         st = Table(title="pipeline stages (each stage's first rank)")
-        for col in ("stage", "rank", "step", "memory measured / predicted", "collectives and sends planned",
-                    "executed"):
+        for col in ("stage", "rank", "step", "per micro-batch: forward + backward measured / planned (with sends)",
+                    "memory measured / predicted", "collectives and sends planned", "executed"):
             st.add_column(col)
+        m = result["micro_batches"]
         for row in result["stages"]:
+            ph = row["measured_phases_s"]
             st.add_row(str(row["stage"]), str(row["rank"]), f"{row['measured_step_s'] * 1e3:.2f} ms",
+                       f"{(ph['forward'] + ph['backward']) / m * 1e3:.2f} / {row['predicted_micro_batch_s'] * 1e3:.2f} ms",
                        f"{fmt_bytes(row['measured_memory_bytes'])} / {fmt_bytes(row['predicted_memory_bytes'])}",
                        json.dumps(row["collectives_planned"], sort_keys=True),
                        json.dumps(row["collectives_executed"], sort_keys=True))

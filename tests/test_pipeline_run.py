@@ -13,6 +13,7 @@ from click.testing import CliRunner
 
 from cli import main
 from executor.launch import run
+from executor.pipeline import PIPELINE_PHASES
 from executor.train import RunOptions
 from planner.graph import load_graph
 from planner.pipeline import crossings, param_stages, strategy_chunks
@@ -116,3 +117,9 @@ def test_each_stages_memory_is_the_measured_one(zoo: Callable[[str], Path], tmp_
     r = run(str(tmp_path / "s.json"), str(zoo("gpt2-tiny")), nproc=2, opts=RunOptions(steps=1, warmup=1), timeout_s=300)
     for st in r["stages"]:
         assert st["measured_memory_bytes"] == pytest.approx(st["predicted_memory_bytes"], rel=0.025), st
+        # Its step, phase by phase: the chunks' forwards and backwards (timed around torch's calls), the
+        # rest of the schedule (waits, sends, the loss), then the reductions and the optimizer — parts of
+        # the one timed step, which also zeroes the gradients before them.
+        ph = st["measured_phases_s"]
+        assert tuple(ph) == PIPELINE_PHASES and ph["forward"] > 0 and ph["backward"] > 0, ph
+        assert all(v >= 0 for v in ph.values()) and sum(ph.values()) <= st["measured_step_s"], (ph, st)
