@@ -245,7 +245,7 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     console.print(t)
     if "stages" in result:  # pipelined: ranks differ by stage
         st = Table(title="pipeline stages (each stage's first rank)")
-        for col in ("stage", "rank", "step", "per micro-batch: forward + backward measured / planned (with sends)",
+        for col in ("stage", "rank", "step", "per micro-batch: forward + backward measured / planned",
                     "memory measured / predicted", "collectives and sends planned", "executed"):
             st.add_column(col)
         m = result["micro_batches"]
@@ -304,13 +304,15 @@ def recompute_text(tr: TrainingSettings, *, short: bool = False) -> str:
 
 
 def render_stages(s: Strategy) -> None:
-    """A pipelined plan's stages: devices, layers, time per micro-batch, per-step work, peak memory."""
+    """A pipelined plan's stages: devices, layers, time per micro-batch, its sends (round trip), per-step
+    work, peak memory."""
     assert s.pipeline is not None
     t = Table(title=f"pipeline stages ({s.training.micro_batches} micro-batches)")
-    for col in ("stage", "devices", "layers", "per micro-batch", "per step", "in flight", "memory/device"):
+    for col in ("stage", "devices", "layers", "per micro-batch", "sends", "per step", "in flight", "memory/device"):
         t.add_column(col)
     for i, st in enumerate(s.pipeline.stages):
         t.add_row(str(i), f"{st.devices[0]}–{st.devices[-1]}", str(st.layers), f"{st.time_s * 1e3:.2f} ms",
+                  f"{st.send_s * 1e3:.2f} ms",
                   f"{st.step_s * 1e3:.2f} ms", f"{st.in_flight:g}", fmt_bytes(st.memory_bytes))
     console.print(t)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from costmodel.pipeline import simulate
+from costmodel.pipeline import hop_delays, simulate
 from planner.errors import MeshplanError
 from planner.strategy import Strategy
 
@@ -27,7 +27,7 @@ def draw_timeline(strategy: Strategy, path: str | Path) -> float:
     times = [st.time_s for st in pl.stages]
     try:
         rows = simulate(pl.schedule, [t * (1 - BACKWARD_SHARE) for t in times], [t * BACKWARD_SHARE for t in times],
-                        m, v)
+                        m, v, hop_delays([st.send_s for st in pl.stages], v))
     except ValueError as e:
         raise MeshplanError(f"--timeline: {e}") from e
     end = max(e for row in rows for _, _, _, e in row)

@@ -11,10 +11,10 @@ The ILP (`planner/solve.py`) decides the sharding of every node on the sub-mesh,
 group, with one memory row per stage: its nodes' parameters' states, and their saved activations times
 the micro-batches the stage holds at once under the schedule (`costmodel/pipeline.py`). Its objective
 is the sum of all stages' work, which the pipelined step is proportional to when stages balance; the
-plan is then priced per stage: each stage's time per micro-batch (its nodes' forward and backward,
-their per-micro-batch collectives, and the sends of the activations that cross into the next stage
-and of their gradients back), the step T = Σ t_i/v + (m − 1/v·…) as `pipeline_step_s` composes it,
-plus the slowest stage's per-step work (gradient reductions, optimizer).
+plan is then priced per stage: each stage's time per micro-batch (its nodes' forward and backward and
+their per-micro-batch collectives) and its sends (the activations that cross into the next stage and
+their gradients back), the step as `pipeline_step_s` composes them (the sends where the schedule
+waits for them), plus the slowest stage's per-step work (gradient reductions, optimizer).
 """
 
 from __future__ import annotations
@@ -152,13 +152,19 @@ def param_stages(graph: OpGraph, chunk_of: dict[str, int], p: int) -> dict[str, 
 
 @dataclass(frozen=True)
 class StageCost:
-    time_s: float  # per micro-batch
+    time_s: float  # per micro-batch: its nodes' forward and backward and their per-micro-batch collectives
     compute_s: float  # per micro-batch
     step_s: float  # per step: reductions once per step and the optimizer
     optimizer_s: float
     memory: dict[str, float]
     in_flight: float
     send_bytes: float  # per micro-batch, forward and backward, to and from the next stage
+    send_s: float = 0.0  # their transfer times (`pipeline_step_s` counts them where the schedule waits)
+
+    @property
+    def busy_s(self) -> float:
+        """Its time per micro-batch were its sends its own work (the balance of the layers' cut)."""
+        return self.time_s + self.send_s
 
 
 def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut, full: DeviceMesh, schedule: str,
@@ -226,9 +232,9 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     for s in range(p):
         held = in_flight(schedule, p, m, s, v)
         memory = {**states[s], "activations": (acts[s] + (inputs if s == 0 else 0.0)) * held + transient}
-        out.append(StageCost(time_s=compute[s] + micro[s] + send_s[s], compute_s=compute[s],
+        out.append(StageCost(time_s=compute[s] + micro[s], compute_s=compute[s],
                              step_s=per_step[s] + optimizer[s], optimizer_s=optimizer[s], memory=memory,
-                             in_flight=held, send_bytes=sends[s]))
+                             in_flight=held, send_bytes=sends[s], send_s=send_s[s]))
     return out
 
 
@@ -241,8 +247,8 @@ def balanced_counts(stages: list[StageCost], the_cut: Cut) -> list[int] | None:
         return None
     counts = list(the_cut.layers_per_chunk)
     middle = [s for s in range(the_cut.stages) if counts[s]]
-    per_layer = min(stages[s].time_s / counts[s] for s in middle)  # a stage of layers only is the cheapest
-    extra = [stages[s].time_s - counts[s] * per_layer for s in range(the_cut.stages)]
+    per_layer = min(stages[s].busy_s / counts[s] for s in middle)  # a stage of layers only is the cheapest
+    extra = [stages[s].busy_s - counts[s] * per_layer for s in range(the_cut.stages)]
 
     def time(s: int) -> float:
         return extra[s] + counts[s] * per_layer
@@ -261,20 +267,22 @@ def balanced_counts(stages: list[StageCost], the_cut: Cut) -> list[int] | None:
 
 def pipelined_cost(stages: list[StageCost], schedule: str, m: int, v: int, fixed_s: float,
                    flops: float, composer: str) -> PredictedCost:
-    """The step: the pipeline over its stages (`pipeline_step_s`), then the slowest stage's per-step
-    work; compute, communication and bubble told apart on the stage that paces the pipeline."""
+    """The step: the pipeline over its stages (`pipeline_step_s`, the sends where the schedule waits for
+    them), then the slowest stage's per-step work; compute, communication (the pacing stage's
+    collectives, the sends the schedule waits for, the per-step reductions) and bubble told apart."""
     times = [st.time_s for st in stages]
-    pipe = pipeline_step_s(schedule, times, m, v)
+    without_sends = pipeline_step_s(schedule, times, m, v)
+    pipe = pipeline_step_s(schedule, times, m, v, [st.send_s for st in stages])
     pacing = max(range(len(stages)), key=lambda s: times[s])
     last = max(range(len(stages)), key=lambda s: stages[s].step_s)
     step = pipe + stages[last].step_s + fixed_s
     peak = max(stages, key=lambda st: sum(st.memory.values()))
     compute = m * stages[pacing].compute_s
     return PredictedCost(step_time_s=step, compute_s=compute, optimizer_s=stages[last].optimizer_s, overhead_s=fixed_s,
-                         comm_s=m * (times[pacing] - stages[pacing].compute_s) + stages[last].step_s
-                         - stages[last].optimizer_s,
+                         comm_s=m * (times[pacing] - stages[pacing].compute_s) + (pipe - without_sends)
+                         + stages[last].step_s - stages[last].optimizer_s,
                          memory=dict(peak.memory), flops_per_device=flops, composer=composer,
-                         bubble_s=pipe - m * times[pacing])
+                         bubble_s=without_sends - m * times[pacing])
 
 
 def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule: str, m: int,
@@ -293,7 +301,7 @@ def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule:
                                  devices=tuple(range(s * stage_devices, (s + 1) * stage_devices)),
                                  chunks=tuple((first[c], last[c]) for c in chunks),
                                  layers=sum(the_cut.layers_per_chunk[c] for c in chunks),
-                                 time_s=stages[s].time_s, step_s=stages[s].step_s,
+                                 time_s=stages[s].time_s, send_s=stages[s].send_s, step_s=stages[s].step_s,
                                  memory_bytes=sum(stages[s].memory.values()), in_flight=stages[s].in_flight))
     return Pipeline(stages=tuple(out), schedule=schedule, virtual_stages=v,
                     bubble_fraction=bubble_fraction(schedule, p, m, v), p2p_bytes=max(st.send_bytes for st in stages))
@@ -388,7 +396,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     if counts is not None:  # the same per-layer plan, the layers moved off the stages with more to do
         balanced = cut(graph, p, v, counts)
         trial = price_stages(cm, priced, graph, balanced, full, schedule, steps)
-        if max(st.time_s for st in trial) < max(st.time_s for st in stages) and \
+        if max(st.busy_s for st in trial) < max(st.busy_s for st in stages) and \
                 max(sum(st.memory.values()) for st in trial) <= max(limit, max(sum(st.memory.values()) for st in stages)):
             the_cut, stages = balanced, trial
     if enforce_limit:

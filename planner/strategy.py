@@ -127,7 +127,8 @@ class PipelineStage:
     devices: tuple[int, ...]
     chunks: tuple[tuple[str, str], ...] = ()  # (first node, last node) per model chunk (several: interleaved)
     layers: int = 0  # repeated layers it holds
-    time_s: float = 0.0  # per micro-batch: forward + backward of its nodes, their per-micro-batch collectives, sends
+    time_s: float = 0.0  # per micro-batch: forward + backward of its nodes, their per-micro-batch collectives
+    send_s: float = 0.0  # per micro-batch: its sends to the next stage and their gradients back
     step_s: float = 0.0  # per step: its gradient reductions and optimizer
     memory_bytes: float = 0.0  # per device: its parameters' states and the activations it holds at its peak
     in_flight: float = 0.0  # micro-batches of activations it holds at its peak
@@ -299,7 +300,7 @@ def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
         return {"stages": []}
     return {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices),
                         "chunks": [list(c) for c in st.chunks], "layers": st.layers, "time_s": st.time_s,
-                        "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
+                        "send_s": st.send_s, "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
                        for st in p.stages],
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "bubble_fraction": p.bubble_fraction,
             "p2p_bytes": p.p2p_bytes, "result_broadcast": p.result_broadcast}
@@ -310,7 +311,8 @@ def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
         return None
     stages = tuple(PipelineStage(first_node=st["first_node"], last_node=st["last_node"], devices=tuple(st["devices"]),
                                  chunks=tuple((a, b) for a, b in st.get("chunks", ())), layers=st.get("layers", 0),
-                                 time_s=st.get("time_s", 0.0), step_s=st.get("step_s", 0.0),
+                                 time_s=st.get("time_s", 0.0), send_s=st.get("send_s", 0.0),
+                                 step_s=st.get("step_s", 0.0),
                                  memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
                    for st in d["stages"])
     return Pipeline(stages=stages, schedule=d.get("schedule", "1f1b"), virtual_stages=d.get("virtual_stages", 1),

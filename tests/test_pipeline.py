@@ -11,7 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.pipeline import bubble_fraction, in_flight, p2p_bytes, pipeline_step_s
+from costmodel.collectives import Collective
+from costmodel.pipeline import bubble_fraction, hop_delays, in_flight, p2p_bytes, pipeline_step_s, simulate
+from hwprofiles.profile import LinkLevel, load_profile
 from planner.graph import load_graph
 from planner.plan import PlanRequest, make_plan
 from planner.strategy import from_json
@@ -57,9 +59,13 @@ def test_pipelined_plan_priced_from_its_stages(zoo: Callable[[str], Path], tmp_p
     spec = s.spec_of(hidden)
     assert spec is not None and g.tensors[hidden].shape == (2, 32, 64)  # B·s·h, B = 2 over the 2 dp ranks
     assert pl.p2p_bytes == p2p_bytes(math.prod(spec.local_shape((2, 32, 64), s.mesh.shape)), 2)
-    times = [st.time_s for st in pl.stages]
-    assert s.cost.step_time_s == pytest.approx(pipeline_step_s("1f1b", times, 4) + max(st.step_s for st in pl.stages)
-                                               + s.cost.overhead_s)
+    times, sends = [st.time_s for st in pl.stages], [st.send_s for st in pl.stages]
+    # the first stage's sends: the hidden state forward and its gradient back, a send-receive each
+    # within the node; the last stage sends nothing on
+    link = load_profile("h100-sxm").collective_time_s(Collective.SEND_RECV, pl.p2p_bytes / 2, 2, LinkLevel.INTRA_NODE)
+    assert sends == [pytest.approx(2 * link), 0.0]
+    assert s.cost.step_time_s == pytest.approx(pipeline_step_s("1f1b", times, 4, 1, sends)
+                                               + max(st.step_s for st in pl.stages) + s.cost.overhead_s)
     assert s.cost.bubble_s == pytest.approx(pipeline_step_s("1f1b", times, 4) - 4 * max(times))
     assert s.cost.memory_bytes_per_device == pytest.approx(max(st.memory_bytes for st in pl.stages))
     again = from_json(s.to_json())  # the strategy file carries the pipeline (and validates against the schema)
@@ -148,6 +154,57 @@ def test_simulated_interleaved_schedule_matches_the_closed_form(v: int) -> None:
     assert end == pytest.approx(24 + 9 / v) == pytest.approx(pipeline_step_s("interleaved", [3.0] * 4, 8, v))
     assert next(k for k, (kind, *_) in enumerate(rows[0]) if kind == "B") == 6 + (v - 1) * 4 + 1
     assert all(len(row) == 2 * 8 * v for row in rows)
+
+
+def _end(rows: list[list[tuple[str, int, float, float]]]) -> float:
+    return max(e for row in rows for *_, e in row)
+
+
+def test_sends_pace_1f1b_where_micro_batches_in_flight_wait_for_them() -> None:
+    # 2 stages, forward 1 and backward 2 each, a transfer of 1 each way (round trip 2). Stage 0 holds
+    # 2 micro-batches in flight: it starts micro-batch k + 2 only when k's backward is back, a loop of
+    # F(1) + send(1) + F(1) + B(2) + send(1) + B(2) = 8 for 2 micro-batches, so the steady pace is 4
+    # per micro-batch, not the stages' 3 — and not 3 + 2 = 5, the closed form with the sends inside
+    # the stage's time. Fill and drain: one micro-batch through and back, 6 + 2.
+    ends = [_end(simulate("1f1b", [1.0, 1.0], [2.0, 2.0], m, send_s=[1.0, 0.0])) for m in (8, 12)]
+    assert ends[1] - ends[0] == pytest.approx(4 * 4)
+    assert pipeline_step_s("1f1b", [3.0, 3.0], 12, 1, [2.0, 0.0]) == pytest.approx(6 + 2 + 11 * 4)
+    # Two stages hold no slack: a round trip of 0.5 still paces them, (6 + 0.5)/2 = 3.25. Four stages,
+    # the first holding 4 in flight, absorb it: (12 + 3 × 0.5)/4 = 3.375 for the run of all four, but
+    # the pairs' (6 + 0.5)/2 = 3.25 binds.
+    ends = [_end(simulate("1f1b", [1.0, 1.0], [2.0, 2.0], m, send_s=[0.25, 0.0])) for m in (8, 12)]
+    assert ends[1] - ends[0] == pytest.approx(4 * 3.25)
+    ends = [_end(simulate("1f1b", [1.0] * 4, [2.0] * 4, m, send_s=[0.25] * 3 + [0.0])) for m in (16, 24)]
+    assert ends[1] - ends[0] == pytest.approx(8 * 3.375)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_pipeline_step_with_sends_bounds_the_simulated_schedule(schedule: str) -> None:
+    # Stage times and sends drawn at random (sends from 1% to as long as a stage): the step priced
+    # never falls below the schedule simulated with each send as a delay (backward twice the forward),
+    # GPipe's equals it, and (one chunk per stage) it is never above the closed form that counts the
+    # sends in every stage's time (what was priced before); with no sends it is that closed form.
+    import random
+
+    rng = random.Random(0)
+    over = []
+    for _ in range(300):
+        p = rng.choice([2, 3, 4, 8])
+        v = rng.choice([2, 3]) if schedule == "interleaved" else 1
+        m = p * rng.randint(1, 6) if v > 1 else rng.randint(1, 6 * p)
+        t = [rng.uniform(0.5, 1.5) for _ in range(p)]
+        x = [rng.choice([0.01, 0.1, 0.3, 1.0]) * (s < p - 1 or v > 1) for s in range(p)]
+        sim = _end(simulate(schedule, [a / 3 for a in t], [2 * a / 3 for a in t], m, v, hop_delays(x, v)))
+        priced = pipeline_step_s(schedule, t, m, v, x)
+        assert priced >= sim * (1 - 1e-9)
+        if v == 1:  # (interleaved: that closed form shrinks the fill's transfers by v, which the simulation does not)
+            assert priced <= pipeline_step_s(schedule, [a + b for a, b in zip(t, x, strict=True)], m) * (1 + 1e-9)
+        assert pipeline_step_s(schedule, t, m, v, [0.0] * p) == pipeline_step_s(schedule, t, m, v)
+        over.append(priced / sim - 1)
+    if schedule == "gpipe":
+        assert max(over) == pytest.approx(0.0, abs=1e-9)
+    else:
+        assert sorted(over)[len(over) // 2] < 0.02  # the median within 2% of the simulation
 
 
 def test_explain_draws_the_timeline(zoo: Callable[[str], Path], tmp_path: Path) -> None:
