@@ -149,11 +149,12 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
     if e["pipeline"]["stages"]:
         pl = e["pipeline"]
         st = Table(title=f"pipeline stages ({pl['schedule']}, bubble {pl['bubble_fraction']:.1%} of compute)")
-        for col in ("stage", "devices", "layers", "per micro-batch", "per step", "in flight", "memory/device"):
+        for col in ("stage", "devices", "layers", "per micro-batch", "sends", "per step", "in flight", "memory/device"):
             st.add_column(col)
         for i, s in enumerate(pl["stages"]):
             st.add_row(str(i), f"{s['devices'][0]}–{s['devices'][-1]}", str(s["layers"]), f"{s['time_s'] * 1e3:.2f} ms",
-                       f"{s['step_s'] * 1e3:.2f} ms", f"{s['in_flight']:g}", fmt_bytes(s["memory_bytes"]))
+                       f"{s.get('send_s', 0.0) * 1e3:.2f} ms", f"{s['step_s'] * 1e3:.2f} ms", f"{s['in_flight']:g}",
+                       fmt_bytes(s["memory_bytes"]))
         console.print(st)
     ops = Table(title="most expensive ops (compute + their collectives)")
     for col in ("node", "op", "module", "strategy", "time"):
