@@ -148,14 +148,8 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
     console.print(t)
     if e["pipeline"]["stages"]:
         pl = e["pipeline"]
-        st = Table(title=f"pipeline stages ({pl['schedule']}, bubble {pl['bubble_fraction']:.1%} of compute)")
-        for col in ("stage", "devices", "layers", "per micro-batch", "sends", "per step", "in flight", "memory/device"):
-            st.add_column(col)
-        for i, s in enumerate(pl["stages"]):
-            st.add_row(str(i), f"{s['devices'][0]}–{s['devices'][-1]}", str(s["layers"]), f"{s['time_s'] * 1e3:.2f} ms",
-                       f"{s.get('send_s', 0.0) * 1e3:.2f} ms", f"{s['step_s'] * 1e3:.2f} ms", f"{s['in_flight']:g}",
-                       fmt_bytes(s["memory_bytes"]))
-        console.print(st)
+        console.print(stages_table(f"pipeline stages ({pl['schedule']}, bubble {pl['bubble_fraction']:.1%} of compute)",
+                                   pl["stages"]))
     ops = Table(title="most expensive ops (compute + their collectives)")
     for col in ("node", "op", "module", "strategy", "time"):
         ops.add_column(col, overflow="fold")
@@ -308,14 +302,20 @@ def render_stages(s: Strategy) -> None:
     """A pipelined plan's stages: devices, layers, time per micro-batch, its sends (round trip), per-step
     work, peak memory."""
     assert s.pipeline is not None
-    t = Table(title=f"pipeline stages ({s.training.micro_batches} micro-batches)")
+    console.print(stages_table(f"pipeline stages ({s.training.micro_batches} micro-batches)",
+                               [vars(st) for st in s.pipeline.stages]))
+
+
+def stages_table(title: str, stages: list[dict[str, Any]]) -> Table:
+    """One row per pipeline stage, from its fields as the strategy file writes them."""
+    t = Table(title=title)
     for col in ("stage", "devices", "layers", "per micro-batch", "sends", "per step", "in flight", "memory/device"):
         t.add_column(col)
-    for i, st in enumerate(s.pipeline.stages):
-        t.add_row(str(i), f"{st.devices[0]}–{st.devices[-1]}", str(st.layers), f"{st.time_s * 1e3:.2f} ms",
-                  f"{st.send_s * 1e3:.2f} ms",
-                  f"{st.step_s * 1e3:.2f} ms", f"{st.in_flight:g}", fmt_bytes(st.memory_bytes))
-    console.print(t)
+    for i, st in enumerate(stages):
+        t.add_row(str(i), f"{st['devices'][0]}–{st['devices'][-1]}", str(st["layers"]), f"{st['time_s'] * 1e3:.2f} ms",
+                  f"{st.get('send_s', 0.0) * 1e3:.2f} ms", f"{st['step_s'] * 1e3:.2f} ms", f"{st['in_flight']:g}",
+                  fmt_bytes(st["memory_bytes"]))
+    return t
 
 
 def render_check(results: list[Any]) -> None:
