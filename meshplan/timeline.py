@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from costmodel.pipeline import hop_delays, simulate
+from costmodel.pipeline import BACKWARD_SHARE, hop_delays, simulate
 from planner.errors import MeshplanError
 from planner.strategy import Strategy
-
-# A transformer's backward costs about twice its forward (weights' and inputs' gradients).
-BACKWARD_SHARE = 2 / 3
 
 
 def draw_timeline(strategy: Strategy, path: str | Path) -> float:
