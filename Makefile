@@ -30,18 +30,21 @@ demo: $(STAMP)
 	$(VENV)/bin/meshplan explain out/gpt2-tiny.strategy.json --top 5
 	$(VENV)/bin/meshplan run out/gpt2-tiny.strategy.json --model $(ZOO_DIR)/gpt2-tiny.onnx --nproc 2 --verify
 
-# pytest exits 5 when it collected no test: that is a failure, not a pass.
+# pytest exits 5 when it collected no test: that is a failure, not a pass. Both cores (pytest-xdist);
+# multi-process tests take free ports, and the zoo exports each model once (a lock per model).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PY) -m pytest -q -n $(TEST_WORKERS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 # The gate on meshplan's own plans against the baselines in .ci/ (meshplan check; README).
 check: $(STAMP)
+	$(PY) -m bench.zoo gpt2-tiny llama-tiny gpt2-tiny-4l llama3-8b llama3-70b
 	$(VENV)/bin/meshplan check --config .ci/meshplan-check.toml
 	$(VENV)/bin/meshplan check --config examples/ci/meshplan-check.toml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy planner costmodel hwprofiles executor meshplan cli.py
+	$(VENV)/bin/mypy core planner costmodel hwprofiles executor meshplan cli.py
 
 bench: $(STAMP)
 	$(PY) -m bench.run

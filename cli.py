@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import click
 from rich.table import Table
 
+from core.errors import MeshplanError
 from meshplan.options import (
     build_mesh,
     dim_option,
@@ -39,7 +40,6 @@ from meshplan.render import (
     render_run,
     render_summary,
 )
-from planner.errors import MeshplanError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -187,7 +187,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     from dataclasses import replace
     from pathlib import Path
 
-    from planner.plan import PlanRequest, make_plan
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
 
     if accumulation_steps != "auto" and not accumulation_steps.isdigit():
         raise MeshplanError(f"--accumulation-steps {accumulation_steps}: give a positive integer or auto")
@@ -274,9 +275,10 @@ def _strategy_in(path: str, model: str, dims: dict[str, int], shape: tuple[int, 
 def explain(strategy_path: str, top: int, as_json: bool, report: str | None, timeline: str | None) -> None:
     """Explain a strategy: costly ops, collectives, memory, and the same model under the baselines."""
     from planner.explain import explain_strategy, write_html_report
+    from planner.search.baselines import hand_layouts
     from planner.strategy import load_strategy
 
-    data = explain_strategy(strategy_path, top=top)
+    data = explain_strategy(strategy_path, top=top, hand_layouts=hand_layouts)
     if report:
         write_html_report(data, report)
     if timeline:
@@ -317,11 +319,11 @@ def diff(a: str, b: str, as_json: bool) -> None:
 def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis_names: str | None,
             profile_name: str, dtype: str | None, no_all_to_all: bool, as_json: bool) -> None:
     """The collectives that move a tensor from one sharding to another, with bytes and time."""
+    from core.mesh import MeshError
+    from core.placement import parse_spec
+    from core.reshard import plan_reshard
     from costmodel.comm import collective_time_s
     from hwprofiles.profile import load_profile
-    from planner.mesh import MeshError
-    from planner.placement import parse_spec
-    from planner.reshard import plan_reshard
 
     prof = load_profile(profile_name)
     m = build_mesh(devices, mesh, axis_names, prof.devices_per_node)
@@ -467,8 +469,8 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
 def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup: int, verify: bool, loss: str,
             optimizer: str, timeout_s: float, save_dir: str | None, load_dir: str | None, as_json: bool) -> None:
     """Train with a strategy on N spawned ranks (DTensor, gloo on CPU); verify against one process."""
-    from executor.launch import RunError, run
-    from executor.train import RunOptions
+    from executor.launch import run
+    from executor.preflight import RunError, RunOptions
 
     if nproc < 1:
         raise RunError(f"--nproc {nproc}: needs at least 1 rank")
@@ -583,6 +585,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
     from hwprofiles.calibrate import CalibrationConfig
     from hwprofiles.profile import load_profile, save_profile
     from hwprofiles.report import dump_report, plot_report
+    from planner.search.baselines import data_parallel_strategy
 
     cfg = CalibrationConfig(nproc=nproc, backend=backend, quick=quick, base=base, name=name, compute_only=compute_only)
     if base:
@@ -598,7 +601,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
                 tasks[key] = bar.add_task(key, total=total)
             bar.update(tasks[key], completed=done, description=f"{key} {label if key == 'collectives' else ''}")
 
-        prof, report = calibrate(cfg, progress)
+        prof, report = calibrate(cfg, progress, plan_data_parallel=data_parallel_strategy)
     save_profile(prof, out)
     if report.collectives:
         plot_report(report, prof, out.with_suffix(".png"))

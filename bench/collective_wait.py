@@ -46,8 +46,8 @@ def _rank(rank: int, port: int, numel: int, rounds: int, out: Any) -> None:
 
 def measure(numel: int = 16384, rounds: int = 300) -> dict[str, list[tuple[float, float]]]:
     """Per case, each rank's (median, mean) seconds inside the collective."""
+    from core.errors import MeshplanError
     from executor.ranks import run_ranks
-    from planner.errors import MeshplanError
 
     got: dict[int, dict[str, tuple[float, float]]] = {}
 

@@ -53,7 +53,7 @@ def runs() -> list[Run]:
 
 
 def _request(run: Run) -> Any:
-    from planner.plan import PlanRequest
+    from planner.search.request import PlanRequest
 
     return PlanRequest(model=str(zoo.export(run.model)), dims={"seq": run.seq}, profile=run.profile, devices=run.gpus,
                        dtype=run.dtype, global_batch_size=run.global_batch, layout=run.layout,
@@ -63,7 +63,7 @@ def _request(run: Run) -> Any:
 
 def price(run: Run) -> tuple[Any, float]:
     """The run's own layout, priced: the strategy and the seconds planning took."""
-    from planner.plan import make_plan
+    from planner.search.plan import make_plan
 
     t0 = time.perf_counter()
     strategy, _ = make_plan(_request(run))
@@ -72,7 +72,7 @@ def price(run: Run) -> tuple[Any, float]:
 
 def own_plan(run: Run) -> Any:
     """meshplan's own plan for the same cluster and global batch (every lever its choice)."""
-    from planner.plan import make_plan
+    from planner.search.plan import make_plan
 
     req = replace(_request(run), layout=None, micro_batch_size=None, zero_stage=None, recompute="auto")
     strategy, _ = make_plan(req)

@@ -159,14 +159,16 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
     before it); the median round (by error) is reported."""
     from executor.calibrate import calibrate
     from executor.launch import run
-    from executor.train import RunOptions
+    from executor.preflight import RunOptions
     from hwprofiles.calibrate import CalibrationConfig
     from hwprofiles.profile import load_profile, save_profile
-    from planner.plan import PlanRequest, make_plan
+    from planner.search.baselines import data_parallel_strategy
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
 
     if profile is None:
         console.print("calibrating this machine first (about 90 s) ...")
-        fresh, report = calibrate(CalibrationConfig(nproc=2, name="cpu"))
+        fresh, report = calibrate(CalibrationConfig(nproc=2, name="cpu"), plan_data_parallel=data_parallel_strategy)
         profile = "/tmp/meshplan-fidelity-profile.json"
         save_profile(fresh, profile)
         stored, d = load_profile("cpu").device, fresh.device
@@ -194,7 +196,8 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, *_ in chosen}
     for _ in range(rounds):
         for label, name, dims, levers in chosen:
-            now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True))
+            now, _ = calibrate(CalibrationConfig(nproc=2, name="cpu", base=profile, compute_only=True),
+                                plan_data_parallel=data_parallel_strategy)
             save_profile(now, "/tmp/meshplan-fidelity-round.json")
             path = str(zoo.export(name))
             strategy, _ = make_plan(PlanRequest(model=path, dims=dims, profile="/tmp/meshplan-fidelity-round.json",

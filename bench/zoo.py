@@ -14,6 +14,8 @@ the torch parameter count with tied weights counted once, the default dims, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -253,8 +255,19 @@ def export(name: str, out_dir: Path = DEFAULT_DIR, *, force: bool = False) -> Pa
     """Export zoo model `name` to `out_dir/<name>.onnx` (cached by ZOO_VERSION) and return the path.
     Dynamo exports go through `meshplan export`'s functions (planner/export.py): a module with its
     weights, or a transformers config shape-only (deep stacks exported at two layers and repeated)."""
-    entry = ZOO[name]
     out_dir.mkdir(parents=True, exist_ok=True)
+    # One exporter per model at a time: parallel test workers (pytest-xdist) ask for the same models.
+    with open(out_dir / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return _export_locked(name, out_dir, force=force)
+        finally:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _export_locked(name: str, out_dir: Path, *, force: bool) -> Path:
+    entry = ZOO[name]
     path, meta_path = out_dir / f"{name}.onnx", out_dir / f"{name}.json"
     if not force and path.exists() and meta_path.exists():
         meta = json.loads(meta_path.read_text())

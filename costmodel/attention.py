@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from planner.graph import OpGraph, TensorKind
+from core.graph import OpGraph, TensorKind
 
 if TYPE_CHECKING:
     from hwprofiles.profile import DeviceSpec

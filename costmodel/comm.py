@@ -10,9 +10,9 @@ and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level
 
 from __future__ import annotations
 
-from costmodel.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel
+from core.mesh import DeviceMesh
 from hwprofiles.profile import HardwareProfile
-from planner.mesh import DeviceMesh
 
 
 def collective_time_s(profile: HardwareProfile, mesh: DeviceMesh, kind: Collective, size_bytes: float,

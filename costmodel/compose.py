@@ -24,11 +24,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from costmodel.collectives import Cadence, Collective, Purpose
+from core.collectives import Cadence, Collective, Purpose
 
 if TYPE_CHECKING:
+    from core.placement import Spec
     from costmodel.items import CommEvent, PricedStep
-    from planner.placement import Spec
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.graph import OpGraph, OpNode, TensorInfo
+from core.mesh import DeviceMesh
+from core.placement import Spec
 from costmodel.flops import conv_channels, matmul_narrow_dim, node_flops
 from costmodel.memory import Precision
 from hwprofiles.profile import DeviceSpec, HardwareProfile
-from planner.graph import OpGraph, OpNode, TensorInfo
-from planner.mesh import DeviceMesh
-from planner.placement import Spec
 
 BACKWARD_FLOPS_FACTOR = 2.0  # element-wise FLOPs of a backward, per forward FLOP
 # Ops torch runs as views of their input (no data moved): they cost their launch only.

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.graph import OpGraph, OpNode
+from core.graph import OpGraph, OpNode
 
 ShapeOf = Callable[[str], tuple[int, ...]]
 FlopsFn = Callable[[OpNode, ShapeOf], float]

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from core.collectives import Cadence, Collective, Phase, Purpose
+from core.placement import Spec
 from costmodel.buckets import CommFusion
-from costmodel.collectives import Cadence, Collective, Phase, Purpose
 from costmodel.compute import ComputeCost
-from planner.placement import Spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,9 +17,9 @@ logits-sized fp32 tensor); mse reads the output once and saves it.
 
 from __future__ import annotations
 
-from planner.errors import MeshplanError
-from planner.graph import OpGraph
-from planner.placement import Partial, Replicate, Shard, Spec
+from core.errors import MeshplanError
+from core.graph import OpGraph
+from core.placement import Partial, Replicate, Shard, Spec
 
 LOSSES = ("cross-entropy", "mse")
 # Memory passes over the local output, forward: log-softmax read + write and NLL read; mse's one read.

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.graph import OpGraph, OpNode, TensorKind
 from costmodel.attention import attention_regions
-from planner.graph import OpGraph, OpNode, TensorKind
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -36,6 +36,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
+from core.errors import MeshplanError
+from core.graph import OpGraph, OpNode, TensorKind
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, Partial, Replicate, Shard, Spec, gradient_spec, split_axes
+from core.reshard import conjugate, plan_reshard
 from costmodel.attention import (
     ATTENTION_KERNELS,
     AttentionRegion,
@@ -44,7 +50,6 @@ from costmodel.attention import (
     materialized_kernels,
 )
 from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_split, zero_units
-from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from costmodel.comm import collective_time_s
 from costmodel.compose import POLICIES, StepCost, compose
 from costmodel.compute import (
@@ -67,12 +72,6 @@ from costmodel.memory import (
     saved_tensors,
 )
 from hwprofiles.profile import HardwareProfile
-from planner.errors import MeshplanError
-from planner.graph import OpGraph, OpNode, TensorKind
-from planner.mesh import DeviceMesh
-from planner.placement import Partial, Replicate, Shard, Spec, gradient_spec, split_axes
-from planner.reshard import conjugate, plan_reshard
-from planner.rules import OpStrategy
 
 # The optimizer step (AdamW, one tensor at a time): per element it reads the weight, gradient and two
 # moments and writes back the weight and moments, 7 fp32 words (mixed precision updates the fp32

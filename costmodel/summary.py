@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from core.graph import OpGraph
 from costmodel.flops import graph_flops
-from planner.graph import OpGraph
 
 
 def graph_summary(graph: OpGraph) -> dict[str, Any]:

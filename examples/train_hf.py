@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 import meshplan
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 TINY = {
     "gpt2": {"model_type": "gpt2", "vocab_size": 256, "n_positions": 64, "n_embd": 64, "n_layer": 2, "n_head": 4,

@@ -12,7 +12,8 @@ import json
 import torch
 import torch.distributed as dist
 
-from executor.train import RunOptions, run_rank
+from executor.preflight import RunOptions
+from executor.train import run_rank
 from planner.strategy import load_strategy
 
 

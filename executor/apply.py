@@ -60,10 +60,11 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, parallelize_module
 
-from planner import placement as mp
-from planner.errors import MeshplanError
-from planner.graph import OpGraph, load_graph
-from planner.params import Fold, normalize
+from core import placement as mp
+from core.errors import MeshplanError
+from core.graph import Fold, OpGraph
+from planner.graph import load_graph
+from planner.params import normalize
 from planner.strategy import Strategy, load_strategy
 
 

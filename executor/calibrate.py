@@ -7,7 +7,7 @@ slowest rank's figures, then times the collectives (`hwprofiles/collective_sweep
 the fitted profile are `hwprofiles/report.py`'s. The executor's costs:
 - a DTensor redistribute against the same all-reduce through c10d → DTensor's host cost per reshard;
 - 4 tiny transformer blocks and a one-matmul model trained by the executor (its SPMD runner,
-  data-parallel over the ranks, under a strategy built here by propagation — no solver), forward +
+  data-parallel over the ranks, under a data-parallel strategy the caller's planner builds by propagation), forward +
   backward, then the optimizer → the per-op cost (the CPU's "kernel launch"), the per-step cost, and
   AdamW's cost per parameter tensor and per step where it runs.
 With --nproc 1, one process measures compute alone and the links come from `--base`.
@@ -20,33 +20,40 @@ import gc
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
+from core.graph import OpGraph
 from executor.ranks import run_ranks
 from hwprofiles.calibrate import CalibrationConfig, CalibrationError, ProgressFn
 from hwprofiles.collective_sweeps import collective_times, fit_collectives
-from hwprofiles.profile import HardwareProfile, load_profile
+from hwprofiles.profile import HardwareProfile
 from hwprofiles.report import CalibrationReport, build_profile, fill_compute
 from hwprofiles.sweeps import compute_medians, reduce_max
 from hwprofiles.timing import CacheScrub, device_for, time_interleaved, time_op
-from planner.graph import OpGraph
 from planner.strategy import Strategy
 
+# Builds the data-parallel strategy the executor's own costs are measured under (the caller passes the
+# planner's `planner.search.baselines.data_parallel_strategy`: the executor never plans).
+PlanDataParallel = Callable[[OpGraph, int], Strategy]
 
-def calibrate(cfg: CalibrationConfig, progress: ProgressFn | None = None) -> tuple[HardwareProfile, CalibrationReport]:
+
+def calibrate(cfg: CalibrationConfig, progress: ProgressFn | None = None, *,
+              plan_data_parallel: PlanDataParallel) -> tuple[HardwareProfile, CalibrationReport]:
     progress = progress or (lambda _label, _done, _total: None)
     t0 = time.perf_counter()
     report = CalibrationReport()
     if cfg.nproc >= 2:
-        measure_on_ranks(cfg, report, progress)  # compute and collectives, on all ranks at once
+        measure_on_ranks(cfg, report, progress, plan_data_parallel)  # compute and collectives, on all ranks at once
     else:  # one process alone: compute only, links from --base
         medians = compute_medians(cfg, device_for(cfg.backend, 0), progress)
-        fill_compute(cfg, report, {**medians, **executor_medians(cfg, progress, medians["bare op"])})
+        fill_compute(cfg, report, {**medians, **executor_medians(cfg, progress, medians["bare op"], plan_data_parallel)})
     report.elapsed_s = time.perf_counter() - t0
     return build_profile(cfg, report), report
 
 
-def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: float) -> dict[str, float]:
+def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: float,
+                     plan_data_parallel: PlanDataParallel) -> dict[str, float]:
     """The executor's figures, by name: "graph op", "step overhead", "optimizer fixed", "optimizer per
     tensor" (`executor_step_costs`), "reshard" (`reshard_overhead_s`; the ranks run it together), "rank
     skew" and "collective wait" (`rank_skew`).
@@ -56,7 +63,7 @@ def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: fl
         progress("compute", 3, 3)
         return {"graph op": bare_op_s, "step overhead": 0.0, "optimizer per tensor": 0.0, "optimizer fixed": 0.0,
                 "reshard": 0.0, "rank skew": 0.0, "collective wait": 0.0}
-    out = executor_step_costs(min_time_s=1.5 if cfg.quick else 3.0)
+    out = executor_step_costs(plan_data_parallel, min_time_s=1.5 if cfg.quick else 3.0)
     progress("compute", 2, 3)
     out["reshard"] = reshard_overhead_s()
     out["rank skew"], out["collective wait"] = rank_skew(min_time_s=1.5 if cfg.quick else 3.0)
@@ -64,28 +71,8 @@ def executor_medians(cfg: CalibrationConfig, progress: ProgressFn, bare_op_s: fl
     return out
 
 
-def data_parallel_strategy(graph: OpGraph, n: int) -> Strategy:
-    """`graph` data-parallel over n ranks, built directly: the batch split, parameters replicated, every
-    op propagated to its cheapest strategy around them (what `plan --mode data-parallel` writes)."""
-    from costmodel.memory import PRECISIONS
-    from costmodel.step import CostModel
-    from planner.mesh import DeviceMesh
-    from planner.plan import build_strategy, data_parallel_pins, propagate
-    from planner.rules import rules_for_graph
-    from planner.strategy import PlanSettings, ProfileRef
-
-    profile = load_profile("cpu")
-    mesh = DeviceMesh.build(n, (n,))
-    rules = rules_for_graph(graph, mesh)
-    cm = CostModel(graph, mesh, profile, PRECISIONS["fp32"])
-    choice, params, stats = propagate(graph, rules, cm, data_parallel_pins(graph, mesh))
-    settings = PlanSettings(mode="data-parallel", search="propagation", dtype="fp32", memory_limit_bytes=None,
-                            solver="none", follow=False, pins={}, batch=None, loss=cm.loss)
-    return build_strategy(graph, "", ProfileRef(name=profile.name, digest=profile.digest, source="cpu"), mesh, rules,
-                          choice, cm.price(choice, params), stats, settings)
-
-
-def _rank(rank: int, n: int, port: int, cfg: CalibrationConfig, out: Any) -> None:
+def _rank(rank: int, n: int, port: int, cfg: CalibrationConfig, plan_data_parallel: PlanDataParallel,
+          out: Any) -> None:
     """One spawned rank: compute (with every other rank, as training runs it: cores or GPUs sharing
     power, caches and memory), the slowest rank's medians; then the collectives."""
     import warnings
@@ -101,7 +88,7 @@ def _rank(rank: int, n: int, port: int, cfg: CalibrationConfig, out: Any) -> Non
         device = device_for(cfg.backend, rank)
         say = (lambda *a: out.put(("progress", *a))) if rank == 0 else (lambda *a: None)
         medians = compute_medians(cfg, device, say)
-        medians = reduce_max({**medians, **executor_medians(cfg, say, medians["bare op"])})
+        medians = reduce_max({**medians, **executor_medians(cfg, say, medians["bare op"], plan_data_parallel)})
         if rank == 0:
             out.put(("compute", medians))
         results = {} if cfg.compute_only else collective_times(cfg, rank, n, device, say)
@@ -115,7 +102,8 @@ def _rank(rank: int, n: int, port: int, cfg: CalibrationConfig, out: Any) -> Non
         raise SystemExit(1) from e
 
 
-def measure_on_ranks(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn) -> None:
+def measure_on_ranks(cfg: CalibrationConfig, report: CalibrationReport, progress: ProgressFn,
+                     plan_data_parallel: PlanDataParallel) -> None:
     env_threads = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"
     results: dict[str, Any] = {}
@@ -131,7 +119,7 @@ def measure_on_ranks(cfg: CalibrationConfig, report: CalibrationReport, progress
         return False
 
     try:
-        run_ranks(_rank, cfg.nproc, lambda r, port, out: (r, cfg.nproc, port, cfg, out), handle,
+        run_ranks(_rank, cfg.nproc, lambda r, port, out: (r, cfg.nproc, port, cfg, plan_data_parallel, out), handle,
                   timeout_s=cfg.timeout_s, error=CalibrationError, what="the benchmarks (try --quick)")
     finally:
         if env_threads is None:
@@ -276,7 +264,8 @@ def rank_skew(min_time_s: float = 3.0, segment_s: float = 2e-3) -> tuple[float, 
     return (max(0.0, slowest / mean - 1.0) if mean > 0 else 0.0), max(0.0, wait)
 
 
-def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, float]:
+def executor_step_costs(plan_data_parallel: PlanDataParallel, blocks: int = 4,
+                        min_time_s: float = 3.0) -> dict[str, float]:
     """The executor's costs on tiny tensors, where they arise: `tiny_blocks_model` trained as the
     executor trains it, forward + backward then the optimizer step (AdamW), at `blocks` blocks and
     as a single matmul, their iterations interleaved (`_time_interleaved`). With a process group of
@@ -293,7 +282,7 @@ def executor_step_costs(blocks: int = 4, min_time_s: float = 3.0) -> dict[str, f
     import torch.distributed as dist
 
     n = dist.get_world_size() if dist.is_initialized() else 1
-    small, large = _TinyBlocksStep(0, n), _TinyBlocksStep(blocks, n)
+    small, large = _TinyBlocksStep(0, n, plan_data_parallel), _TinyBlocksStep(blocks, n, plan_data_parallel)
     time_interleaved({"small": small.iteration, "large": large.iteration}, torch.device("cpu"), min_time_s=min_time_s,
                       repeats=30, before=CacheScrub(torch.device("cpu")))
     t = {"step 0": statistics.median(small.steps), "optimizer 0": statistics.median(small.updates),
@@ -309,7 +298,7 @@ class _TinyBlocksStep:
     `n` ranks of the process group (alone: through the interpreter); `step` runs forward + backward
     up to the optimizer, `optim` is its AdamW, `iteration` runs both and records their times."""
 
-    def __init__(self, depth: int, n: int) -> None:
+    def __init__(self, depth: int, n: int, plan_data_parallel: PlanDataParallel) -> None:
         import torch
 
         from executor.interpreter import OnnxModule
@@ -325,7 +314,7 @@ class _TinyBlocksStep:
 
             from executor.spmd import SpmdRunner
 
-            self.runner = SpmdRunner(self.module, data_parallel_strategy(graph, n), init_device_mesh("cpu", (n,)))
+            self.runner = SpmdRunner(self.module, plan_data_parallel(graph, n), init_device_mesh("cpu", (n,)))
             self.x = self.runner.shard_inputs([self.x])[0]
         params = list(self.module.parameters())
         self.optim = torch.optim.AdamW(params, lr=1e-3, foreach=False)

@@ -32,8 +32,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+from core.errors import MeshplanError
 from executor.spmd import SpmdRunner, contiguous_stride
-from planner.errors import MeshplanError
 from planner.strategy import Strategy
 
 META = "meshplan.json"
@@ -151,7 +151,7 @@ def _fused(runner: SpmdRunner, name: str, flat_state: torch.Tensor, *, saving: b
     """A fused ZeRO parameter's state on this rank: its part of the shard's flat state, as the boxes of
     the parameter it covers (views, so loading fills the live state). Saved as `Pieces`; loaded into a
     ShardedTensor of those boxes (DCP's own uneven shards: no two ranks' ZeRO shards overlap)."""
-    bucket = next(b for b in runner._zero if name in b.names)
+    bucket = next(b for b in runner.zero_buckets if name in b.names)
     shape = tuple(runner.graph.tensors[name].shape)
     numel = math.prod(shape)
     start, end = bucket.start, bucket.start + bucket.shard.numel()
@@ -246,14 +246,14 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
     """The state dict over this rank's shards (views: loading writes into the live tensors): saved in
     pieces of at most PIECE_BYTES, loaded into DTensors at the plan's placements (a fused ZeRO
     parameter's states: into the pieces of them this rank's shard holds)."""
-    params = runner._params
+    params = runner.params
 
     def shard(n: str, local: torch.Tensor) -> Any:
         return _local(runner, n, local) if saving else _dtensor(runner, n, local)
 
     out: dict[str, Any] = {"model": {n: shard(n, p.detach()) for n, p in params.items()}}
     if optim is not None:
-        shards = {n: b.shard for b in runner._zero for n in b.names}
+        shards = {n: b.shard for b in runner.zero_buckets for n in b.names}
         out["optim"] = {}
         for n, p in params.items():
             if n in shards:  # a fused ZeRO bucket's: the shard's states, this parameter's part of them

@@ -19,10 +19,10 @@ import torch
 from onnx import numpy_helper
 from torch import nn
 
+from core.graph import Init, OpGraph, shape_op_value
 from costmodel.attention import attention_regions
 from executor.ops import fused_attention, run_op
-from planner.graph import OpGraph, load_graph, load_model_proto, shape_op_value
-from planner.params import Init
+from planner.graph import load_graph, load_model_proto
 
 
 def _seeded_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -7,120 +7,21 @@ launch `python -m executor` under torchrun instead (README).
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from costmodel.collectives import Cadence, Collective, Purpose
+from core.errors import MeshplanError
+from core.graph import Fold, OpGraph
+from executor.preflight import RunError, RunOptions, check_step, planned_counts
 from executor.ranks import run_ranks
-from executor.train import RunOptions, worker
-from planner.errors import MeshplanError
-from planner.graph import OpGraph, load_graph
-from planner.params import Fold
-from planner.strategy import Strategy, load_strategy
-
-
-class RunError(MeshplanError):
-    """A run that cannot start (mismatched strategy, model, rank count) or a rank that failed."""
-
-
-def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph | None = None,
-                   stage: int = 0) -> dict[str, int]:
-    """The plan's collectives by kind in one optimizer step, as the executor runs them: those of each
-    micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
-    is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
-    (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
-    CPU performs an all_to_all as all_gather + local chunk. A pipelined plan's (`graph` needed): those
-    of a rank of `stage`, its nodes' and its parameters' only, with its sends to the neighbouring
-    stages (`send`) and one all-reduce per tied parameter it holds a copy of."""
-    from costmodel.buckets import gather_groups, pack_buckets, zero_split, zero_units
-
-    params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
-    mine: set[str] | None = None
-    out: Counter[str] = Counter()
-    if strategy.pipeline is not None:
-        from executor.pipeline import planned_sends, shared_parameters, stage_nodes
-
-        assert graph is not None, "a pipelined plan's counts need its graph"
-        mine = stage_nodes(strategy, graph, stage)
-        params &= {t for n in mine for t in graph.node_by_name[n].inputs}
-        out["send"] = planned_sends(strategy, graph, stage)
-        out[Collective.ALL_REDUCE.value] += len(shared_parameters(strategy, graph, stage))
-        if strategy.pipeline.result_broadcast:
-            out[Collective.BROADCAST.value] += 1
-    resharded = {r.tensor for r in strategy.reshards}
-    axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
-    k = strategy.training.micro_batches
-    fusion = strategy.training.comm_fusion
-    # A parameter's gradient all-reduce (ZeRO: its reduce-scatters and the updated shard's gathers) when
-    # it is used where stored: bucketed (`costmodel.buckets`) — tensor → (axes, bytes) per purpose.
-    bucketed: dict[Purpose, dict[str, tuple[set[int], float]]] = {p: {} for p in _BUCKETED}
-    stages: dict[str, int] = {}
-    for name, node in strategy.nodes.items():
-        for c in node.collectives:
-            if c.purpose in _BUCKETED and c.tensor in params and c.tensor not in resharded:
-                axes, nbytes = bucketed[c.purpose].get(c.tensor, (set(), 0.0))
-                bucketed[c.purpose][c.tensor] = (axes | {axis_index[a] for a in c.axes}, max(nbytes, c.bytes))
-                if c.purpose is Purpose.GRAD_REDUCE_SCATTER:
-                    stages[c.tensor] = 2 if c.cadence is Cadence.MICRO_BATCH else 1
-                continue
-            if mine is not None and name not in mine:  # another pipeline stage's
-                continue
-            kind = c.kind
-            if kind is Collective.ALL_TO_ALL and backend == "gloo":
-                kind = Collective.ALL_GATHER
-            out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
-
-    def grads(purpose: Purpose) -> dict[str, tuple[tuple[int, ...], float]]:
-        return {t: (tuple(sorted(axes)), b) for t, (axes, b) in bucketed[purpose].items()}
-
-    syncs = grads(Purpose.GRAD_SYNC)  # a ZeRO parameter's: the all-reduce of its shard (a shard group
-    # smaller than the data-parallel group), per unit
-    for bucket_axes, _ in pack_buckets({t: g for t, g in syncs.items() if t not in stages}, fusion.allreduce):
-        out[Collective.ALL_REDUCE.value] += len(bucket_axes)
-    units = zero_units({t: (tuple(sorted({*axes, *syncs.get(t, ((), 0.0))[0]})), b)
-                        for t, (axes, b) in grads(Purpose.GRAD_REDUCE_SCATTER).items()}, stages, fusion)
-    shape = tuple(strategy.mesh.shape)
-    for unit in units:
-        sharded, rest = zero_split(unit.axes, shape, strategy.training.zero_shard_size)
-        per = k if unit.stage == 2 else 1
-        out[Collective.REDUCE_SCATTER.value] += len(sharded) * per
-        if rest:
-            out[Collective.ALL_REDUCE.value] += len(rest) * per
-    weights = {t: b for t, (_, b) in bucketed[Purpose.PARAM_GATHER].items()}
-    for group in gather_groups(units, weights, fusion.allgather):
-        out[Collective.ALL_GATHER.value] += len(zero_split(units[group[0]].axes, shape,
-                                                           strategy.training.zero_shard_size)[0])
-    return {kind: n for kind, n in out.items() if n}
-
-
-_BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER)
-
-
-def check_step(strategy: Strategy, graph: OpGraph) -> None:
-    """Refuse, before any rank starts, a training step the executor cannot run as planned."""
-    if strategy.pipeline is not None:
-        from executor.pipeline import check_pipeline
-
-        check_pipeline(strategy, graph)
-    tr = strategy.training
-    if tr.attention == "fused-softmax" or tr.attention_dropout:
-        raise RunError(f"the executor runs attention as FlashAttention (torch's SDPA) or torch's eager ops, without "
-                       f"dropout; this plan prices {tr.attention} attention"
-                       + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")
-                       + ": plan with --attention flash or eager and --attention-dropout 0 to run it")
-    k = strategy.training.micro_batches
-    batch = strategy.model.dims.get("batch")
-    odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]
-    if k > 1 and (batch is None or odd):
-        raise RunError(f"{k} micro-batches split every input along dim 0, the batch, but input(s) "
-                       f"{', '.join(odd) or graph.inputs[0]} do not start with the batch dim; plan with "
-                       "--accumulation-steps 1")
+from executor.train import worker
+from planner.graph import load_graph
+from planner.strategy import load_strategy
 
 
 def check_executable(graph: OpGraph) -> None:
     """Refuse, before any rank starts, a model the executor cannot train as the torch module would."""
-    from executor.ops import OPS
+    from executor.ops import OPS  # every family registered
 
     missing = sorted({n.op_type for n in graph.nodes if n.op_type not in OPS and n.op_type not in ("Shape", "Size")})
     if missing:

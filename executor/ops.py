@@ -14,27 +14,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from planner.errors import MeshplanError
-from planner.graph import OpNode
+from core.graph import OpNode
 
-TorchOp = Callable[[OpNode, list[Any]], list[Any]]
-OPS: dict[str, TorchOp] = {}
+# The other families register into OPS on import.
+from executor import ops_math, ops_vision  # noqa: F401
+from executor.opset import OPS, UnsupportedOpError, attr_axis, ints, op
 
 _DTYPES = {1: torch.float32, 2: torch.uint8, 3: torch.int8, 5: torch.int16, 6: torch.int32, 7: torch.int64,
            9: torch.bool, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16}
-
-
-class UnsupportedOpError(MeshplanError):
-    """The executor has no torch implementation of an op type."""
-
-
-def op(*names: str) -> Callable[[TorchOp], TorchOp]:
-    def deco(fn: TorchOp) -> TorchOp:
-        for n in names:
-            OPS[n] = fn
-        return fn
-
-    return deco
 
 
 def fused_attention(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
@@ -58,16 +45,6 @@ def run_op(node: OpNode, inputs: list[Any]) -> list[Any]:
         raise UnsupportedOpError(f"the executor cannot run {node.op_type} (node {node.name}); "
                                  "add it to executor/ops.py")
     return fn(node, inputs)
-
-
-def _ints(t: Any) -> list[int]:
-    v = t.tolist() if isinstance(t, torch.Tensor) else t
-    return [int(x) for x in v] if isinstance(v, list | tuple) else [int(v)]
-
-
-def _axis(node: OpNode, rank: int, default: int = 0) -> int:
-    a = int(node.attr("axis", default))  # type: ignore[call-overload]
-    return a + rank if a < 0 else a
 
 
 _BINARY: dict[str, Callable[..., Any]] = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Equal": torch.eq,
@@ -159,12 +136,12 @@ def _gemm(node: OpNode, x: list[Any]) -> list[Any]:
 @op("Conv")
 def _conv(node: OpNode, x: list[Any]) -> list[Any]:
     spatial = x[1].dim() - 2
-    pads = _ints(node.attr("pads", [0] * 2 * spatial))
+    pads = ints(node.attr("pads", [0] * 2 * spatial))
     if pads[:spatial] != pads[spatial:]:
         raise UnsupportedOpError(f"{node.name}: asymmetric Conv padding is not supported")
     fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[spatial]
-    return [fn(x[0], x[1], x[2] if len(x) > 2 else None, stride=_ints(node.attr("strides", [1] * spatial)),
-               padding=pads[:spatial], dilation=_ints(node.attr("dilations", [1] * spatial)),
+    return [fn(x[0], x[1], x[2] if len(x) > 2 else None, stride=ints(node.attr("strides", [1] * spatial)),
+               padding=pads[:spatial], dilation=ints(node.attr("dilations", [1] * spatial)),
                groups=int(node.attr("group", 1)))]  # type: ignore[call-overload]
 
 
@@ -186,21 +163,21 @@ def _batch_norm(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("LayerNormalization")
 def _layer_norm(node: OpNode, x: list[Any]) -> list[Any]:
-    axis = _axis(node, x[0].dim(), -1)
+    axis = attr_axis(node, x[0].dim(), -1)
     bias = x[2] if len(x) > 2 else None
     return [F.layer_norm(x[0], x[0].shape[axis:], x[1], bias, eps=float(node.attr("epsilon", 1e-5)))]  # type: ignore[arg-type]
 
 
 @op("Softmax")
 def _softmax(node: OpNode, x: list[Any]) -> list[Any]:
-    return [torch.softmax(x[0], _axis(node, x[0].dim(), -1))]
+    return [torch.softmax(x[0], attr_axis(node, x[0].dim(), -1))]
 
 
 @op("ReduceMean", "ReduceSum", "ReduceMax")
 def _reduce(node: OpNode, x: list[Any]) -> list[Any]:
     axes = node.attr("axes")
     if axes is None and len(x) > 1 and x[1] is not None:
-        axes = _ints(x[1])
+        axes = ints(x[1])
     keep = bool(node.attr("keepdims", 1))
     dims = list(range(x[0].dim())) if not axes else [int(a) % x[0].dim() for a in axes]  # type: ignore[attr-defined]
     if node.op_type == "ReduceMean":
@@ -217,7 +194,7 @@ def _gap(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Reshape")
 def _reshape(node: OpNode, x: list[Any]) -> list[Any]:
-    shape = _ints(x[1])
+    shape = ints(x[1])
     if not node.attr("allowzero", 0):
         shape = [x[0].shape[i] if s == 0 else s for i, s in enumerate(shape)]
     return [x[0].reshape(shape)]
@@ -225,19 +202,19 @@ def _reshape(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Flatten")
 def _flatten(node: OpNode, x: list[Any]) -> list[Any]:
-    a = _axis(node, x[0].dim(), 1)
+    a = attr_axis(node, x[0].dim(), 1)
     return [x[0].reshape(int(torch.tensor(x[0].shape[:a]).prod()), -1)]
 
 
 @op("Transpose")
 def _transpose(node: OpNode, x: list[Any]) -> list[Any]:
     perm = node.attr("perm") or tuple(reversed(range(x[0].dim())))
-    return [x[0].permute(*_ints(perm))]
+    return [x[0].permute(*ints(perm))]
 
 
 @op("Squeeze")
 def _squeeze(node: OpNode, x: list[Any]) -> list[Any]:
-    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))
+    axes = ints(x[1]) if len(x) > 1 and x[1] is not None else ints(node.attr("axes", []))
     if not axes:
         return [x[0].squeeze()]
     return [x[0].squeeze(tuple(a % x[0].dim() for a in axes))]
@@ -245,7 +222,7 @@ def _squeeze(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Unsqueeze")
 def _unsqueeze(node: OpNode, x: list[Any]) -> list[Any]:
-    axes = _ints(x[1]) if len(x) > 1 and x[1] is not None else _ints(node.attr("axes", []))
+    axes = ints(x[1]) if len(x) > 1 and x[1] is not None else ints(node.attr("axes", []))
     out = x[0]
     rank = x[0].dim() + len(axes)
     for a in sorted(a % rank for a in axes):
@@ -255,20 +232,20 @@ def _unsqueeze(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Expand")
 def _expand(node: OpNode, x: list[Any]) -> list[Any]:
-    return [torch.broadcast_to(x[0], torch.broadcast_shapes(tuple(x[0].shape), tuple(_ints(x[1]))))]
+    return [torch.broadcast_to(x[0], torch.broadcast_shapes(tuple(x[0].shape), tuple(ints(x[1]))))]
 
 
 @op("Concat")
 def _concat(node: OpNode, x: list[Any]) -> list[Any]:
-    return [torch.cat([t for t in x if t is not None], dim=_axis(node, x[0].dim()))]
+    return [torch.cat([t for t in x if t is not None], dim=attr_axis(node, x[0].dim()))]
 
 
 @op("Slice")
 def _slice(node: OpNode, x: list[Any]) -> list[Any]:
     data = x[0]
-    starts, ends = _ints(x[1]), _ints(x[2])
-    axes = _ints(x[3]) if len(x) > 3 and x[3] is not None else list(range(len(starts)))
-    steps = _ints(x[4]) if len(x) > 4 and x[4] is not None else [1] * len(starts)
+    starts, ends = ints(x[1]), ints(x[2])
+    axes = ints(x[3]) if len(x) > 3 and x[3] is not None else list(range(len(starts)))
+    steps = ints(x[4]) if len(x) > 4 and x[4] is not None else [1] * len(starts)
     index: list[Any] = [slice(None)] * data.dim()
     for s, e, a, st in zip(starts, ends, axes, steps, strict=True):
         if st <= 0:
@@ -280,9 +257,9 @@ def _slice(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("Split", "SplitToSequence")
 def _split(node: OpNode, x: list[Any]) -> list[Any]:
-    a = _axis(node, x[0].dim())
+    a = attr_axis(node, x[0].dim())
     if len(x) > 1 and x[1] is not None:
-        sizes = _ints(x[1])
+        sizes = ints(x[1])
         scalar = isinstance(x[1], torch.Tensor) and x[1].dim() == 0
         parts = list(torch.split(x[0], sizes[0] if scalar else sizes, dim=a))
     else:
@@ -304,7 +281,7 @@ def _sequence_at(node: OpNode, x: list[Any]) -> list[Any]:
 @op("Gather")
 def _gather(node: OpNode, x: list[Any]) -> list[Any]:
     data, idx = x
-    a = _axis(node, data.dim())
+    a = attr_axis(node, data.dim())
     idx = torch.where(idx < 0, idx + data.shape[a], idx)
     out = data.index_select(a, idx.reshape(-1))
     return [out.reshape(*data.shape[:a], *idx.shape, *data.shape[a + 1:])]
@@ -312,7 +289,7 @@ def _gather(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("GatherElements")
 def _gather_elements(node: OpNode, x: list[Any]) -> list[Any]:
-    a = _axis(node, x[0].dim())
+    a = attr_axis(node, x[0].dim())
     idx = torch.where(x[1] < 0, x[1] + x[0].shape[a], x[1])
     return [torch.gather(x[0], a, idx)]
 
@@ -357,7 +334,7 @@ def _constant_of_shape(node: OpNode, x: list[Any]) -> list[Any]:
     v = node.attr("value")
     fill = v[3][0] if isinstance(v, tuple) and v[3] else 0.0
     dtype = getattr(torch, str(v[1])) if isinstance(v, tuple) else torch.float32
-    return [torch.full(_ints(x[0]), fill, dtype=dtype)]
+    return [torch.full(ints(x[0]), fill, dtype=dtype)]
 
 
 @op("Constant")
@@ -374,5 +351,3 @@ def _constant(node: OpNode, x: list[Any]) -> list[Any]:
     raise UnsupportedOpError(f"{node.name}: Constant without a supported value attribute")
 
 
-# The other families register into OPS on import (they import `op` from here).
-from executor import ops_math, ops_vision  # noqa: E402, F401

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor.ops import UnsupportedOpError, _axis, _ints, op
-from planner.graph import OpNode
+from core.graph import OpNode
+from executor.opset import UnsupportedOpError, attr_axis, ints, op
 
 
 def _f(node: OpNode, name: str, default: float) -> float:
@@ -89,13 +89,13 @@ def _variadic_sum(node: OpNode, x: list[Any]) -> list[Any]:
 
 @op("LogSoftmax")
 def _log_softmax(node: OpNode, x: list[Any]) -> list[Any]:
-    return [torch.log_softmax(x[0], _axis(node, x[0].dim(), -1))]
+    return [torch.log_softmax(x[0], attr_axis(node, x[0].dim(), -1))]
 
 
 def _reduce_dims(node: OpNode, x: list[Any]) -> tuple[list[int], bool]:
     axes = node.attr("axes")
     if axes is None and len(x) > 1 and x[1] is not None:
-        axes = _ints(x[1])
+        axes = ints(x[1])
     dims = list(range(x[0].dim())) if not axes else [int(a) % x[0].dim() for a in axes]  # type: ignore[attr-defined]
     return dims, bool(node.attr("keepdims", 1))
 
@@ -126,7 +126,7 @@ def _reduce_more(node: OpNode, x: list[Any]) -> list[Any]:
 def _rms_norm(node: OpNode, x: list[Any]) -> list[Any]:
     """Normalised over the dims from `axis` on (opset 23's RMSNormalization; onnxruntime's contrib
     SimplifiedLayerNormalization is the same function)."""
-    axis = _axis(node, x[0].dim(), -1)
+    axis = attr_axis(node, x[0].dim(), -1)
     return [F.rms_norm(x[0], x[0].shape[axis:], x[1], eps=_f(node, "epsilon", 1e-5))]
 
 
@@ -146,7 +146,7 @@ def _lp_pool(node: OpNode, x: list[Any]) -> list[Any]:
     if node.op_type == "GlobalLpPool":
         return [x[0].abs().pow(p).sum(dim=tuple(range(2, x[0].dim())), keepdim=True).pow(1.0 / p)]
     spatial = x[0].dim() - 2
-    if any(_ints(node.attr("pads", [0]))):
+    if any(ints(node.attr("pads", [0]))):
         raise UnsupportedOpError(f"{node.name}: LpPool with pads is not supported")
     fn: Any = {1: F.lp_pool1d, 2: F.lp_pool2d, 3: F.lp_pool3d}[spatial]
-    return [fn(x[0], p, _ints(node.attr("kernel_shape")), stride=_ints(node.attr("strides", [1] * spatial)))]
+    return [fn(x[0], p, ints(node.attr("kernel_shape")), stride=ints(node.attr("strides", [1] * spatial)))]

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from executor.ops import UnsupportedOpError, _ints, op
-from planner.graph import OpNode
+from core.graph import OpNode
+from executor.opset import UnsupportedOpError, ints, op
 
 
 def _pads(node: OpNode, x: torch.Tensor, kernel: list[int], strides: list[int], dilations: list[int]) -> list[int]:
@@ -32,7 +32,7 @@ def _pads(node: OpNode, x: torch.Tensor, kernel: list[int], strides: list[int], 
         return begin + end
     if auto == "VALID":
         return [0] * 2 * spatial
-    return _ints(node.attr("pads", [0] * 2 * spatial))
+    return ints(node.attr("pads", [0] * 2 * spatial))
 
 
 def _torch_pad(pads: list[int]) -> list[int]:
@@ -47,10 +47,10 @@ def _torch_pad(pads: list[int]) -> list[int]:
 @op("MaxPool", "AveragePool")
 def _pool(node: OpNode, x: list[Any]) -> list[Any]:
     data = x[0]
-    kernel = _ints(node.attr("kernel_shape"))
+    kernel = ints(node.attr("kernel_shape"))
     spatial = len(kernel)
-    strides = _ints(node.attr("strides", [1] * spatial))
-    dilations = _ints(node.attr("dilations", [1] * spatial))
+    strides = ints(node.attr("strides", [1] * spatial))
+    dilations = ints(node.attr("dilations", [1] * spatial))
     pads = _pads(node, data, kernel, strides, dilations)
     ceil = bool(node.attr("ceil_mode", 0))
     symmetric = pads[:spatial] == pads[spatial:] and all(2 * p <= k for p, k in zip(pads, kernel, strict=False))
@@ -104,7 +104,7 @@ def _resize(node: OpNode, x: list[Any]) -> list[Any]:
         if len(x) > 2 and x[2] is not None and x[2].numel():
             scales = x[2].tolist()
         elif len(x) > 3 and x[3] is not None and x[3].numel():
-            sizes = _ints(x[3])
+            sizes = ints(x[3])
             scales = [s / d for s, d in zip(sizes, data.shape, strict=True)]
     if scales is None:
         raise UnsupportedOpError(f"{node.name}: {node.op_type} without scales or sizes")

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 # Read by glibc when a rank's interpreter starts (M_MMAP_THRESHOLD's ceiling is 32 MiB on 64-bit).
 RANK_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}

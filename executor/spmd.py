@@ -12,7 +12,6 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections import ChainMap
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
@@ -23,110 +22,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from core.graph import OpNode
+from core.placement import Spec, chunk, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
+from executor.dtensors import (
+    contiguous_stride,
+    grad_as_partial,
+    local_shape,
+    local_shard,
+    mesh_coords,
+    redistribute,
+    shard_full,
+    to_dtensor,
+)
 from executor.interpreter import OnnxModule
 from executor.ops import eager_attention, fused_attention, run_op
 from executor.zero import Regather, ZeroBucket, gather_units
-from planner import placement as mp
-from planner.graph import OpNode
-from planner.placement import Spec, chunk, gradient_spec, split_axes
 from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
 from planner.rules.gather import MASKED_GATHER
 from planner.strategy import Strategy
-
-
-def to_dtensor(spec: Spec) -> list[Placement]:
-    """meshplan's placements → DTensor's, one to one (the same vocabulary: S(d), R, P(op))."""
-    out: list[Placement] = []
-    for p in spec.placements:
-        if isinstance(p, mp.Shard):
-            out.append(Shard(p.dim))
-        elif isinstance(p, mp.Partial):
-            out.append(Partial(p.reduce_op))
-        else:
-            out.append(Replicate())
-    return out
-
-
-@functools.cache
-def _coords(mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
-    """(size, this rank's index) per mesh axis: asked for on every op, fixed for a run."""
-    return tuple((mesh.size(a), mesh.get_local_rank(a)) for a in range(mesh.ndim))
-
-
-class _GradAsPartial(torch.autograd.Function):
-    """Forward: the value itself. Backward: a whole gradient turned into addends — kept on the first
-    rank of the given mesh axes, zero elsewhere — so that it can join partial ones in one reduction."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return (grad if ctx.keep else torch.zeros_like(grad)), None
-
-
-def _grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch.Tensor:
-    if not axes:
-        return x
-    keep = all(_coords(mesh)[a][1] == 0 for a in axes)
-    out: torch.Tensor = _GradAsPartial.apply(x, keep)
-    return out
-
-
-def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
-def redistribute(x: DTensor, want: Sequence[Placement]) -> DTensor:
-    """DTensor's redistribute, plus R → P (DTensor refuses to redistribute *to* Partial): the first rank
-    of each group along the axis keeps the value, the others hold zeros."""
-    mesh = x.device_mesh
-    want = list(want)
-    to_partial = [a for a, p in enumerate(want) if isinstance(p, Partial) and not isinstance(x.placements[a], Partial)]
-    first = [Replicate() if a in to_partial else p for a, p in enumerate(want)]
-    if list(x.placements) != first:
-        x = x.redistribute(mesh, first)
-    if not to_partial:
-        return x
-    local = x.to_local(grad_placements=[Partial("sum") if a in to_partial else p for a, p in enumerate(first)])
-    keep = all(_coords(mesh)[a][1] == 0 for a in to_partial)
-    local = local if keep else local * 0
-    return DTensor.from_local(local, mesh, want, shape=x.shape, stride=x.stride(),
-                              grad_placements=[Replicate() if a in to_partial else p for a, p in enumerate(want)])
-
-
-def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> DTensor:
-    """This rank's shard of a tensor every rank holds whole (same seed, same data): no communication."""
-    return DTensor.from_local(local_shard(full, placements, mesh), mesh, placements, shape=full.shape,
-                              stride=full.stride())
-
-
-def local_shard(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
-    """`shard_full`'s local tensor, without the DTensor around it."""
-    local = full
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard):
-            local = local.narrow(p.dim, *chunk(local.shape[p.dim], *_coords(mesh)[a]))
-        elif isinstance(p, Partial):
-            raise ValueError("a whole tensor is not partial")
-    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
-        local = local.clone()  # this rank holds its shard only, as a data loader would give it
-    return local.contiguous()
-
-
-def _local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
-    out = list(shape)
-    for a, p in enumerate(placements):
-        if isinstance(p, Shard):
-            out[p.dim] = chunk(out[p.dim], *_coords(mesh)[a])[1]
-    return out
 
 
 class SpmdRunner:
@@ -149,7 +63,7 @@ class SpmdRunner:
         tr = strategy.training
         self.zero_stages = tr.zero_stages
         self._has_zero2 = 2 in tr.zero_stages.values() if tr.zero_stages is not None else tr.zero_stage % 3 == 2
-        self._zero: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
+        self.zero_buckets: list[ZeroBucket] = []  # ZeRO-1/2: the buckets whose optimizer states are sharded
         self._gathers: list[list[ZeroBucket]] = []  # the buckets gathered together after the optimizer step
         self.mesh_shape = tuple(int(x) for x in mesh.shape)
         self.graph = module.graph
@@ -179,7 +93,7 @@ class SpmdRunner:
                                    for gp in grads]
             if n.op_type in ("Reshape", "Expand"):
                 self._shape_operand[n.name] = torch.tensor(
-                    _local_shape(self.graph.tensors[n.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64)
+                    local_shape(self.graph.tensors[n.outputs[0]].shape, want_out[0], mesh), dtype=torch.int64)
         # Attention chains that run as one kernel: those the plan keeps local (no reshard inside).
         names = {n.name for n in mine}
         self.regions = {last: r for last, r in attention_regions(self.graph).items()
@@ -201,7 +115,7 @@ class SpmdRunner:
         # recomputed segments, and a context each recomputation runs in.
         self.on_kept: Callable[[list[torch.Tensor]], object] | None = None
         self.recompute_watch: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
-        self._params = {name: module.params[key] for name, key in module.param_names.items()}
+        self.params = {name: module.params[key] for name, key in module.param_names.items()}
         self._buckets: list[tuple[tuple[int, ...], torch.Tensor]] | None = None  # packed at the first reduction
         self._bucketed: set[str] = set()
         # Axes on which each parameter's local gradient is left partial by some use (and so reduced,
@@ -281,7 +195,7 @@ class SpmdRunner:
         spec = self.placed
         wrapped: dict[str, DTensor] = {}
         local.update(feeds)
-        params = self._params
+        params = self.params
         # Where the ops read and write: these two dicts, or a recomputed segment's own scope over them.
         scope: dict[str, Any] = {"local": local, "wrapped": wrapped}
 
@@ -434,10 +348,10 @@ class SpmdRunner:
         if want == stored:
             here = {a for a in split if isinstance(want[a], Replicate)}
             self.partial_grads[name] |= reduced
-            return _grad_as_partial(p, self.mesh, reduced - here)
+            return grad_as_partial(p, self.mesh, reduced - here)
         if name not in wrapped:
             shape = self.graph.tensors[name].shape
-            source = _grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
+            source = grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=contiguous_stride(shape), grad_placements=stored)
         local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
@@ -462,11 +376,11 @@ class SpmdRunner:
         for axes, flat in self._buckets:
             for a in axes:
                 dist.all_reduce(flat, group=self.mesh.get_group(a))
-        for b in self._zero:
+        for b in self.zero_buckets:
             if b.stage == 1:
                 assert b.grads is not None  # ZeRO-1 buckets keep the whole gradients
                 b.reduce_scatter(b.grads)
-        return len(self._buckets) + len(self._zero)
+        return len(self._buckets) + len(self.zero_buckets)
 
     @property
     def packed(self) -> bool:
@@ -480,10 +394,10 @@ class SpmdRunner:
             return
         if self._buckets is None:
             self._pack()
-        for b in self._zero:
+        for b in self.zero_buckets:
             if b.stage != 2:
                 continue
-            params = [self._params[n] for n in b.names]
+            params = [self.params[n] for n in b.names]
             flat = torch.zeros_like(b.weights)
             torch.cat([p.grad.reshape(-1) for p in params], out=flat[:b.numel])  # every one set: see `_pack`
             b.reduce_scatter(flat, accumulate=True)
@@ -498,7 +412,7 @@ class SpmdRunner:
         from costmodel.buckets import gather_groups, pack_buckets, zero_units
 
         grads = {name: (tuple(sorted(axes)), float(p.numel() * p.element_size()))
-                 for name, axes in self.partial_grads.items() if axes and (p := self._params[name]).grad is not None}
+                 for name, axes in self.partial_grads.items() if axes and (p := self.params[name]).grad is not None}
         tr = self.strategy.training
         if self.zero_stages is not None:
             stages = {n: s for n, s in self.zero_stages.items() if n in grads}
@@ -509,12 +423,12 @@ class SpmdRunner:
         units = zero_units({n: grads[n] for n in stages}, stages, tr.comm_fusion)
         for unit in units:
             self._bucketed.update(unit.names)
-            self._zero.append(ZeroBucket.pack(self, unit))
-        self._gathers = [[self._zero[i] for i in group] for group in gather_groups(
+            self.zero_buckets.append(ZeroBucket.pack(self, unit))
+        self._gathers = [[self.zero_buckets[i] for i in group] for group in gather_groups(
             units, {n: grads[n][1] for u in units for n in u.names}, tr.comm_fusion.allgather)]
         for axes, names in pack_buckets({n: g for n, g in grads.items() if n not in stages}, tr.comm_fusion.allreduce):
             self._bucketed.update(names)
-            params = [self._params[n] for n in names]
+            params = [self.params[n] for n in names]
             flat = torch.cat([p.grad.reshape(-1) for p in params])  # every one set: see `grads`
             offset = 0
             for p in params:
@@ -525,8 +439,8 @@ class SpmdRunner:
     def optimizer_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: every parameter, except that a ZeRO bucket is stepped on this rank's
         shard of it only (call after the first step, which packs the buckets)."""
-        zeroed = {n for b in self._zero for n in b.names}
-        return [p for n, p in self._params.items() if n not in zeroed] + [b.shard for b in self._zero]
+        zeroed = {n for b in self.zero_buckets for n in b.names}
+        return [p for n, p in self.params.items() if n not in zeroed] + [b.shard for b in self.zero_buckets]
 
     def after_optimizer_step(self) -> None:
         """ZeRO: every rank's updated shard all-gathered into the flat parameters (the module's views)."""
@@ -538,23 +452,23 @@ class SpmdRunner:
         ZeRO shards' gradients too, the others unset."""
         for _, flat in self._buckets or ():
             flat.zero_()
-        for b in self._zero:
+        for b in self.zero_buckets:
             b.zero_grad()
-        for name, p in self._params.items():
-            if name not in self._bucketed or any(b.stage == 2 and name in b.names for b in self._zero):
+        for name, p in self.params.items():
+            if name not in self._bucketed or any(b.stage == 2 and name in b.names for b in self.zero_buckets):
                 p.grad = None
-        self.partial_grads = {name: set() for name in self._params}
+        self.partial_grads = {name: set() for name in self.params}
 
     def gradient(self, name: str) -> torch.Tensor:
         """The step's reduced gradient of a parameter, whole (for verification: ZeRO keeps only a shard)."""
-        for b in self._zero:
+        for b in self.zero_buckets:
             if name in b.names:
-                return b.full_gradient(name, self._params[name])
-        return self.full_parameter(name, _full_grad(self._params[name]))
+                return b.full_gradient(name, self.params[name])
+        return self.full_parameter(name, _full_grad(self.params[name]))
 
     def grad_shard_bytes(self) -> int:
         """Bytes of gradient shards held apart from the parameters' gradients (ZeRO-2)."""
-        return sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self._zero
+        return sum(b.shard.grad.numel() * b.shard.grad.element_size() for b in self.zero_buckets
                    if b.stage == 2 and b.shard.grad is not None)
 
     def full_parameter(self, name: str, value: torch.Tensor) -> torch.Tensor:
@@ -595,7 +509,7 @@ class SpmdRunner:
         lo, n = 0, full
         for a, kernel in enumerate(kernels):
             if kernel == MASKED_GATHER:
-                start, n = chunk(n, *_coords(self.mesh)[a])
+                start, n = chunk(n, *mesh_coords(self.mesh)[a])
                 lo += start
         local = idx - lo
         inside = (local >= 0) & (local < n)

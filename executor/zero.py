@@ -9,16 +9,34 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
+from core.graph import OpGraph
+from executor.dtensors import contiguous_stride, redistribute
+from executor.interpreter import OnnxModule
 from executor.measure import unwrap
+from planner.strategy import Strategy
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Placement
+
     from costmodel.buckets import ZeroUnit
-    from executor.spmd import SpmdRunner
+
+
+class SpmdRunner(Protocol):
+    """What ZeRO's buckets and the gather hooks read and replace of the SPMD runner that owns them
+    (executor/spmd.py)."""
+
+    mesh: DeviceMesh
+    strategy: Strategy
+    graph: OpGraph
+    module: OnnxModule
+    params: dict[str, nn.Parameter]
+    stored: dict[str, list[Placement]]
 
 
 @dataclass
@@ -52,7 +70,7 @@ class ZeroBucket:
 
         mesh = runner.mesh
         names = list(unit.names)
-        params = [runner._params[n] for n in names]
+        params = [runner.params[n] for n in names]
         numel = sum(p.numel() for p in params)
         axes, rest = zero_split(unit.axes, tuple(int(x) for x in mesh.shape), runner.strategy.training.zero_shard_size)
         sizes = [int(mesh.shape[a]) for a in axes]
@@ -67,9 +85,10 @@ class ZeroBucket:
             view = nn.Parameter(weights[offset:offset + n].view_as(p))
             view.grad = p.grad
             if grads is not None:  # this step's local gradient, kept as a view of the bucket
+                assert p.grad is not None
                 grads[offset:offset + n].copy_(p.grad.reshape(-1))
                 view.grad = grads[offset:offset + n].view_as(p)
-            runner._params[name] = view
+            runner.params[name] = view
             runner.module.params[runner.module.param_names[name]] = view
             offset += n
         start, length = 0, weights.numel()
@@ -191,11 +210,10 @@ class Regather:
             return unwrap(x)  # a saved tensor, or a measured one (`on_saved`)
         from torch.distributed.tensor import DTensor
 
-        from executor.spmd import contiguous_stride, redistribute
 
         r = self.runner
         shape = r.graph.tensors[x.name].shape
         with torch.no_grad():
-            full = DTensor.from_local(r._params[x.name].detach(), r.mesh, r.stored[x.name], shape=torch.Size(shape),
+            full = DTensor.from_local(r.params[x.name].detach(), r.mesh, r.stored[x.name], shape=torch.Size(shape),
                                       stride=contiguous_stride(shape))
             return redistribute(full, x.want).to_local().as_strided(x.size, x.stride, x.offset)

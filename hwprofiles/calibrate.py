@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 
 class CalibrationError(MeshplanError):

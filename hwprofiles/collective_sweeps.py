@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from costmodel.collectives import Collective
+from core.collectives import Collective
 from hwprofiles.calibrate import CalibrationConfig
 from hwprofiles.fit import fit_alpha_beta
 from hwprofiles.report import CalibrationReport

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.collectives import Collective
+from core.collectives import Collective
 
 
 @dataclass(frozen=True, slots=True)

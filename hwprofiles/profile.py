@@ -33,8 +33,8 @@ from typing import Any
 import jsonschema
 import numpy as np
 
-from costmodel.collectives import Collective, LinkLevel, alpha_beta_time_s
-from planner.errors import ProfileError
+from core.collectives import Collective, LinkLevel, alpha_beta_time_s
+from core.errors import ProfileError
 
 SCHEMA_VERSION = 1
 PRESETS_PACKAGE = "hwprofiles.presets"

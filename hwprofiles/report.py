@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from costmodel.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel
 from hwprofiles.calibrate import CalibrationConfig, CalibrationError
 from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_efficiency
 from hwprofiles.profile import HardwareProfile, load_profile, profile_from_json, profile_to_json

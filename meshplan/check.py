@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import statistics
 import tempfile
 import tomllib
@@ -30,8 +31,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from planner.errors import MeshplanError
-from planner.plan import PlanRequest
+from core.errors import MeshplanError
+from planner.search.request import PlanRequest
 from planner.strategy import Strategy
 
 CONFIG_NAME = "meshplan-check.toml"
@@ -97,7 +98,7 @@ class CaseResult:
 # ---------------------------------------------------------------------------------------------
 # The config
 
-_CASE_KEYS = {"name", "model", "hf_config", "zoo", "devices", "profile", "dims", "mesh", "axis_names", "layout",
+_CASE_KEYS = {"name", "model", "hf_config", "devices", "profile", "dims", "mesh", "axis_names", "layout",
               "global_batch_size", "micro_batch_size", "accumulation_steps", "pins", "memory_limit_gib", "mode",
               "dtype", "zero", "recompute", "schedule", "solver", "time_limit_s", "workers", "tolerance", "runs",
               "steps"}
@@ -136,10 +137,10 @@ def _case(c: dict[str, Any], i: int, root: Path, path: Path) -> Case:
     for key in ("name", "devices"):
         if key not in c:
             raise CheckError(f"{where}: missing key {key!r}")
-    sources = [k for k in ("model", "hf_config", "zoo") if k in c]
+    sources = [k for k in ("model", "hf_config") if k in c]
     if len(sources) != 1:
-        raise CheckError(f"{where}: give the model as exactly one of model (an .onnx path), hf_config (a transformers "
-                         "config.json to export) or zoo (a model of this repository's zoo)")
+        raise CheckError(f"{where}: give the model as exactly one of model (an .onnx path) or hf_config (a "
+                         "transformers config.json to export)")
     model = _model(c, sources[0], root, where)
     tol = c.get("tolerance", {})
     if not isinstance(tol, dict):
@@ -176,18 +177,15 @@ def _case(c: dict[str, Any], i: int, root: Path, path: Path) -> Case:
 
 def _model(c: dict[str, Any], source: str, root: Path, where: str) -> str:
     if source == "model":
-        p = (root / str(c["model"])).resolve()
+        # `${VAR}` in the path: a model kept outside the repository (this repository's own gate names
+        # `${MESHPLAN_ZOO_DIR}/<model>.onnx`, which `make check` exports first).
+        text = os.path.expandvars(str(c["model"]))
+        if "$" in text:
+            raise CheckError(f"{where}: model {c['model']} names an unset environment variable; set it or give a path")
+        p = (root / text).resolve()
         if not p.is_file():
-            raise CheckError(f"{where}: model {c['model']} not found beside the config ({p}); commit it or use hf_config")
+            raise CheckError(f"{where}: model {text} not found beside the config ({p}); commit it or use hf_config")
         return str(p)
-    if source == "zoo":
-        import importlib
-
-        zoo = importlib.import_module("bench.zoo")  # this repository's model zoo (not part of the package)
-
-        if c["zoo"] not in zoo.ZOO:
-            raise CheckError(f"{where}: zoo model {c['zoo']!r} does not exist; one of {', '.join(sorted(zoo.ZOO))}")
-        return str(zoo.export(str(c["zoo"])))
     cfg = (root / str(c["hf_config"])).resolve()
     if not cfg.is_file():
         raise CheckError(f"{where}: hf_config {c['hf_config']} not found beside the config ({cfg})")
@@ -209,7 +207,7 @@ def _model(c: dict[str, Any], source: str, root: Path, where: str) -> str:
 
 def comm_bytes_per_step(s: Strategy) -> float:
     """Bytes the plan's collectives move per optimizer step (a per-micro-batch one k times)."""
-    from costmodel.collectives import Cadence
+    from core.collectives import Cadence
 
     k = s.training.micro_batches
     return sum(c.bytes * (k if c.cadence is Cadence.MICRO_BATCH else 1) for n in s.nodes.values() for c in n.collectives)
@@ -334,7 +332,7 @@ def measure(case: Case, strategy_path: Path, baseline_path: Path | None = None) 
 def _one_run(case: Case, path: Path) -> tuple[float, float]:
     """(measured step s, reference s around it)."""
     from executor.launch import run
-    from executor.train import RunOptions
+    from executor.preflight import RunOptions
 
     s = _load(path)
     nproc = s.pipeline.devices if s.pipeline is not None else s.mesh.num_devices
@@ -432,7 +430,7 @@ def check(config: str | Path, *, baseline: str | Path | None = None, run: bool =
     """Every case planned again (and run, with `run`), compared with its baseline, or (`update`) written
     as the new baseline. Raises CheckError for a broken config or a missing baseline; a case whose
     model no longer imports or plans is a CaseResult with its error."""
-    from planner.plan import make_plan
+    from planner.search.plan import make_plan
 
     say = progress or (lambda _m: None)
     cases = load_config(config)

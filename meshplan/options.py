@@ -35,7 +35,7 @@ dim_option = click.option(
 def parse_mesh_shape(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
-    from planner.mesh import MeshError
+    from core.mesh import MeshError
 
     parts = text.lower().replace("×", "x").split("x")
     if not all(p.strip().lstrip("-").isdigit() for p in parts):
@@ -44,7 +44,7 @@ def parse_mesh_shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def build_mesh(devices: int, mesh: str | None, axis_names: str | None, devices_per_node: int) -> Any:
-    from planner.mesh import DeviceMesh
+    from core.mesh import DeviceMesh
 
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
     return DeviceMesh.build(devices, parse_mesh_shape(mesh), names, devices_per_node=devices_per_node)
@@ -85,7 +85,7 @@ def parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tupl
 def parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
     from pathlib import Path
 
-    from planner.solve import PinError
+    from planner.search.solve import PinError
 
     out: dict[str, str] = {}
     if pin_file:
@@ -109,7 +109,7 @@ _UNITS = {"B": 1, "KB": 2**10, "KIB": 2**10, "MB": 2**20, "MIB": 2**20, "GB": 2*
 
 def parse_size(text: str, option: str, *, allow_zero: bool = False) -> float:
     """"25MB" → bytes (binary units, as DDP's bucket_cap_mb and MindSpore's comm_fusion count them)."""
-    from planner.errors import MeshplanError
+    from core.errors import MeshplanError
 
     t = text.strip().upper()
     unit = next((u for u in sorted(_UNITS, key=len, reverse=True) if t.endswith(u)), "B")
@@ -125,7 +125,7 @@ def parse_size(text: str, option: str, *, allow_zero: bool = False) -> float:
 
 def parse_zero(text: str) -> int | None:
     """`--zero 0|1|2|3|auto` → the stage, or None for auto."""
-    from planner.errors import MeshplanError
+    from core.errors import MeshplanError
 
     t = text.strip().lower()
     if t == "auto":
@@ -138,8 +138,8 @@ def parse_zero(text: str) -> int | None:
 def parse_fusion(text: str) -> CommFusion | None:
     """`--comm-fusion` → bucket caps: "25MB" (every kind), "allreduce=25MB,allgather=50MB" (the kinds not
     named keep DDP's 25 MB), or "auto" (None: the planner chooses)."""
+    from core.errors import MeshplanError
     from costmodel.buckets import FUSION_KINDS, CommFusion
-    from planner.errors import MeshplanError
 
     t = text.strip()
     if t.lower() == "auto":

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from core.errors import MeshplanError
 from costmodel.pipeline import BACKWARD_SHARE, hop_delays, simulate
-from planner.errors import MeshplanError
 from planner.strategy import Strategy
 
 

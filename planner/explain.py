@@ -12,23 +12,18 @@ import base64
 import html
 import io
 from collections import defaultdict
-from dataclasses import replace
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from core.errors import MeshplanError, ProfileError
+from core.graph import OpGraph, numbered_levels
+from core.mesh import DeviceMesh
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile, load_profile
-from planner.errors import MeshplanError, ProfileError
-from planner.graph import OpGraph, load_graph
-from planner.layers import numbered_levels
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec
-from planner.plan import data_parallel_pins, propagate
-from planner.rules import OpContext, OpStrategy, replicated_strategy, rules_for_graph
-from planner.solve import ShardingILP
+from planner.graph import load_graph
 from planner.strategy import NodePlan, ProfileRef, StrategyError, load_strategy
 
 
@@ -47,7 +42,12 @@ def _planned_profile(path: str, planned: ProfileRef) -> HardwareProfile:
     return profile
 
 
-def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
+# The hand layouts to price on a plan's mesh and training step (planner/search/baselines.py, passed in
+# by the caller: explain reads a strategy and prices; it does not search).
+Baselines = Callable[[OpGraph, DeviceMesh, CostModel], Mapping[str, "StepCost | str"]]
+
+
+def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None = None) -> dict[str, Any]:
     strategy = load_strategy(path)
     model_path = strategy.model.path
     if not Path(model_path).exists():
@@ -71,8 +71,9 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
                   "compute_s": c.compute_s, "comm_s": c.comm_s, "memory_bytes_per_device": c.memory_bytes_per_device,
                   "fits": limit is None or c.memory_bytes_per_device <= limit}]
     # A pipelined plan's mesh is one stage's: baselines priced on it would ignore the other stages.
-    priced_baselines = _baselines(graph, mesh, cm) if strategy.pipeline is None else {
-        "baselines": "priced for plans without pipeline stages; plan without pp to compare"}
+    priced_baselines: Mapping[str, StepCost | str] = (
+        {"baselines": "priced for plans without pipeline stages; plan without pp to compare"}
+        if strategy.pipeline is not None else {} if hand_layouts is None else hand_layouts(graph, mesh, cm))
     for name, price in priced_baselines.items():
         baselines.append(_row(name, price, mesh, limit) if not isinstance(price, str) else
                          {"name": name, "mesh": mesh.describe_shape(), "step_time_s": None, "compute_s": None,
@@ -109,57 +110,6 @@ def explain_strategy(path: str, *, top: int = 10) -> dict[str, Any]:
         "fallback_op_types": sorted({f.op_type for f in strategy.fallbacks}),
         "solver": document["solver"], "pipeline": document["pipeline"],
     }
-
-
-def _baselines(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, Any]:
-    """The hand layouts practitioners start from, on the plan's mesh and training step (micro-steps,
-    ZeRO stage): replicated; DDP (batch split over every axis, parameters whole); FSDP (parameters
-    split on dim 0 over every axis, gathered for use); on a 2-d mesh FSDP + TP (FSDP over the first
-    axis, the second tensor-parallel as the ILP decides: Megatron's column/row split where it pays);
-    and each of the last three with full recomputation of the repeated layers."""
-    rules = rules_for_graph(graph, mesh)
-    out: dict[str, Any] = {}
-    replicated = {n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes}
-    out["replicated"] = cm.price(replicated, {p.name: Spec.replicated(mesh.ndim) for p in graph.params})
-    try:
-        pins = data_parallel_pins(graph, mesh)
-    except MeshplanError as e:  # a batch smaller than the mesh
-        note = _reason(e)
-        pins = None
-        out["data-parallel"] = out["fsdp"] = note
-    plans: dict[str, tuple[dict[str, OpStrategy], dict[str, Spec]]] = {}
-    if pins is not None:
-        choice, params, _ = propagate(graph, rules, cm, pins)
-        plans["data-parallel"] = (choice, params)
-        plans["fsdp"] = (choice, {p.name: Spec((Shard(0),) * mesh.ndim) if p.shape and p.shape[0] >= mesh.num_devices
-                                  else Spec.replicated(mesh.ndim) for p in graph.params})
-    if mesh.ndim == 2:
-        layout = Layout((("dp_shard", mesh.shape[0]), ("tp", mesh.shape[1])))
-        named = replace(mesh, axis_names=layout.axis_names)
-        try:
-            sol = ShardingILP(graph, rules, cm, pins=layout.input_pins(graph, named),
-                              param_layout=layout.param_layout(graph, named)).solve()
-            plans["fsdp+tp"] = (sol.choice, sol.param_specs)
-        except MeshplanError as e:
-            out["fsdp+tp"] = _reason(e)
-    full = None
-    if graph.layers and cm.recompute != "full":
-        full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
-                         zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
-                         fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes,
-                         fp32_communication=cm.fp32_communication, zero_shard_size=cm.zero_shard_size,
-                         attention=cm.attention, attention_dropout=cm.attention_dropout)
-    for name, (choice, params) in plans.items():
-        out[name] = cm.price(choice, params)
-        if full is not None:
-            out[f"{name} + full recompute"] = full.price(choice, params)
-    return out
-
-
-def _reason(e: MeshplanError) -> str:
-    """Why a baseline cannot be priced, for its table cell: the error's message without the option
-    that caused it or the advice after it."""
-    return str(e).split(": ", 1)[-1].split(";")[0]
 
 
 def _row(name: str, cost: StepCost, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from planner.errors import MeshplanError, ModelError, read_json
+from core.errors import MeshplanError, ModelError, read_json
 from planner.params import KIND_KEY
 from planner.replicate import replicate_layers
 

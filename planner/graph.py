@@ -14,88 +14,25 @@ exporter (module paths in `/a/b/c/Op` node names, parameters recognised as float
 from __future__ import annotations
 
 import ast
-import enum
-import hashlib
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import replace
 from pathlib import Path
 
-import networkx as nx
 import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from planner.errors import ModelError
-from planner.layers import LayerGroup, find_repeated_layers
-from planner.params import DroppedBias, Init, Parameter, find_parameters
+from core.errors import ModelError
+from core.graph import SHAPE_ONLY_OPS, Init, OpGraph, OpNode, TensorInfo, TensorKind
+from planner.params import DroppedBias, find_parameters
 from planner.shapes import bind_dims, static_shape, with_static_shapes
 
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
 _SMALL_TENSOR_ELEMS = 64
 
-# dtypes numpy names as we do (a CastLike target read for its dtype is fed as a numpy zero of it).
-NUMPY_DTYPES = frozenset({"float16", "float32", "float64", "int8", "int16", "int32", "int64", "uint8", "bool"})
-# Ops whose output depends only on the *shape* of their inputs, which is static once dims are bound.
-SHAPE_ONLY_OPS = frozenset({"Shape", "Size"})
 # Inputs that contribute only their dtype or shape, never their values (CastLike's target_type).
 _META_ONLY_INPUTS = {"CastLike": (1,)}
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
-
-
-class TensorKind(enum.Enum):
-    INPUT = "input"
-    PARAM = "param"
-    CONSTANT = "constant"
-    ACTIVATION = "activation"
-
-
-@dataclass(frozen=True, slots=True)
-class TensorInfo:
-    name: str
-    shape: tuple[int, ...]
-    dtype: str  # numpy dtype name: "float32", "bfloat16", "int64", …
-    kind: TensorKind
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def itemsize_bytes(self) -> int:
-        return _ITEMSIZE_BYTES.get(self.dtype, 4)
-
-    @property
-    def size_bytes(self) -> int:
-        return self.numel * self.itemsize_bytes
-
-    @property
-    def is_float(self) -> bool:
-        return self.dtype in _FLOAT_DTYPES
-
-
-@dataclass(frozen=True, slots=True)
-class OpNode:
-    name: str
-    op_type: str
-    inputs: tuple[str, ...]  # "" marks an absent optional input, as in ONNX
-    outputs: tuple[str, ...]
-    attrs: tuple[tuple[str, object], ...]
-    domain: str = ""
-    module_path: str = ""  # torch module that emitted the node, e.g. "model.layers.0.mlp.up_proj"
-
-    def attr(self, key: str, default: object = None) -> object:
-        for k, v in self.attrs:
-            if k == key:
-                return v
-        return default
-
-
-_FLOAT_DTYPES = frozenset({"float16", "bfloat16", "float32", "float64", "float8e4m3fn", "float8e5m2"})
-_ITEMSIZE_BYTES = {
-    "float8e4m3fn": 1, "float8e5m2": 1, "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8,
-    "int8": 1, "uint8": 1, "int16": 2, "int32": 4, "int64": 8, "bool": 1,
-}
 
 
 def _dtype_name(elem_type: int) -> str:
@@ -108,103 +45,6 @@ def _dtype_name(elem_type: int) -> str:
     if elem_type == onnx.TensorProto.UNDEFINED:
         return "undefined"
     return str(onnx.helper.tensor_dtype_to_np_dtype(elem_type))
-
-
-class OpGraph:
-    """An ONNX graph with static shapes: nodes in topological order, tensors by name, and structure.
-
-    `graph` is a networkx DiGraph over node names (an edge per producer → consumer, with the tensor
-    names it carries in the `tensors` edge attribute). Constant nodes stay in `nodes` (the executor
-    needs them) but are listed in `constant_nodes`; planning stages iterate `compute_nodes`.
-    """
-
-    def __init__(
-        self,
-        *,
-        name: str,
-        nodes: tuple[OpNode, ...],
-        tensors: Mapping[str, TensorInfo],
-        inputs: tuple[str, ...],
-        outputs: tuple[str, ...],
-        constant_nodes: frozenset[str],
-        opset: int,
-        dims: Mapping[str, int],
-        const_values: Mapping[str, np.ndarray] | None = None,
-        parameters: Mapping[str, Parameter] | None = None,
-        notes: tuple[str, ...] = (),
-    ) -> None:
-        self.name = name
-        self.nodes = nodes
-        self.tensors = dict(tensors)
-        self.inputs = inputs
-        self.outputs = outputs
-        self.constant_nodes = constant_nodes
-        self.opset = opset
-        self.dims = dict(dims)
-        self.const_values = dict(const_values or {})
-        # Every PARAM tensor's provenance: the initializer holding its value, the torch name it stands for.
-        self.parameters = dict(parameters or {})
-        self.notes = notes  # what the import changed or could not recover, for inspect and plan to say
-        self.node_by_name = {n.name: n for n in nodes}
-        self.producer = {t: n.name for n in nodes for t in n.outputs if t}
-        self.graph = self._build_digraph()
-
-    def _build_digraph(self) -> nx.DiGraph:
-        g = nx.DiGraph()
-        g.add_nodes_from(n.name for n in self.nodes)
-        for n in self.nodes:
-            for t in n.inputs:
-                src = self.producer.get(t)
-                if src is None:
-                    continue
-                if g.has_edge(src, n.name):
-                    g.edges[src, n.name]["tensors"] += (t,)
-                else:
-                    g.add_edge(src, n.name, tensors=(t,))
-        return g
-
-    @cached_property
-    def compute_nodes(self) -> tuple[OpNode, ...]:
-        return tuple(n for n in self.nodes if n.name not in self.constant_nodes)
-
-    @cached_property
-    def params(self) -> tuple[TensorInfo, ...]:
-        return tuple(t for t in self.tensors.values() if t.kind is TensorKind.PARAM)
-
-    @cached_property
-    def layers(self) -> tuple[LayerGroup, ...]:
-        return find_repeated_layers(self)
-
-    @property
-    def num_params(self) -> int:
-        return sum(t.numel for t in self.params)
-
-    @property
-    def param_bytes(self) -> int:
-        return sum(t.size_bytes for t in self.params)
-
-    @cached_property
-    def fingerprint(self) -> str:
-        """Digest of the compute structure and shapes; names of nodes are left out on purpose so
-        that a re-export of the same model with the same shapes keeps its fingerprint."""
-        h = hashlib.sha256()
-        index = {t: i for i, t in enumerate(self.tensors)}
-        for n in self.compute_nodes:
-            h.update(n.op_type.encode())
-            for t in (*n.inputs, *n.outputs):
-                info = self.tensors.get(t)
-                h.update(repr((index.get(t, -1), info.shape if info else None)).encode())
-        return h.hexdigest()[:16]
-
-    def constant_value(self, name: str) -> np.ndarray | None:
-        """The value of a small constant (an initializer or a Constant node's output), if known."""
-        return self.const_values.get(name)
-
-    def __repr__(self) -> str:
-        return (
-            f"OpGraph({self.name!r}, nodes={len(self.nodes)}, compute={len(self.compute_nodes)}, "
-            f"params={self.num_params})"
-        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -354,16 +194,6 @@ def _restore_dropped_biases(nodes: list[OpNode], dropped: tuple[DroppedBias, ...
         inserted[d.node_index] = OpNode(name=f"{node.name}__bias", op_type="Add", inputs=(unbiased, d.name),
                                         outputs=(out,), attrs=(), module_path=node.module_path)
     return tuple(x for i, n in enumerate(nodes) for x in ((n, inserted[i]) if i in inserted else (n,)))
-
-
-def shape_op_value(graph: OpGraph, node: OpNode) -> np.ndarray:
-    """The value of a Shape or Size node: known from the static shapes once dims are bound."""
-    shape = list(graph.tensors[node.inputs[0]].shape)
-    if node.op_type == "Size":
-        return np.array(int(np.prod(shape)), dtype=np.int64)
-    end = node.attr("end")
-    return np.array(shape[int(node.attr("start", 0)):None if end is None else int(end)],  # type: ignore[call-overload]
-                    dtype=np.int64)
 
 
 # ---------------------------------------------------------------------------------------------

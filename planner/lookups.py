@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from planner.errors import DimBindingError
-from planner.graph import NUMPY_DTYPES, SHAPE_ONLY_OPS, OpGraph, TensorKind, shape_op_value
+from core.errors import DimBindingError
+from core.graph import NUMPY_DTYPES, SHAPE_ONLY_OPS, OpGraph, TensorKind, shape_op_value
 
 
 def check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:

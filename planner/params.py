@@ -26,7 +26,6 @@ the initializer is split back into one parameter per torch parameter (same value
 from __future__ import annotations
 
 import ast
-import enum
 import re
 from collections import defaultdict
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 
-from planner.errors import ModelError
+from core.errors import ModelError
+from core.graph import Fold, Init, Parameter
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 _ORIGINAL_NAME_KEY = "pkg.torch.onnx.original_node_name"
@@ -68,31 +68,6 @@ _VAL_NAME = re.compile(r"^val_\d+$")
 # Ops the TorchScript exporter folds BatchNormalization into, writing the result as `onnx::Conv_NN`.
 _FUSED_INTO = frozenset({"Conv", "ConvTranspose"})
 _FX_PARAMS = re.compile(r"%(p_\w+)")
-
-
-class Fold(enum.Enum):
-    NONE = "none"  # the initializer is the torch parameter itself
-    LAYOUT = "layout"  # folded through a re-layout of one weight (a transpose): same values, other order
-    STATIC = "static"  # folded at the export's static shapes: only the part the export read is here
-
-
-class Init(enum.Enum):
-    """Where a parameter's initial value comes from, for the executor."""
-
-    SOURCE = "source"  # the `source` initializer's data (seeded where a shape-only file has none)
-    ZEROS = "zeros"  # a zero bias the exporter's optimizer removed
-    SEEDED = "seeded"  # declared by shape only (ConstantOfShape): a seeded init, as shape-only files get
-
-
-@dataclass(frozen=True, slots=True)
-class Parameter:
-    """A trainable tensor of the graph and what it stands for in the torch module."""
-
-    name: str  # graph tensor name
-    source: str  # the initializer holding its value (another's where a merged one was split); "" if none
-    origin: str = ""  # torch's name for it, where the file says ("model.layers.0.mlp.up_proj.weight")
-    fold: Fold = Fold.NONE
-    init: Init = Init.SOURCE
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import onnx
 
-from planner.errors import ModelError
+from core.errors import ModelError
 from planner.graph import module_path
 
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"

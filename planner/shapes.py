@@ -12,7 +12,7 @@ from collections.abc import Mapping
 import onnx
 from onnx import shape_inference
 
-from planner.errors import DimBindingError, ModelError
+from core.errors import DimBindingError, ModelError
 
 # Protobuf refuses messages over 2 GiB; above this a model's shapes are inferred on the file.
 _PROTO_LIMIT_BYTES = 2**31 - 1

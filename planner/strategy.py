@@ -22,12 +22,12 @@ from typing import Any
 
 import jsonschema
 
+from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
+from core.errors import MeshplanError, read_json
+from core.graph import OpGraph
+from core.mesh import DeviceMesh
+from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
-from costmodel.collectives import Cadence, Collective, Phase, Purpose, cadence_of
-from planner.errors import MeshplanError, read_json
-from planner.graph import OpGraph
-from planner.mesh import DeviceMesh
-from planner.placement import Spec, parse_spec
 
 SCHEMA_VERSION = 2
 

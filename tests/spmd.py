@@ -17,7 +17,7 @@ import onnx
 from onnx import helper
 from onnx.reference import ReferenceEvaluator
 
-from planner.placement import Partial, Replicate, Shard, Spec
+from core.placement import Partial, Replicate, Shard, Spec
 
 Coord = tuple[int, ...]
 Locals = dict[Coord, np.ndarray]

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 B, S = 8, 32
 # Megatron's MLP forced by pins: the up projections split by output features, the down projection by
@@ -135,7 +135,8 @@ def _run(strategy: Path, zoo_json: Path) -> tuple[Any, ...]:
 
 
 def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
-    from planner.plan import PlanRequest, make_plan
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
 
     kw = dict(PLANS[kind])
     if kind == "tp":

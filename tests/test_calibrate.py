@@ -11,7 +11,7 @@ import torch
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel
 from hwprofiles.profile import load_profile, monotone_fit
 from hwprofiles.timing import last_level_cache_bytes, time_interleaved
 

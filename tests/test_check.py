@@ -198,7 +198,7 @@ def test_measured_regressions_beyond_tolerance_and_noise() -> None:
     from dataclasses import replace
 
     from meshplan.check import Case, Tolerance, compare_measured
-    from planner.plan import PlanRequest
+    from planner.search.request import PlanRequest
 
     case = Case(name="c", model="m.onnx", request=PlanRequest(model="m.onnx"), tolerance=Tolerance(stored_step_time=0.1))
     stored = _measured([10.0, 10.2, 9.8], 5.0, 10.0)

@@ -16,8 +16,9 @@ from click.testing import CliRunner
 
 from cli import main
 from executor.launch import run
-from executor.train import RunOptions
-from planner.plan import PlanRequest, make_plan
+from executor.preflight import RunOptions
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 
 TP = {"model.transformer.h.0.mlp.c_fc.weight": "S(1)", "model.transformer.h.0.mlp.c_proj.weight": "S(0)",
       "model.transformer.h.1.attn.c_attn.weight": "S(1)"}

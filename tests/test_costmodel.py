@@ -11,18 +11,19 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from core.collectives import Cadence, Collective, LinkLevel, Phase
+from core.graph import OpGraph, OpNode
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, Shard, Spec, parse_spec
 from costmodel.attention import attention_regions, materialized_kernels
 from costmodel.buckets import CommFusion, pack_buckets
-from costmodel.collectives import Cadence, Collective, LinkLevel, Phase
 from costmodel.comm import collective_time_s
 from costmodel.compute import ComputeCost
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel, Purpose
 from hwprofiles.profile import load_profile
-from planner.graph import OpGraph, OpNode, graph_from_proto, load_graph
-from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec, parse_spec
-from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
+from planner.graph import graph_from_proto, load_graph
+from planner.rules import OpContext, replicated_strategy, strategies_for
 
 H100 = load_profile("h100-sxm")
 BF16 = PRECISIONS["bf16"]

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 
 from cli import main
 from executor.launch import run
-from executor.train import RunOptions
-from planner.plan import PlanRequest, make_plan
+from executor.preflight import RunOptions
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 
 TOL = 1e-5  # fp32
 SGD = RunOptions(steps=1, warmup=0, verify=True, optimizer="sgd")

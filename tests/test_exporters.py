@@ -17,14 +17,16 @@ from click.testing import CliRunner
 
 from bench.zoo import ZOO, _example
 from cli import main
+from core.errors import ModelError
+from core.graph import Fold
 from executor.interpreter import OnnxModule
-from executor.launch import RunError, check_executable, run
-from executor.train import RunOptions
+from executor.launch import check_executable, run
+from executor.preflight import RunError, RunOptions
 from meshplan import export as meshplan_export
-from planner.errors import ModelError
 from planner.graph import load_graph, load_model_proto
-from planner.params import Fold, normalize
-from planner.plan import PlanRequest, make_plan
+from planner.params import normalize
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 
 pytestmark = pytest.mark.zoo
 MODELS = ["gpt2-tiny", "bert-tiny", "llama-tiny", "vit-tiny", "mlp"]

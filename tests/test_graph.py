@@ -11,9 +11,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from planner.errors import DimBindingError, ModelError
-from planner.graph import TensorKind, graph_from_proto, load_graph
-from planner.layers import numbered_levels
+from core.errors import DimBindingError, ModelError
+from core.graph import TensorKind, numbered_levels
+from planner.graph import graph_from_proto, load_graph
 
 
 def _linear_stack(num_layers: int, hidden: int = 8) -> onnx.ModelProto:

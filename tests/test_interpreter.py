@@ -107,7 +107,7 @@ def test_rank_device_follows_the_backend() -> None:
     this machine: the selection is tested here, the GPU run is not.)"""
     import torch
 
-    from executor.train import rank_device
+    from executor.step import rank_device
 
     assert rank_device("nccl", {"LOCAL_RANK": "3"}) == torch.device("cuda", 3)
     assert rank_device("nccl", {}) == torch.device("cuda", 0)

@@ -14,8 +14,9 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from cli import main
-from executor.launch import RunError, check_executable
+from executor.launch import check_executable
 from executor.ops import OPS, run_op
+from executor.preflight import RunError
 from planner.graph import graph_from_proto
 from planner.rules import registered_ops
 from tests.spmd import run_node

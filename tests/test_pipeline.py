@@ -11,11 +11,12 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.collectives import Collective
+from core.collectives import Collective
 from costmodel.pipeline import bubble_fraction, hop_delays, in_flight, p2p_bytes, pipeline_step_s, simulate
 from hwprofiles.profile import LinkLevel, load_profile
 from planner.graph import load_graph
-from planner.plan import PlanRequest, make_plan
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from planner.strategy import from_json
 
 
@@ -221,7 +222,8 @@ def test_balanced_counts_ends_and_never_slows_the_slowest() -> None:
     # between two stages forever: a 16-stage Llama-3-70B layout hung).
     import random
 
-    from planner.pipeline import Cut, StageCost, balanced_counts
+    from planner.search.pipeline import StageCost, balanced_counts
+    from planner.stagecut import Cut
 
     rng = random.Random(0)
     for _ in range(300):
@@ -240,7 +242,7 @@ def test_balanced_counts_ends_and_never_slows_the_slowest() -> None:
 def test_search_candidates_deepen_and_interleave() -> None:
     # Powers of two up to the layers, a node's tensor parallelism per stage, data parallelism over the
     # rest; interleaving where the layers split into 2·p equal chunks.
-    from planner.pipeline import candidates, interleaved
+    from planner.search.pipeline import candidates, interleaved
 
     got = [(c.pipeline, c.degree) for c in candidates(512, 8, 80)]
     assert got == [(p, {"dp_replicate": 512 // p // 8, "tp": 8}) for p in (2, 4, 8, 16, 32)] + [(64, {"tp": 8})]

@@ -14,10 +14,11 @@ from click.testing import CliRunner
 from cli import main
 from executor.launch import run
 from executor.pipeline import PIPELINE_PHASES
-from executor.train import RunOptions
+from executor.preflight import RunOptions
 from planner.graph import load_graph
-from planner.pipeline import crossings, param_stages, strategy_chunks
-from planner.plan import PlanRequest, make_plan
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
+from planner.stagecut import crossings, param_stages, strategy_chunks
 
 # (model, layout, schedule): 2 stages × 2 data-parallel ranks and 4 stages of one rank, GPipe and 1F1B,
 # on GPT-2 (tied embedding and LM head: a weight on the first and the last stage) and Llama; interleaved

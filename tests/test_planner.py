@@ -15,16 +15,17 @@ from click.testing import CliRunner
 from onnx import TensorProto, helper, numpy_helper
 
 from cli import main
-from costmodel.collectives import Collective, LinkLevel, Phase
+from core.collectives import Collective, LinkLevel, Phase
+from core.mesh import DeviceMesh
+from core.placement import Shard, Spec
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.profile import load_profile
 from planner.graph import graph_from_proto
-from planner.mesh import DeviceMesh
-from planner.placement import Shard, Spec
-from planner.plan import PlanRequest, make_plan
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
-from planner.solve import InfeasiblePlanError, ShardingILP
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
+from planner.search.solve import InfeasiblePlanError, ShardingILP
 from planner.strategy import SCHEMA_VERSION, StrategyError, from_json, load_strategy
 
 H100 = load_profile("h100-sxm")

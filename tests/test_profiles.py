@@ -14,7 +14,8 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel
+from core.errors import ProfileError
 from hwprofiles.fit import fit_alpha_beta, fit_efficiency
 from hwprofiles.profile import (
     CollectiveModel,
@@ -26,7 +27,6 @@ from hwprofiles.profile import (
     profile_from_json,
     profile_to_json,
 )
-from planner.errors import ProfileError
 
 ALPHA, BETA = 2e-6, 100e9  # 2 µs per step, 100 GB/s bus bandwidth
 AB = CollectiveModel(alpha_s=ALPHA, bus_bandwidth_bytes_per_s=BETA)

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from planner.errors import MeshplanError
-from planner.plan import PlanRequest, make_plan
+from core.errors import MeshplanError
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from tests.test_training_step import run_equals_one_process
 
 
@@ -50,7 +51,7 @@ def test_first_layers_recomputed_run_as_planned(zoo: Callable[[str], Path], tmp_
 
 def test_full_recompute_memory_measured_as_predicted(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     from executor.launch import run
-    from executor.train import RunOptions  # AdamW, whose states the prediction counts
+    from executor.preflight import RunOptions  # AdamW, whose states the prediction counts
 
     # Full recomputation keeps each layer's inputs from forward to backward and, in backward, one
     # layer's recomputed activations at a time. Measured on the executor (its meter: what autograd

@@ -7,9 +7,9 @@ import itertools
 import numpy as np
 import pytest
 
-from costmodel.collectives import Collective
-from planner.placement import P, Partial, Placement, R, Shard, Spec, parse_spec
-from planner.reshard import ReshardStep, conjugate, plan_reshard
+from core.collectives import Collective
+from core.placement import P, Partial, Placement, R, Shard, Spec, parse_spec
+from core.reshard import ReshardStep, conjugate, plan_reshard
 from tests.spmd import Locals, chunk_bounds, coords, shard, unshard
 
 SHAPE = (8, 12, 4)

@@ -12,11 +12,12 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from costmodel.collectives import Cadence, Collective, Phase, Purpose
+from core.collectives import Cadence, Collective, Phase, Purpose
+from core.placement import R, Shard, Spec
 from executor.launch import run
-from executor.train import RunOptions
-from planner.placement import R, Shard, Spec
-from planner.plan import PlanRequest, make_plan
+from executor.preflight import RunOptions
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from planner.strategy import Strategy, StrategyError, from_dict, from_json, load_strategy
 
 V1 = Path(__file__).parent / "data" / "strategy-v1-mlp.json"

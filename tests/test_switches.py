@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from costmodel.collectives import Collective, Purpose
+from core.collectives import Collective, Purpose
+from core.mesh import DeviceMesh
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.profile import load_profile
 from planner.graph import load_graph
-from planner.mesh import DeviceMesh
-from planner.plan import PlanRequest, make_plan
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from tests.test_training_step import data_parallel_plan, run_equals_one_process
 
 H100 = load_profile("h100-sxm")
@@ -66,7 +67,7 @@ def test_parameter_broadcast_makes_ranks_agree(zoo: Callable[[str], Path], tmp_p
     # parameter_broadcast the data-parallel run no longer equals one process; with it, rank 0's
     # parameters reach every rank before the first step, and it does.
     from executor.launch import run
-    from executor.train import RunOptions
+    from executor.preflight import RunOptions
 
     model = zoo("mlp")
     req = dict(model=str(model), dims={"batch": 64}, profile="cpu", devices=2, mesh_shape=(2,), mode="data-parallel")

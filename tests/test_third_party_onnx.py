@@ -12,7 +12,8 @@ from click.testing import CliRunner
 
 from cli import main
 from planner.graph import load_graph
-from planner.plan import PlanRequest, make_plan
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 
 LIGHT = sorted((Path(onnx.__file__).parent / "backend" / "test" / "data" / "light").glob("light_*.onnx"))
 # Published parameter counts of these architectures (Caffe/Caffe2 originals; torchvision's resnet50

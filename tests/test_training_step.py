@@ -13,17 +13,19 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
+from core.collectives import Cadence, Collective, Phase, Purpose
+from core.graph import OpGraph
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, R, Shard, Spec
 from costmodel.buckets import CommFusion, pack_buckets
-from costmodel.collectives import Cadence, Collective, Phase, Purpose
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
 from hwprofiles.profile import load_profile
-from planner.graph import OpGraph, load_graph
-from planner.mesh import DeviceMesh
-from planner.placement import R, Shard, Spec
-from planner.plan import PlanRequest, make_plan
-from planner.rules import OpContext, OpStrategy, replicated_strategy, strategies_for
+from planner.graph import load_graph
+from planner.rules import OpContext, replicated_strategy, strategies_for
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from planner.strategy import Strategy, load_strategy
 
 H100 = load_profile("h100-sxm")
@@ -42,7 +44,7 @@ def run_equals_one_process(s: Strategy, model: Path, tmp: Path, optimizer: str =
     """Run a strategy on its mesh's ranks (a step, then one more; verified against one process) and
     check it equals one process (< 1e-5, fp32) and runs the planned collectives, per kind and count."""
     from executor.launch import run
-    from executor.train import RunOptions
+    from executor.preflight import RunOptions
 
     s.save(tmp / "s.json")
     r = run(str(tmp / "s.json"), str(model), nproc=s.mesh.num_devices, timeout_s=240,

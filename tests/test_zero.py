@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 
+from core.collectives import Cadence, Collective, Purpose
+from core.errors import MeshplanError
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, Spec
 from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_units
-from costmodel.collectives import Cadence, Collective, Purpose
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
-from executor.launch import planned_counts
+from executor.preflight import planned_counts
 from hwprofiles.profile import load_profile
-from planner.errors import MeshplanError
 from planner.graph import load_graph
-from planner.mesh import DeviceMesh
-from planner.placement import Spec
-from planner.plan import PlanRequest, make_plan
-from planner.rules import OpStrategy, strategies_for
+from planner.rules import strategies_for
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
 from tests.test_training_step import run_equals_one_process
 
 H100 = load_profile("h100-sxm")

@@ -10,8 +10,8 @@ with `group` = its local channel count (kernel "split_groups").
 
 from __future__ import annotations
 
-from planner.placement import P, R, Shard
-from planner.rules import AxisStrategy, OpContext, register_rule
+from core.placement import P, R, Shard
+from planner.rules.registry import AxisStrategy, OpContext, register_rule
 
 SPLIT_GROUPS = "split_groups"
 

@@ -11,8 +11,8 @@ take no placement and cost nothing.
 
 from __future__ import annotations
 
-from planner.placement import P, Placement, R, Shard
-from planner.rules import AxisStrategy, OpContext, register_rule
+from core.placement import P, Placement, R, Shard
+from planner.rules.registry import AxisStrategy, OpContext, register_rule
 
 UNARY = (
     "Identity", "Neg", "Abs", "Relu", "LeakyRelu", "Elu", "Selu", "Tanh", "Sigmoid", "HardSigmoid", "Erf",

@@ -11,8 +11,8 @@ GatherND(batch_dims=b): data and indices S(d), d < b  → Y S(d).
 
 from __future__ import annotations
 
-from planner.placement import P, R, Shard
-from planner.rules import AxisStrategy, OpContext, register_rule
+from core.placement import P, R, Shard
+from planner.rules.registry import AxisStrategy, OpContext, register_rule
 
 MASKED_GATHER = "masked_gather"
 

@@ -7,8 +7,8 @@
 
 from __future__ import annotations
 
-from planner.placement import Shard
-from planner.rules import AxisStrategy, OpContext, register_rule
+from core.placement import Shard
+from planner.rules.registry import AxisStrategy, OpContext, register_rule
 
 
 @register_rule("LRN")

@@ -15,8 +15,8 @@ an ellipsis or a letter repeated within one operand (a diagonal) get the replica
 
 from __future__ import annotations
 
-from planner.placement import P, Placement, R, Shard
-from planner.rules import AxisStrategy, OpContext, register_rule
+from core.placement import P, Placement, R, Shard
+from planner.rules.registry import AxisStrategy, OpContext, register_rule
 
 
 def _batch_placement(shape: tuple[int, ...], out_rank: int, out_dim: int, out_size: int) -> Placement:

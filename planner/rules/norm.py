@@ -13,8 +13,8 @@ covered by the element-wise and reduction rules, node by node.
 
 from __future__ import annotations
 
-from planner.placement import R, Shard
-from planner.rules import AxisStrategy, OpContext, follow, register_rule
+from core.placement import R, Shard
+from planner.rules.registry import AxisStrategy, OpContext, follow, register_rule
 
 
 @register_rule("Softmax", "LogSoftmax")

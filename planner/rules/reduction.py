@@ -9,8 +9,8 @@
 
 from __future__ import annotations
 
-from planner.placement import Partial, Shard
-from planner.rules import AxisStrategy, OpContext, follow, register_rule
+from core.placement import Partial, Shard
+from planner.rules.registry import AxisStrategy, OpContext, follow, register_rule
 
 REDUCE = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
           "ReduceLogSumExp", "ReduceSumSquare")

@@ -14,8 +14,8 @@ Views are linear: Partial passes through all of them.
 
 from __future__ import annotations
 
-from planner.placement import P
-from planner.rules import AxisStrategy, OpContext, follow, register_rule
+from core.placement import P
+from planner.rules.registry import AxisStrategy, OpContext, follow, register_rule
 
 
 def _with_partial(ctx: OpContext, strategies: list[AxisStrategy], data_inputs: int = 1) -> list[AxisStrategy]:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from planner.milp import LinearModel
+from planner.search.milp import LinearModel
 
 BIG = 2**62  # an open upper bound of a ≥ constraint
 

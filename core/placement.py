@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 
 class PlacementError(MeshplanError):
@@ -178,3 +178,23 @@ def parse_spec(text: str, ndim: int | None = None) -> Spec:
             p = Shard(p.dim + ndim)
         out.append(p)
     return Spec(tuple(out))
+
+
+@dataclass(frozen=True, slots=True)
+class OpStrategy:
+    input_specs: tuple[Spec | None, ...]
+    output_specs: tuple[Spec, ...]
+    kernels: tuple[str, ...] = ()  # per mesh axis, "" for the op itself
+
+    @property
+    def name(self) -> str:
+        ins = " ".join(f"[{s}]" if s is not None else "-" for s in self.input_specs)
+        outs = " ".join(f"[{s}]" for s in self.output_specs)
+        return f"{ins} → {outs}"
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(s is None or s.is_replicated for s in (*self.input_specs, *self.output_specs))

@@ -14,8 +14,8 @@ from functools import cached_property
 
 import numpy as np
 
-from costmodel.collectives import LinkLevel
-from planner.errors import MeshplanError
+from core.collectives import LinkLevel
+from core.errors import MeshplanError
 
 
 class MeshError(MeshplanError):

@@ -54,14 +54,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from costmodel.collectives import Collective, Purpose
+from core.collectives import Collective, Purpose
+from core.errors import MeshplanError
+from core.graph import OpGraph, TensorKind
+from core.placement import OpStrategy, Replicate, Spec, fully_sharded
 from costmodel.step import CostModel
-from planner.errors import MeshplanError
-from planner.graph import OpGraph, TensorKind
-from planner.milp import LinearModel
-from planner.placement import Replicate, Spec, fully_sharded
-from planner.recompute import BIG, GroupTerms, add_counts
-from planner.rules import OpStrategy, RuleSet
+from planner.rules import RuleSet
+from planner.search.milp import LinearModel
+from planner.search.recompute import BIG, GroupTerms, add_counts
 from planner.strategy import SolverStats
 
 NS_PER_S = 1e9
@@ -441,7 +441,7 @@ class ShardingILP:
         if self.stages is not None:
             for n, r in self.rep.items():
                 count[r][self.stages[n]] += 1
-            from planner.pipeline import param_stages
+            from planner.stagecut import param_stages
 
             # A tied weight: a copy on every stage that reads it (as the stages are priced).
             readers = param_stages(self.graph, dict(self.stages), len(self.in_flight))

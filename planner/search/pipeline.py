@@ -22,132 +22,41 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
-from costmodel.collectives import Cadence, Collective
+from core.collectives import Cadence, Collective
+from core.errors import MeshplanError
+from core.graph import OpGraph
+from core.layout import Layout
+from core.mesh import DeviceMesh
 from costmodel.comm import collective_time_s
+from costmodel.compose import compose
 from costmodel.compute import tensor_bytes
 from costmodel.items import PricedStep
+from costmodel.memory import Precision
 from costmodel.pipeline import bubble_fraction, in_flight, pipeline_step_s
 from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile
-from planner.errors import MeshplanError
-from planner.graph import OpGraph, TensorKind
-from planner.layout import Layout
-from planner.mesh import DeviceMesh
-from planner.strategy import Pipeline, PipelineStage, PredictedCost, Strategy
-
-if TYPE_CHECKING:
-    from costmodel.memory import Precision
-    from planner.plan import Candidate, PlanRequest
-
-
-@dataclass(frozen=True)
-class Cut:
-    """Where each compute node runs: its chunk (0 … p·v − 1) and stage (chunk mod p)."""
-
-    stages: int
-    virtual: int
-    chunk_of: dict[str, int]
-    layers_per_chunk: tuple[int, ...]
-
-    def stage_of(self, node: str) -> int:
-        return self.chunk_of[node] % self.stages
-
-    @property
-    def node_stage(self) -> dict[str, int]:
-        return {n: c % self.stages for n, c in self.chunk_of.items()}
-
-
-def cut(graph: OpGraph, p: int, v: int = 1, counts: list[int] | None = None) -> Cut:
-    """`counts`: layers per chunk (default: even, the extra layers to the middle chunks)."""
-    if not graph.layers:
-        raise MeshplanError(f"--layout pp={p}: pipeline stages cut the repeated layers, and {graph.name} has none "
-                            "meshplan recognises; plan without pp")
-    group = max(graph.layers, key=lambda g: g.num_layers)
-    n_layers = group.num_layers
-    if p > n_layers:
-        raise MeshplanError(f"--layout pp={p}: more stages than the {n_layers} repeated layers of {group.prefix}; "
-                            f"use pp ≤ {n_layers}")
-    chunks = p * v
-    if v > 1 and n_layers % chunks:
-        raise MeshplanError(f"--layout vpp={v}: {n_layers} layers over {p} stages × {v} chunks do not divide evenly "
-                            f"(each chunk needs the same layers); pick vpp dividing {n_layers // p if n_layers % p == 0 else n_layers}/pp")
-    if counts is None:
-        base, extra = divmod(n_layers, chunks)
-        # Extra layers to the middle chunks: the first and last carry the embedding and the head.
-        order = sorted(range(chunks), key=lambda c: (c in (0, chunks - 1), abs(c - (chunks - 1) / 2)))
-        counts = [base + (1 if c in order[:extra] else 0) for c in range(chunks)]
-    layer_chunk: list[int] = [c for c in range(chunks) for _ in range(counts[c])]
-    chunk_of: dict[str, int] = {}
-    in_layer = {n: layer_chunk[i] for i, names in enumerate(group.nodes) for n in names}
-    current = 0
-    for node in graph.compute_nodes:
-        current = in_layer.get(node.name, current)
-        chunk_of[node.name] = current
-    return Cut(stages=p, virtual=v, chunk_of=chunk_of, layers_per_chunk=tuple(counts))
-
-
-def strategy_chunks(graph: OpGraph, pipeline: Pipeline) -> dict[str, int]:
-    """A pipelined strategy's cut: each compute node's chunk, from its stages' (first node, last node)
-    ranges (chunk j of stage s is model chunk j·p + s), walked in the graph's order as `cut` made them."""
-    p = len(pipeline.stages)
-    starts = {first: j * p + s for s, st in enumerate(pipeline.stages) for j, (first, _) in enumerate(st.chunks)}
-    missing = sorted(set(starts) - set(graph.node_by_name))
-    if missing:
-        raise MeshplanError(f"the strategy's pipeline starts a chunk at node {missing[0]}, which {graph.name} lacks; "
-                            "plan again for this model")
-    out: dict[str, int] = {}
-    current = 0
-    for node in graph.compute_nodes:
-        current = starts.get(node.name, current)
-        out[node.name] = current
-    return out
-
-
-@dataclass(frozen=True)
-class Crossing:
-    """A tensor a later model chunk reads: sent from chunk `src` (a graph input: from the first, which
-    the data loader feeds) across every boundary up to chunk `last`, the last that reads it; a float
-    one's gradient comes back the same way."""
-
-    tensor: str
-    src: int
-    last: int
-    grad: bool
-
-    def crosses(self, boundary: int) -> bool:
-        """Sent from chunk `boundary` to chunk `boundary + 1`."""
-        return self.src <= boundary < self.last
-
-
-def crossings(graph: OpGraph, chunk_of: dict[str, int]) -> list[Crossing]:
-    """What the stages send each other, in the graph's order (inputs first, then by producer)."""
-    last: dict[str, int] = {}
-    for node in graph.compute_nodes:
-        for t in node.inputs:
-            if t:
-                last[t] = max(last.get(t, -1), chunk_of[node.name])
-    out = []
-    order = [*graph.inputs, *(t for n in graph.compute_nodes for t in n.outputs)]
-    for t in order:
-        info = graph.tensors.get(t)
-        if info is None or t not in last or info.kind not in (TensorKind.INPUT, TensorKind.ACTIVATION):
-            continue
-        src = chunk_of.get(graph.producer.get(t, ""), -1) if info.kind is TensorKind.ACTIVATION else 0
-        if src >= 0 and last[t] > src:
-            out.append(Crossing(tensor=t, src=src, last=last[t], grad=info.is_float))
-    return out
-
-
-def param_stages(graph: OpGraph, chunk_of: dict[str, int], p: int) -> dict[str, tuple[int, ...]]:
-    """The stages that read each parameter (one, except tied weights: the embedding and the LM head)."""
-    out: dict[str, set[int]] = defaultdict(set)
-    for node in graph.compute_nodes:
-        for t in node.inputs:
-            if t in graph.parameters:
-                out[t].add(chunk_of[node.name] % p)
-    return {t: tuple(sorted(s)) for t, s in out.items()}
+from planner.rules import rules_for_graph
+from planner.search.build import (
+    build_strategy,
+    cost_model_for,
+    param_layout_for,
+    plan_settings,
+    profile_source,
+    training_settings,
+)
+from planner.search.propagate import resolve_pins
+from planner.search.request import Candidate, PlanRequest
+from planner.search.solve import ShardingILP, SolverOptions
+from planner.stagecut import Cut, crossings, cut, param_stages
+from planner.strategy import (
+    CandidateRecord,
+    Pipeline,
+    PipelineStage,
+    PredictedCost,
+    ProfileRef,
+    Strategy,
+)
 
 
 @dataclass(frozen=True)
@@ -328,7 +237,7 @@ CANDIDATE_TIME_LIMIT_S = 8.0
 def candidates(devices: int, devices_per_node: int, layers: int) -> list[Layout]:
     """The pipelines `plan` tries without a layout, Megatron's way, shallow to deep: p stages (a power
     of two, at most the layers), tensor parallelism over as much of a node as a stage has
-    (tp = min(node, N/p)), data parallelism over the rest. The search (`planner.plan`) walks them in
+    (tp = min(node, N/p)), data parallelism over the rest. The search (`planner.search.plan`) walks them in
     this order and stops once a plan that fits gets slower."""
     out = []
     p = 2
@@ -357,19 +266,6 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     """A pipelined plan for a layout with pp > 1: the cut, one ILP over a stage's sub-mesh with a memory
     row per stage, the stages priced, the strategy with its `pipeline`. A hand layout is priced fitting
     or not; under `enforce_limit` (the planner's own candidates) every stage must fit."""
-    from planner.plan import (
-        Candidate,
-        _batch,
-        _cost_model,
-        _param_layout,
-        build_strategy,
-        profile_source,
-        resolve_pins,
-    )
-    from planner.rules import rules_for_graph
-    from planner.solve import ShardingILP, SolverOptions
-    from planner.strategy import CandidateRecord, PlanSettings, ProfileRef, TrainingSettings
-
     p, v = layout.pipeline, layout.virtual
     schedule = req.schedule or ("interleaved" if v > 1 else "1f1b")
     the_cut = cut(graph, p, v)
@@ -379,7 +275,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     say(f"pipeline {p} stages × {sub}: rules")
     rules = rules_for_graph(graph, sub, strict=req.strict)
     policy = "full" if recompute == "full" else "none"
-    cm = _cost_model(req, graph, sub, profile, precision, steps, policy)
+    cm = cost_model_for(req, graph, sub, profile, precision, steps, policy)
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
     held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
     say(f"pipeline {p} stages × {sub}: solving")
@@ -388,7 +284,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
                       options=SolverOptions(time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S)
                                             if enforce_limit else req.time_limit_s, backend=req.solver,
                                             num_workers=req.workers),
-                      param_layout=_param_layout(req, layout, graph, sub), zero_stages=req.zero_options(),
+                      param_layout=param_layout_for(req, layout, graph, sub), zero_stages=req.zero_options(),
                       stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
     stages = price_stages(cm, priced, graph, the_cut, full, schedule, steps)
@@ -407,25 +303,12 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     cost = pipelined_cost(stages, schedule, steps, v, overhead, priced.flops_matmul, cm.composer)
     say(f"pipeline {p} stages × {sub}: step {cost.step_time_s * 1e3:.1f} ms, {cost.memory_bytes_per_device / 2**30:.1f} "
         "GiB per device")
-    settings = PlanSettings(mode=req.mode, search=req.search, dtype=precision.name, memory_limit_bytes=limit,
-                            solver=req.solver, follow=req.follow, pins=dict(req.pins), batch=_batch(graph), loss=cm.loss)
-    micro = _batch(graph)
-    zero_stage = req.zero_stage if req.zero_stage is not None else max(priced.zero_stages.values(), default=0)
-    training = TrainingSettings(micro_batches=steps, zero_stage=zero_stage,
-                                zero_stages=dict(priced.zero_stages), comm_fusion=priced.fusion,
-                                recompute={g.prefix: "full" for g in graph.layers} if policy == "full" else {},
-                                global_batch_size=micro * steps if micro is not None else None,
-                                micro_batch_size=micro // layout.data_parallel if micro is not None else None,
-                                layout=str(layout), zero_threshold_bytes=req.zero_threshold_bytes,
-                                gradients_mean=req.gradients_mean, parameter_broadcast=req.parameter_broadcast,
-                                force_fp32_communication=req.force_fp32_communication,
-                                attention=req.attention, attention_dropout=req.attention_dropout,
-                                zero_shard_size=req.zero_shard_size)
+    settings = plan_settings(req, graph, search=req.search, dtype=precision.name, limit=limit, loss=cm.loss)
+    training = training_settings(req, graph, steps, priced, data_parallel=layout.data_parallel, layout=layout,
+                                 recompute={g.prefix: "full" for g in graph.layers} if policy == "full" else {})
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     record = CandidateRecord(mesh=full.shape, axis_names=full.axis_names, step_time_s=cost.step_time_s,
                              memory_bytes_per_device=cost.memory_bytes_per_device, solver_status=sol.stats.status)
-    from costmodel.compose import compose
-
     strategy = build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
                               settings, (record,), training)
     strategy = replace(strategy, pipeline=replace(pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),

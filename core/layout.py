@@ -22,10 +22,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from planner.errors import MeshplanError
-from planner.graph import OpGraph
-from planner.mesh import DeviceMesh
-from planner.placement import Replicate, Shard, Spec
+from core.errors import MeshplanError
+from core.graph import OpGraph
+from core.mesh import DeviceMesh
+from core.placement import Replicate, Shard, Spec
 
 LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp")
 PIPELINE_KEYS = ("pp", "vpp")

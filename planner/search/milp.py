@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from planner.errors import MeshplanError
+from core.errors import MeshplanError
 
 BACKENDS = ("cbc", "cpsat", "scip", "highs")
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from costmodel.collectives import Collective
-from planner.placement import Partial, Placement, R, Replicate, Shard, Spec
+from core.collectives import Collective
+from core.placement import Partial, Placement, R, Replicate, Shard, Spec
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,87 @@
+"""The levers a plan is asked for and records, as typed values: every stage reads these, none parses
+a string of its own. The values are the words the strategy file and the CLI use (`StrEnum`), so a
+member prints, compares and serialises as its word.
+
+`lever(Kind, value, name)` turns a user's word into the member, or raises `LeverError` naming the
+lever and its choices; the CLI words that error with its own flag names.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TypeVar
+
+from core.errors import MeshplanError
+
+
+class LeverError(MeshplanError):
+    """A lever given a value it does not take."""
+
+    def __init__(self, lever: str, value: object, choices: tuple[str, ...]) -> None:
+        super().__init__(f"{lever} {value!r}: choose one of {', '.join(choices)}")
+        self.lever, self.value, self.choices = lever, value, choices
+
+
+class Mode(enum.StrEnum):
+    """What the search decides (MindSpore's parallel_mode / search_mode)."""
+
+    AUTO = "auto"  # the ILP over every op's strategies
+    SEMI = "semi"  # the user's pins honoured, the rest decided
+    DATA_PARALLEL = "data-parallel"  # inputs split on the batch dim over every axis, parameters replicated
+    STAND_ALONE = "stand-alone"  # one device
+
+
+class Search(enum.StrEnum):
+    ILP = "ilp"
+    PROPAGATION = "propagation"  # greedy, in topological order: no ILP
+
+
+class Recompute(enum.StrEnum):
+    """Activation recomputation of the repeated layers (AUTO: the ILP counts the layers per group)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    FULL = "full"
+    AUTO = "auto"
+
+
+class Schedule(enum.StrEnum):
+    """A pipeline's schedule (torch.distributed.pipelining's)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+
+
+class Attention(enum.StrEnum):
+    """How the runtime runs attention: FlashAttention, torch's eager ops, Megatron-LM's fused softmax."""
+
+    FLASH = "flash"
+    EAGER = "eager"
+    FUSED_SOFTMAX = "fused-softmax"
+
+
+class LossKind(enum.StrEnum):
+    """The training loss on the model's first output (AUTO: cross-entropy on logits, else MSE)."""
+
+    AUTO = "auto"
+    CROSS_ENTROPY = "cross-entropy"
+    MSE = "mse"
+
+
+class Composer(enum.StrEnum):
+    """How a step's priced items add up: one after another, or communication under compute."""
+
+    SERIAL = "serial"
+    OVERLAP = "overlap"
+
+
+E = TypeVar("E", bound=enum.StrEnum)
+
+
+def lever(kind: type[E], value: str | E, name: str) -> E:
+    """`value` as a member of `kind`, or LeverError naming the lever `name` and its choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise LeverError(name, value, tuple(m.value for m in kind)) from None

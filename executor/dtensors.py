@@ -1,0 +1,110 @@
+"""meshplan's placements as DTensor's, and the DTensor moves the executor makes: the one converter
+(`to_dtensor`), redistribute with R → P, a rank's shard of a whole tensor, and the mesh coordinates
+every op asks for."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+
+from core import placement as mp
+from core.placement import Spec, chunk
+
+
+def to_dtensor(spec: Spec) -> list[Placement]:
+    """meshplan's placements → DTensor's, one to one (the same vocabulary: S(d), R, P(op))."""
+    out: list[Placement] = []
+    for p in spec.placements:
+        if isinstance(p, mp.Shard):
+            out.append(Shard(p.dim))
+        elif isinstance(p, mp.Partial):
+            out.append(Partial(p.reduce_op))
+        else:
+            out.append(Replicate())
+    return out
+
+
+@functools.cache
+def mesh_coords(mesh: DeviceMesh) -> tuple[tuple[int, int], ...]:
+    """(size, this rank's index) per mesh axis: asked for on every op, fixed for a run."""
+    return tuple((mesh.size(a), mesh.get_local_rank(a)) for a in range(mesh.ndim))
+
+
+class _GradAsPartial(torch.autograd.Function):
+    """Forward: the value itself. Backward: a whole gradient turned into addends — kept on the first
+    rank of the given mesh axes, zero elsewhere — so that it can join partial ones in one reduction."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (grad if ctx.keep else torch.zeros_like(grad)), None
+
+
+def grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch.Tensor:
+    if not axes:
+        return x
+    keep = all(mesh_coords(mesh)[a][1] == 0 for a in axes)
+    out: torch.Tensor = _GradAsPartial.apply(x, keep)
+    return out
+
+
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+def redistribute(x: DTensor, want: Sequence[Placement]) -> DTensor:
+    """DTensor's redistribute, plus R → P (DTensor refuses to redistribute *to* Partial): the first rank
+    of each group along the axis keeps the value, the others hold zeros."""
+    mesh = x.device_mesh
+    want = list(want)
+    to_partial = [a for a, p in enumerate(want) if isinstance(p, Partial) and not isinstance(x.placements[a], Partial)]
+    first = [Replicate() if a in to_partial else p for a, p in enumerate(want)]
+    if list(x.placements) != first:
+        x = x.redistribute(mesh, first)
+    if not to_partial:
+        return x
+    local = x.to_local(grad_placements=[Partial("sum") if a in to_partial else p for a, p in enumerate(first)])
+    keep = all(mesh_coords(mesh)[a][1] == 0 for a in to_partial)
+    local = local if keep else local * 0
+    return DTensor.from_local(local, mesh, want, shape=x.shape, stride=x.stride(),
+                              grad_placements=[Replicate() if a in to_partial else p for a, p in enumerate(want)])
+
+
+def shard_full(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> DTensor:
+    """This rank's shard of a tensor every rank holds whole (same seed, same data): no communication."""
+    return DTensor.from_local(local_shard(full, placements, mesh), mesh, placements, shape=full.shape,
+                              stride=full.stride())
+
+
+def local_shard(full: torch.Tensor, placements: Sequence[Placement], mesh: DeviceMesh) -> torch.Tensor:
+    """`shard_full`'s local tensor, without the DTensor around it."""
+    local = full
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            local = local.narrow(p.dim, *chunk(local.shape[p.dim], *mesh_coords(mesh)[a]))
+        elif isinstance(p, Partial):
+            raise ValueError("a whole tensor is not partial")
+    if local.untyped_storage().nbytes() > local.numel() * local.element_size():
+        local = local.clone()  # this rank holds its shard only, as a data loader would give it
+    return local.contiguous()
+
+
+def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: DeviceMesh) -> list[int]:
+    out = list(shape)
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard):
+            out[p.dim] = chunk(out[p.dim], *mesh_coords(mesh)[a])[1]
+    return out

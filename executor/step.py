@@ -1,0 +1,166 @@
+"""What every rank's training loop shares, plain or pipelined: the seeded batch and its micro-batches,
+the loss (the plan's), the optimizer, the rank's device, and the one-process reference that `--verify`
+compares a run with.
+
+Data and labels are seeded, identical in every process: integer inputs are token ids below the
+vocabulary their embedding reads, float inputs standard normal. The loss is the one the plan priced
+(`costmodel/loss.py`): cross-entropy against seeded labels on logits, else the mean of squares. It
+runs on each rank's rows of the output (their sum over the global count: the loss's addends), after
+the planned reshard that reduces partial sums and, for cross-entropy, gathers a split class dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from core.graph import OpGraph
+from executor.interpreter import OnnxModule, load_module
+from executor.preflight import RunOptions
+from executor.spmd import SpmdRunner
+from planner.strategy import Strategy
+
+
+def make_batch(graph: OpGraph, seed: int, micro_batches: int = 1) -> list[torch.Tensor]:
+    """One optimizer step's inputs: `micro_batches` micro-batches of the graph's (micro-step) shape,
+    stacked along dim 0 (the batch dim of every input)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    out = []
+    for name in graph.inputs:
+        info = graph.tensors[name]
+        shape = _global_shape(info.shape, micro_batches)
+        if info.is_float:
+            out.append(torch.randn(shape, generator=g))
+            continue
+        high = 2
+        for n in graph.compute_nodes:  # ids read by an embedding: stay below its vocabulary
+            if n.op_type == "Gather" and len(n.inputs) > 1 and n.inputs[1] == name:
+                axis = int(n.attr("axis", 0))  # type: ignore[call-overload]
+                high = graph.tensors[n.inputs[0]].shape[axis]
+        out.append(torch.randint(0, high, shape, generator=g, dtype=torch.int64))
+    return out
+
+
+def _global_shape(shape: tuple[int, ...], micro_batches: int) -> tuple[int, ...]:
+    return (shape[0] * micro_batches, *shape[1:]) if shape else shape
+
+
+def micro_batch(x: torch.Tensor, i: int, micro_batches: int) -> torch.Tensor:
+    """Micro-batch i of a step's tensor (rows split evenly along dim 0)."""
+    rows = x.shape[0] // micro_batches
+    return x[i * rows:(i + 1) * rows]
+
+
+class Loss:
+    """The training loss on the output of one optimizer step's batch (all its micro-batches), computable
+    on any row shard of any micro-batch: `local(y, labels)` is the shard's addend (its rows' sum over
+    the step's count), so the addends of every rank and micro-batch sum to the loss of the whole batch
+    (MindSpore's loss_repeated_mean: the mean over the global batch, not a mean of means)."""
+
+    def __init__(self, graph: OpGraph, kind: str, seed: int, micro_batches: int = 1, scale: float = 1.0) -> None:
+        """`scale`: the loss multiplied by it (the data-parallel degree when gradients are summed over
+        the ranks rather than averaged, MindSpore's gradients_mean=False: each rank's loss is the mean
+        of its own batch, and their gradients add up)."""
+        out = graph.tensors[graph.outputs[0]]
+        shape = _global_shape(out.shape, micro_batches)
+        self.kind = kind
+        self.labels: torch.Tensor | None = None
+        if kind == "cross-entropy":
+            g = torch.Generator().manual_seed(seed + 2)
+            self.labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
+        self.count = (math.prod(shape[:-1]) if kind == "cross-entropy" else math.prod(shape)) / scale
+
+    def local(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "cross-entropy":
+            assert labels is not None
+            return torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), labels.reshape(-1),
+                                                     reduction="sum") / self.count
+        return (y.float() ** 2).sum() / self.count
+
+    def __call__(self, y: torch.Tensor) -> torch.Tensor:
+        return self.local(y, self.labels)
+
+
+def make_optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:
+    if opts.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=opts.lr)
+    return torch.optim.AdamW(params, lr=opts.lr, foreach=False)
+
+
+def ordered_params(module: OnnxModule) -> list[tuple[str, torch.nn.Parameter]]:
+    return [(name, module.params[key]) for name, key in module.param_names.items()]
+
+
+def rank_device(backend: str, env: Mapping[str, str]) -> torch.device:
+    """Where a rank computes: its local GPU (torchrun's LOCAL_RANK) under nccl, else the CPU (gloo)."""
+    if backend == "nccl":
+        return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def diverge(module: torch.nn.Module, seed: int) -> None:
+    """Every rank but 0 perturbs its parameters (RunOptions.diverge_ranks)."""
+    rank = dist.get_rank()
+    if rank:
+        g = torch.Generator().manual_seed(seed + rank)
+        for p in module.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
+
+
+def state_bytes(module: torch.nn.Module, optim: torch.optim.Optimizer, runner: SpmdRunner) -> int:
+    """Model states held by this rank: weights, gradients, optimizer state tensors, ZeRO-2 gradient shards."""
+    out = sum(p.numel() * p.element_size() for p in module.parameters())
+    out += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
+    out += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return out + runner.grad_shard_bytes()
+
+
+def batch_shards(strategy: Strategy) -> int:
+    """Ranks the batch is split over (the data-parallel degree): the shards of the inputs' dim 0."""
+    specs = [strategy.spec_of(t) for t in strategy.tensors if strategy.tensors[t].kind == "input"]
+    return max((sp.num_shards(0, strategy.mesh.shape) for sp in specs if sp is not None), default=1)
+
+
+def _full(t: torch.Tensor | None) -> torch.Tensor:
+    if t is None:
+        raise RuntimeError("a parameter received no gradient")
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
+                               loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
+                               after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
+                               steps: int | None = None, offset: int = 0) -> dict[str, Any]:
+    """The same training in one process: the first step's loss, gradients and updated parameters,
+    and the parameters after all the run's `steps` (`final`; default 1 + warm-up + timed steps). The
+    parameters compared are those of `grads` (a pipeline stage's own). `offset`: optimizer steps the
+    run's parameters had before it (a loaded checkpoint's), which the one process trains first, from
+    the start: the check of a checkpoint is this uninterrupted run."""
+    ref = load_module(model_path, dims, seed=opts.seed)
+    optim = make_optimizer(ref.parameters(), opts)
+    for _ in range(offset):
+        optim.zero_grad(set_to_none=True)
+        loss_of(ref(*batch)).backward()
+        optim.step()
+    optim.zero_grad(set_to_none=True)
+    loss = loss_of(ref(*batch))
+    loss.backward()
+    mine = [(n, p) for n, p in ordered_params(ref) if n in grads]
+    grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in mine)
+    optim.step()
+    param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in mine)
+    loss_diff = abs(float(loss) - dist_loss)
+    for _ in range((1 + opts.warmup + opts.steps if steps is None else steps) - 1):
+        optim.zero_grad(set_to_none=True)
+        loss_of(ref(*batch)).backward()
+        optim.step()
+    final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in mine)
+    return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
+            "param_max_abs_diff": param_diff, "final_param_max_abs_diff": final_diff,
+            "max_abs_diff": max(loss_diff, grad_diff, param_diff, final_diff)}

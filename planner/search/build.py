@@ -1,0 +1,138 @@
+"""From a search's solution to a `Strategy`: one cost model per request, the parameter layout the
+request allows, and the one builder of the strategy file every search path uses."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from core.collectives import Phase
+from core.graph import OpGraph, TensorKind
+from core.layout import Layout
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, Spec, fully_sharded
+from costmodel.compose import StepCost
+from costmodel.items import PricedStep
+from costmodel.memory import Precision
+from costmodel.step import CommEvent, CostModel
+from hwprofiles.profile import HardwareProfile, list_presets
+from planner.rules import RuleSet
+from planner.search.request import PlanRequest
+from planner.strategy import (
+    CandidateRecord,
+    CollectiveRecord,
+    Fallback,
+    ModelRef,
+    NodePlan,
+    PlanSettings,
+    PredictedCost,
+    ProfileRef,
+    Reshard,
+    SolverStats,
+    Strategy,
+    TensorPlacement,
+    TrainingSettings,
+)
+
+
+def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
+                  mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None] | None:
+    """How parameters may be stored: as the layout says, and under --zero 3 split on dim 0 over every
+    axis they would be replicated on (FSDP), wherever they can be."""
+    held = layout.param_layout(graph, mesh) if layout is not None else None
+    if req.zero_stage != 3:
+        return held
+
+    def zero3(param: str, spec: Spec) -> Spec | None:
+        stored = held(param, spec) if held is not None else spec
+        if stored is None:
+            return None
+        return fully_sharded(graph.tensors[param].shape, mesh.shape, stored) or stored
+
+    return zero3
+
+
+def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
+                steps: int, policy: str, layers: Mapping[str, int] | None = None) -> CostModel:
+    return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
+                     micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
+                     fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
+                     fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
+                     attention=req.attention, attention_dropout=req.attention_dropout)
+
+
+def profile_source(name_or_path: str) -> str:
+    """How `explain` finds the profile again: a preset's name, or the file's absolute path."""
+    return name_or_path if name_or_path in list_presets() else str(Path(name_or_path).resolve())
+
+
+def batch_of(graph: OpGraph) -> int | None:
+    for t in graph.inputs:
+        if graph.tensors[t].shape:
+            return graph.tensors[t].shape[0]
+    return None
+
+
+def collective_records(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> tuple[CollectiveRecord, ...]:
+    return tuple(CollectiveRecord(kind=e.kind, axes=tuple(mesh.axis_names[a] for a in e.axes), bytes=e.size_bytes,
+                                  time_s=e.time_s, phase=e.phase, purpose=e.purpose, tensor=e.tensor, cadence=e.cadence)
+                 for e in events)
+
+
+def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: DeviceMesh, rules: RuleSet,
+                   choice: Mapping[str, OpStrategy], cost: StepCost, stats: SolverStats, settings: PlanSettings,
+                   candidates: tuple[CandidateRecord, ...] = (), training: TrainingSettings | None = None) -> Strategy:
+    tensors = {}
+    for t, spec in cost.placed.items():
+        info = graph.tensors[t]
+        if info.kind is TensorKind.CONSTANT or info.dtype == "sequence":
+            continue
+        tensors[t] = TensorPlacement(kind=info.kind.value, shape=tuple(info.shape), spec=spec)
+    nodes = {}
+    for n in graph.compute_nodes:
+        s = choice[n.name]
+        nodes[n.name] = NodePlan(op_type=n.op_type, module=n.module_path, strategy=s.name, inputs=tuple(s.input_specs),
+                                 outputs=tuple(s.output_specs), kernels=tuple(s.kernels),
+                                 compute_s=cost.node_compute_s.get(n.name, 0.0),
+                                 collectives=collective_records(cost.node_events.get(n.name, []), mesh))
+    return Strategy(
+        model=ModelRef(path=str(Path(model_path).resolve()), name=graph.name, fingerprint=graph.fingerprint,
+                       dims=dict(graph.dims), notes=tuple(graph.notes)),
+        profile=profile, mesh=mesh, settings=settings, training=training or TrainingSettings(),
+        tensors=tensors, nodes=nodes,
+        reshards=tuple(Reshard(tensor=t, consumer=c, src=a, dst=b,
+                               collectives=collective_records([e for e in ev if e.phase is Phase.FORWARD], mesh))
+                       for t, c, a, b, ev in cost.reshards),
+        fallbacks=tuple(Fallback(node=n.name, op_type=n.op_type) for n in rules.fallbacks),
+        cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
+                           overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
+                           flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s),
+        solver=stats, candidates=candidates,
+    )
+
+
+def plan_settings(req: PlanRequest, graph: OpGraph, *, search: str, dtype: str, limit: float,
+                  loss: str) -> PlanSettings:
+    """What the search was asked and how it ran, as the strategy file records it."""
+    return PlanSettings(mode=req.mode, search=search, dtype=dtype, memory_limit_bytes=limit, solver=req.solver,
+                        follow=req.follow, pins=dict(req.pins), batch=batch_of(graph), loss=loss)
+
+
+def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: PricedStep, *, data_parallel: int,
+                      layout: Layout | None, recompute: Mapping[str, str],
+                      recompute_layers: Mapping[str, int] | None = None) -> TrainingSettings:
+    """The training step's levers as the plan chose them: one builder for every search path. The
+    micro-batch per data-parallel rank is rank 0's: the traced batch split as torch.chunk splits it
+    (the larger share first)."""
+    micro = batch_of(graph)
+    zero = dict(priced.zero_stages)
+    return TrainingSettings(
+        micro_batches=steps,
+        zero_stage=req.zero_stage if req.zero_stage is not None else max(zero.values(), default=0),
+        zero_stages=zero, comm_fusion=priced.fusion, recompute=dict(recompute),
+        recompute_layers=dict(recompute_layers or {}), gradients_mean=req.gradients_mean,
+        parameter_broadcast=req.parameter_broadcast, force_fp32_communication=req.force_fp32_communication,
+        attention=req.attention, attention_dropout=req.attention_dropout, zero_shard_size=req.zero_shard_size,
+        global_batch_size=micro * steps if micro is not None else None,
+        micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
+        layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes)

@@ -1,0 +1,368 @@
+"""`meshplan plan`: from a model, a profile and N devices to a strategy file.
+
+Modes (MindSpore's parallel_mode / search_mode):
+  auto           the ILP over every op's strategies (default)
+  semi           the user's pins (`--pin TENSOR=PLACEMENTS`, the seed's shard_tensor) are honoured and
+                 the rest is decided: by the ILP with the pins fixed (`--search ilp`, default), or by
+                 propagation (`--search propagation`): in topological order each op takes the
+                 cheapest strategy given where its inputs already are — fast, no ILP
+  data-parallel  every input split on its batch dim over all mesh axes, parameters replicated,
+                 gradients all-reduced; the rest propagated
+  stand-alone    one device, everything replicated
+Without `--mesh`, every factorisation of N whose inner axis stays inside a node is planned and the
+best kept; the candidates are reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from functools import partial
+from typing import TypeVar
+
+from core.errors import DimBindingError, MeshplanError
+from core.graph import OpGraph
+from core.layout import Layout, parse_layout
+from core.mesh import DeviceMesh
+from core.placement import OpStrategy, Spec
+from costmodel.compose import StepCost
+from costmodel.memory import PRECISIONS, Precision
+from costmodel.step import CostModel
+from hwprofiles.profile import HardwareProfile, load_profile
+from planner.graph import load_graph
+from planner.rules import RuleSet, rules_for_graph
+from planner.search.build import (
+    build_strategy,
+    cost_model_for,
+    param_layout_for,
+    plan_settings,
+    profile_source,
+    training_settings,
+)
+from planner.search.pipeline import candidates as pipeline_candidates
+from planner.search.pipeline import interleaved, plan_pipelined
+from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
+from planner.search.request import FUSION_CANDIDATES, Candidate, PlanRequest, Progress, mesh_candidates
+from planner.search.solve import PinError, ShardingILP, SolverOptions
+from planner.strategy import (
+    CandidateRecord,
+    ProfileRef,
+    SolverStats,
+    Strategy,
+)
+
+_T = TypeVar("_T")
+
+
+def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
+    """The best plan for the request: without recomputation at the fewest micro-steps that fit, and
+    (under --recompute auto) with the layers the ILP chooses to recompute (without an ILP: every layer)
+    at fewer micro-steps while that is faster; without --mesh, over mesh shapes."""
+    say = progress or (lambda _msg: None)
+    profile = load_profile(req.profile)
+    precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
+    steps, policies = req.step_candidates(), req.recompute_candidates(profile.devices_per_node)
+    failures: list[MeshplanError] = []
+    graphs: dict[int, OpGraph] = {}
+    found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+    def attempt(k: int, recompute: str) -> tuple[Strategy, list[Candidate]] | None:
+        dims = req.dims_for(k)
+        if k not in graphs:
+            say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
+            try:
+                graphs[k] = load_graph(req.model, dims)
+            except DimBindingError as e:
+                if req.global_batch_size is None or "batch" not in e.unknown:
+                    raise
+                raise DimBindingError(
+                    f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
+                    "export the model with a dynamic dim named batch, or plan one step with --dim") from e
+        try:
+            plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
+        except PinError:
+            raise
+        except MeshplanError as e:  # out of memory
+            if len(steps) * len(policies) == 1:
+                raise
+            failures.append(e)
+            return None
+        found.append((k, plan))
+        return plan
+
+    # The pipelines' search runs beside the rest (another process, forked: the machine's second core);
+    # it needs only the layer count, known once the model is imported.
+    pipelines: Callable[[], list[tuple[int, tuple[Strategy, list[Candidate]]]]] | None = None
+    tried = 0
+    if req.searches_pipelines():
+        attempt(steps[0], policies[0])
+        tried = 1
+        layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
+        pipelines = _beside(partial(_pipelines, req, profile, precision, layers), say)
+    # Without recomputation (or with the policy asked for) at the fewest micro-steps that fit: more
+    # micro-steps only add per-micro-step costs.
+    for k in steps[tried:] if not found else []:
+        if attempt(k, policies[0]) is not None:
+            break
+    # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
+    # micro-batches). The step against the micro-steps is taken as unimodal: fewer add recomputation,
+    # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
+    # recomputation, more of them while each is faster; else from the most (below the plan without
+    # recomputation) down while each is faster.
+    if len(policies) > 1:
+        fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
+        below = [k for k in steps if k < fewest]
+
+        def walk(order: list[int]) -> None:
+            for k in order:
+                best = min((f[1][0].step_time_s for f in found), default=math.inf)
+                plan = attempt(k, policies[1])
+                if plan is None or plan[0].step_time_s >= best:
+                    break  # fewer micro-steps need more memory: none fits; or recomputation costs more
+
+        if below:
+            before = min((f[1][0].step_time_s for f in found), default=math.inf)
+            plan = attempt(below[0], policies[1])
+            if plan is not None and plan[0].step_time_s < before:
+                walk(below[1:])
+            else:
+                walk(below[:0:-1])
+    if pipelines is not None:
+        found += pipelines()
+    if not found:
+        raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
+                            f"recomputation {policies[-1]}, {failures[-1]}")
+    return min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+
+
+def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
+    """With pipelines in the search, the plans without them keep Megatron's shape: tensor parallelism
+    over a node, data parallelism across nodes (one mesh instead of every factorisation)."""
+    return (req.searches_pipelines() and req.devices > profile.devices_per_node
+            and req.devices % profile.devices_per_node == 0)
+
+
+def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision, layers: int,
+               say: Progress) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
+    """The planner's pipeline candidates (`planner/pipeline.py`) for a model of `layers` repeated layers,
+    each with one sequence per data-parallel rank per micro-batch, without recomputation or else with
+    every layer recomputed; those that fit."""
+    assert req.global_batch_size is not None
+    limit = _memory_limit(req, profile)
+    out: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+    graphs: dict[int, OpGraph] = {}
+
+    def attempt(layout: Layout) -> tuple[int, tuple[Strategy, list[Candidate]]] | None:
+        dp = layout.data_parallel
+        if req.global_batch_size is None or req.global_batch_size % dp:
+            return None
+        k = req.global_batch_size // dp
+        if layout.virtual > 1 and k % layout.pipeline:
+            return None  # interleaved 1F1B runs micro-batches in rounds of p
+        if dp not in graphs:
+            graphs[dp] = load_graph(req.model, {**req.dims, "batch": dp})
+        for recompute in ("none", "full"):
+            try:
+                return k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit, say,
+                                         enforce_limit=True)
+            except MeshplanError:  # (a pin error included: a candidate the model's rules cannot hold)
+                continue
+        return None
+
+    # Deeper pipelines hold less per device and idle more: from shallow to deep, until one that fits is
+    # slower than the one before it; then the best with 2 interleaved chunks per stage.
+    best: tuple[float, Layout] | None = None
+    for layout in pipeline_candidates(req.devices, profile.devices_per_node, layers):
+        found = attempt(layout)
+        if found is None:
+            continue
+        out.append(found)
+        t = found[1][0].step_time_s
+        if best is not None and t > best[0]:
+            break
+        best = (t, layout) if best is None or t < best[0] else best
+    if best is not None and (chunked := interleaved(best[1], layers)) is not None:
+        found = attempt(chunked)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _beside(job: Callable[[Progress], _T], say: Progress) -> Callable[[], _T]:
+    """Start `job` in a forked process where the machine has a core to spare (it inherits everything
+    loaded; only its result travels back, pickled); the returned call waits for that result. Where
+    there is no spare core or no fork, the call runs `job` here."""
+    import multiprocessing as mp
+    import os
+
+    if (os.cpu_count() or 1) < 2 or "fork" not in mp.get_all_start_methods():
+        return lambda: job(say)
+    ctx = mp.get_context("fork")
+    receive, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(("ok", job(lambda _msg: None)))  # its progress is not shown: the console is the parent's
+        except BaseException as e:
+            send.send(("error", e))
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+
+    def result() -> _T:
+        try:
+            kind, value = receive.recv()
+        except EOFError:
+            raise MeshplanError(f"the pipeline search's process ended without a result (exit code {proc.exitcode})") \
+                from None
+        finally:
+            proc.join()
+        if kind == "error":
+            raise value
+        out: _T = value
+        return out
+    return result
+
+
+def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
+    """--memory-limit in bytes; by default 90% of the device's capacity."""
+    return req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None else 0.9 * profile.device.mem_capacity_bytes
+
+
+def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
+                 recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
+    devices = 1 if req.mode == "stand-alone" else req.devices
+    layout = parse_layout(req.layout, devices) if req.layout is not None else None
+    limit = _memory_limit(req, profile)
+    if layout is not None and layout.pipeline > 1:
+        return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
+    shapes = [layout.mesh_shape] if layout is not None else \
+        [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
+        [(1,)] if req.mode == "stand-alone" else \
+        [(devices // profile.devices_per_node, profile.devices_per_node)] if _multi_node_search(req, profile) else \
+        mesh_candidates(devices, profile.devices_per_node)
+    best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
+                dict[str, int]] | None = None
+    candidates: list[Candidate] = []
+    errors: list[MeshplanError] = []
+    for shape in shapes:
+        names = layout.axis_names if layout is not None else req.axis_names if req.mesh_shape else None
+        mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
+        say(f"mesh {mesh}: rules")
+        rules = rules_for_graph(graph, mesh, strict=req.strict)
+        model = partial(cost_model_for, req, graph, mesh, profile, precision, steps)
+        # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
+        counted = graph.layers and req.search == "ilp" and req.mode in ("auto", "semi") and (
+            recompute == "auto" or req.recompute_layers is not None)
+        cm = model("none" if counted or recompute == "auto" else recompute)
+        recomputed = {g.prefix: g.num_layers for g in graph.layers} if recompute == "full" else {}
+        pins = resolve_pins(graph, mesh, req.pins)
+        if req.mode == "data-parallel":
+            pins = {**data_parallel_pins(graph, mesh), **pins}
+        if layout is not None:
+            pins = {**layout.input_pins(graph, mesh), **pins}
+        try:
+            if req.mode in ("auto", "semi") and req.search == "ilp":
+                say(f"mesh {mesh}: solving")
+                # A hand layout is priced as it is, fitting or not (the table says which).
+                no_zero: frozenset[str] = frozenset()
+                base = cm
+                while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
+                    # stored: where a parameter the solver sharded is not, and the plan does not fit without
+                    # its saving, it is held at stage 0 and the ILP solved again
+                    ilp = ShardingILP(graph, rules, base, memory_limit_bytes=None if layout is not None else limit,
+                                      pins=pins, follow=req.follow,
+                                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver,
+                                                            num_workers=req.workers),
+                                      param_layout=param_layout_for(req, layout, graph, mesh),
+                                      zero_stages=req.zero_options(), no_zero=no_zero,
+                                      recompute_model=model("full") if counted else None,
+                                      recompute_layers=req.recompute_layers)
+                    sol = ilp.solve()
+                    choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
+                    if sol.recompute:  # priced with the layers the solver recomputes
+                        cm, recomputed = model("full", sol.recompute), sol.recompute
+                    else:
+                        cm, recomputed = base, {} if counted else recomputed
+                    cost = cm.price(choice, param_specs, zero=sol.zero)
+                    unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
+                    if not unsharded or cost.memory_bytes <= limit or layout is not None:
+                        break  # priced as it runs (those parameters at stage 0), and it fits
+                    no_zero |= unsharded
+                if req.zero_stage is None:  # the solver prices each gradient alone; bucketed, one stage for
+                    # all on the same placements can come out faster
+                    cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit, cost)
+            else:
+                say(f"mesh {mesh}: propagating")
+                choice, param_specs, stats = propagate(graph, rules, cm, pins)
+                cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit)
+            if req.fusion is None:
+                cost = _best_fusion(cm, cost)
+            if cost.memory_bytes > limit and layout is None:  # the solver's memory row is its own estimate:
+                # a plan priced over the limit is refused, never returned
+                raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.2f} GiB per device "
+                                    f"but --memory-limit is {limit / 2**30:.2f} GiB; raise --memory-limit, add devices, "
+                                    "or use more micro-steps or recomputation" +
+                                    (" or --mode auto" if req.mode != "auto" else ""))
+        except PinError:
+            raise
+        except MeshplanError as e:
+            if len(shapes) == 1:
+                raise
+            errors.append(e)
+            candidates.append(Candidate(mesh=mesh, cost=None, stats=None, error=str(e)))
+            continue
+        candidates.append(Candidate(mesh=mesh, cost=cost, stats=stats))
+        if best is None or cost.step_time_s < best[0]:
+            best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats, recomputed)
+    if best is None:
+        raise errors[0]
+    _, mesh, rules, cm, choice, cost, stats, recomputed = best
+    settings = plan_settings(req, graph, search=req.search if req.mode in ("auto", "semi") else "propagation",
+                             dtype=precision.name, limit=limit, loss=cm.loss)
+    records = tuple(
+        CandidateRecord(mesh=c.mesh.shape, axis_names=c.mesh.axis_names,
+                        step_time_s=c.cost.step_time_s if c.cost else None,
+                        memory_bytes_per_device=c.cost.memory_bytes if c.cost else None,
+                        solver_status=c.stats.status if c.stats else None, error=c.error)
+        for c in candidates)
+    dp = cost.placed[graph.inputs[0]].num_shards(0, mesh.shape) if graph.inputs and graph.inputs[0] in cost.placed else 1
+    training = training_settings(
+        req, graph, steps, cost.priced, data_parallel=dp, layout=layout, recompute_layers=recomputed,
+        recompute={g: "full" for g in recomputed} if recomputed else
+        {group.prefix: recompute for group in graph.layers} if recompute == "selective" else {})
+    ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
+    strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
+    return strategy, candidates
+
+
+def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],
+                       stages: tuple[int, ...], limit: float, found: StepCost | None = None) -> StepCost:
+    """Every parameter at one ZeRO stage (a propagated plan has no ILP to choose per parameter), the
+    fastest that fits, or `found` (the solver's per-parameter stages) if faster; less memory among
+    equals; the smallest if none fits."""
+    priced = [cm.price(choice, param_specs, zero=dict.fromkeys(param_specs, s)) for s in stages]
+    priced += [found] if found is not None else []
+    fitting = [c for c in priced if c.memory_bytes <= limit]
+    if not fitting:
+        return min(priced, key=lambda c: c.memory_bytes)
+    return min(fitting, key=lambda c: (c.step_time_s, c.memory_bytes))
+
+
+def _best_fusion(cm: CostModel, cost: StepCost) -> StepCost:
+    """`--comm-fusion auto`: per fused kind in turn, the bucket cap among FUSION_CANDIDATES that makes
+    the step fastest (the larger among equals: fewer collectives), the plan's items priced once."""
+    best = cost
+    for kind in ("allreduce", "reducescatter", "allgather"):
+        for size in FUSION_CANDIDATES:
+            fusion = replace(best.priced.fusion, **{kind: size})
+            trial = cm.rebucket(best.priced, fusion)
+            if trial.step_time_s <= best.step_time_s:
+                best = trial
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------
+# The strategy
+
+
