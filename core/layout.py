@@ -11,7 +11,7 @@ its accumulation steps, as Megatron and torchtitan count them.
 
     --layout tp=8,pp=8,dp_replicate=24,vpp=2
 
-adds pipeline stages (`planner/pipeline.py`): pp stages of the repeated layers, each on a sub-mesh of
+adds pipeline stages (`planner/search/pipeline.py`): pp stages of the repeated layers, each on a sub-mesh of
 the other degrees (the mesh above is one stage's), and with vpp > 1 the interleaved schedule's model
 chunks per device (Megatron's virtual pipeline stages; not a device degree).
 """

@@ -403,7 +403,7 @@ class CostModel:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
         grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
-        grad = gradient_spec(dst, consumer_split)  # as the executor receives it (planner/placement.py)
+        grad = gradient_spec(dst, consumer_split)  # as the executor receives it (core/placement.py)
         for a in range(self.mesh.ndim):
             st = by_axis.get(a)
             if is_param and saved and st is not None and st.collective is Collective.ALL_GATHER:

@@ -7,7 +7,7 @@ extra layers go to the middle stages, the first and last carrying the embedding 
 outside the layers run with the layer before them (the embedding with the first, the head and the loss
 with the last).
 
-The ILP (`planner/solve.py`) decides the sharding of every node on the sub-mesh, as for one device
+The ILP (`planner/search/solve.py`) decides the sharding of every node on the sub-mesh, as for one device
 group, with one memory row per stage: its nodes' parameters' states, and their saved activations times
 the micro-batches the stage holds at once under the schedule (`costmodel/pipeline.py`). Its objective
 is the sum of all stages' work, which the pipelined step is proportional to when stages balance; the

@@ -144,7 +144,7 @@ def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
 
 def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision, layers: int,
                say: Progress) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
-    """The planner's pipeline candidates (`planner/pipeline.py`) for a model of `layers` repeated layers,
+    """The planner's pipeline candidates (`planner/search/pipeline.py`) for a model of `layers` repeated layers,
     each with one sequence per data-parallel rank per micro-batch, without recomputation or else with
     every layer recomputed; those that fit."""
     assert req.global_batch_size is not None

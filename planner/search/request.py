@@ -55,7 +55,7 @@ class PlanRequest:
     zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
     recompute: str = "auto"  # none | selective | full | auto (the ILP decides how many layers per group)
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
-    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (planner/layout.py); pp, vpp pipeline
+    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (core/layout.py); pp, vpp pipeline
     schedule: str | None = None  # a pipeline's: gpipe | 1f1b | interleaved (default 1f1b; interleaved with vpp)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap

@@ -79,7 +79,7 @@ class PinError(MeshplanError):
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SolverOptions:
     time_limit_s: float = 60.0
-    backend: str = "cbc"  # see planner/milp.py for the measurements behind the default
+    backend: str = "cbc"  # see planner/search/milp.py for the measurements behind the default
     num_workers: int = 2
     log: bool = False
 
@@ -147,7 +147,7 @@ class ShardingILP:
         `zero_stages`: the ZeRO-1/2 stages a parameter may take (default: the cost model's stage);
         `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored);
         `recompute_model`: the graph priced with every layer recomputed — given, how many layers of each
-        group to recompute is decided too (`planner/recompute.py`; `cost` must recompute none), or held
+        group to recompute is decided too (`planner/search/recompute.py`; `cost` must recompute none), or held
         at `recompute_layers` (the first N of each group). `stages`: each compute node's pipeline stage —
         given, the memory row is one per stage (its nodes' parameters' states, and their activations
         times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`)."""
