@@ -16,6 +16,8 @@ import click
 from rich.table import Table
 
 from core.errors import MeshplanError
+from core.layout import parse_layout
+from core.levers import Attention, Composer, LeverError, LossKind, Mode, Recompute, Schedule, Search, lever
 from meshplan.options import (
     build_mesh,
     dim_option,
@@ -44,13 +46,20 @@ from meshplan.render import (
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+def _worded(e: MeshplanError) -> str:
+    """The core names a lever by its API name; the CLI by its flag."""
+    if isinstance(e, LeverError):
+        return f"--{e.lever.replace('_', '-')} {e.value}: choose one of {', '.join(e.choices)}"
+    return str(e)
+
+
 def _one_line_errors(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         except MeshplanError as e:
-            err_console.print(f"meshplan: error: {e}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(f"meshplan: error: {_worded(e)}", markup=False, highlight=False, soft_wrap=True)
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
@@ -200,26 +209,27 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     held: dict[str, str] = {}
     if strategy_in:
         shape, names, held = _strategy_in(strategy_in, model, dims, shape, names, devices)
-        mode = "semi" if mode == "auto" else mode
+        mode = Mode.SEMI if mode == Mode.AUTO else mode
     user_pins = parse_pins(pins, pin_file)
     clash = sorted(t for t in set(held) & set(user_pins) if held[t] != user_pins[t])
     if clash:
         raise MeshplanError(f"--pin {clash[0]}={user_pins[clash[0]]} contradicts --strategy-in {strategy_in} "
                             f"({held[clash[0]]}); drop one")
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
-                      mode=mode, search=search, pins={**held, **user_pins}, memory_limit_gib=memory_limit,
+                      mode=Mode(mode), search=Search(search), pins={**held, **user_pins}, memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=dtype, solver=solver, workers=workers, follow=not no_follow,
                       strict=strict,
-                      all_to_all=not no_all_to_all, loss=loss, global_batch_size=global_batch_size,
+                      all_to_all=not no_all_to_all, loss=LossKind(loss), global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
-                      zero_stage=parse_zero(zero_stage), recompute=recompute, recompute_layers=recompute_layers,
-                      layout=layout,
-                      micro_batch_size=micro_batch_size, schedule=schedule, composer="overlap" if overlap else "serial",
+                      zero_stage=parse_zero(zero_stage), recompute=Recompute(recompute),
+                      recompute_layers=recompute_layers, layout=parse_layout(layout, devices) if layout else None,
+                      micro_batch_size=micro_batch_size, schedule=lever(Schedule, schedule, "schedule") if schedule else None,
+                      composer=Composer.OVERLAP if overlap else Composer.SERIAL,
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
                       force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size,
-                      pipeline_result_broadcast=pipeline_result_broadcast, attention=attention,
+                      pipeline_result_broadcast=pipeline_result_broadcast, attention=Attention(attention),
                       attention_dropout=attention_dropout)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
@@ -227,7 +237,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
         if layout is not None:  # the same cluster and global batch, every lever the ILP's
             status.update("the ILP's best for comparison")
             best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None, schedule=None,
-                                        recompute="auto", recompute_layers=None), progress=lambda msg: status.update(f"best: {msg}"))
+                                        recompute=Recompute.AUTO, recompute_layers=None), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
     if strategy_out:
@@ -475,7 +485,7 @@ def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup:
     if nproc < 1:
         raise RunError(f"--nproc {nproc}: needs at least 1 rank")
     result = run(strategy_path, model_path, nproc=nproc, timeout_s=timeout_s,
-                 opts=RunOptions(steps=steps, warmup=warmup, verify=verify, loss=loss, optimizer=optimizer,
+                 opts=RunOptions(steps=steps, warmup=warmup, verify=verify, loss=LossKind(loss), optimizer=optimizer,
                                  save=save_dir, load=load_dir))
     if as_json:
         click.echo(json.dumps(result, indent=1))

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from core.graph import OpGraph, TensorKind
+from core.levers import Attention
 
 if TYPE_CHECKING:
     from hwprofiles.profile import DeviceSpec
 
 # How the attention chain runs: FlashAttention (scores on chip), torch's eager ops, Megatron-LM's fused
 # scale-mask-softmax.
-ATTENTION_KERNELS = ("flash", "eager", "fused-softmax")
+ATTENTION_KERNELS = tuple(Attention)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.collectives import Cadence, Collective, Purpose
+from core.levers import Composer, lever
 
 if TYPE_CHECKING:
     from core.placement import Spec
@@ -120,11 +121,8 @@ def overlap(p: PricedStep) -> StepCost:
 
 _PREFETCHED = frozenset({Purpose.RESHARD, Purpose.REGATHER})
 
-POLICIES: dict[str, Callable[[PricedStep], StepCost]] = {"serial": serial, "overlap": overlap}
+POLICIES: dict[Composer, Callable[[PricedStep], StepCost]] = {Composer.SERIAL: serial, Composer.OVERLAP: overlap}
 
 
-def compose(priced: PricedStep, policy: str = "serial") -> StepCost:
-    try:
-        return POLICIES[policy](priced)
-    except KeyError:
-        raise ValueError(f"unknown step composer policy {policy!r}; one of {', '.join(POLICIES)}") from None
+def compose(priced: PricedStep, policy: str = Composer.SERIAL) -> StepCost:
+    return POLICIES[lever(Composer, policy, "composer")](priced)

@@ -17,24 +17,23 @@ logits-sized fp32 tensor); mse reads the output once and saves it.
 
 from __future__ import annotations
 
-from core.errors import MeshplanError
 from core.graph import OpGraph
+from core.levers import LossKind, lever
 from core.placement import Partial, Replicate, Shard, Spec
 
-LOSSES = ("cross-entropy", "mse")
+LOSSES = (LossKind.CROSS_ENTROPY, LossKind.MSE)
 # Memory passes over the local output, forward: log-softmax read + write and NLL read; mse's one read.
-PASSES = {"cross-entropy": 3.0, "mse": 1.0}
+PASSES = {LossKind.CROSS_ENTROPY: 3.0, LossKind.MSE: 1.0}
 KERNELS = 2  # forward launches of either (log-softmax + NLL; square + sum)
 
 
-def loss_kind(graph: OpGraph, requested: str = "auto") -> str:
+def loss_kind(graph: OpGraph, requested: str = LossKind.AUTO) -> LossKind:
     """The loss a training step applies to the first output."""
-    if requested in LOSSES:
-        return requested
-    if requested != "auto":
-        raise MeshplanError(f"--loss {requested}: choose auto, {' or '.join(LOSSES)}")
+    kind = lever(LossKind, requested, "loss")
+    if kind is not LossKind.AUTO:
+        return kind
     out = graph.tensors[graph.outputs[0]]
-    return "cross-entropy" if out.is_float and len(out.shape) >= 2 and out.shape[-1] > 1 else "mse"
+    return LossKind.CROSS_ENTROPY if out.is_float and len(out.shape) >= 2 and out.shape[-1] > 1 else LossKind.MSE
 
 
 def loss_input_spec(kind: str, spec: Spec, ndim: int) -> Spec:
@@ -43,5 +42,5 @@ def loss_input_spec(kind: str, spec: Spec, ndim: int) -> Spec:
     def ok(p: object) -> bool:
         if isinstance(p, Partial):
             return False
-        return not (kind == "cross-entropy" and isinstance(p, Shard) and p.dim == ndim - 1)
+        return not (kind is LossKind.CROSS_ENTROPY and isinstance(p, Shard) and p.dim == ndim - 1)
     return Spec(tuple(p if ok(p) else Replicate() for p in spec.placements))

@@ -21,18 +21,19 @@ p stages, m micro-batches per step, v model chunks per device (interleaved 1F1B;
 
 from __future__ import annotations
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+from core.levers import Schedule, lever
+
+SCHEDULES = tuple(Schedule)
 # A transformer's backward costs about twice its forward (weights' and inputs' gradients): how a stage's
 # time per micro-batch splits where a schedule is simulated (`pipeline_step_s`, the timeline).
 BACKWARD_SHARE = 2 / 3
 
 
 def check_schedule(schedule: str, p: int, m: int, v: int = 1) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r}: choose one of {', '.join(SCHEDULES)}")
+    schedule = lever(Schedule, schedule, "schedule")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"stages {p}, micro-batches {m}, chunks {v}: each must be at least 1")
-    if v > 1 and schedule != "interleaved":
+    if v > 1 and schedule is not Schedule.INTERLEAVED:
         raise ValueError(f"{v} chunks per device need the interleaved schedule, not {schedule}")
 
 
@@ -47,9 +48,9 @@ def in_flight(schedule: str, p: int, m: int, stage: int, v: int = 1) -> float:
     check_schedule(schedule, p, m, v)
     if not 0 <= stage < p:
         raise ValueError(f"stage {stage} of {p}")
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return float(m)
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return float(min(p - stage, m))
     return min(p - stage, m) * (1 + (p - 1) / (p * v))
 
@@ -79,9 +80,9 @@ def pipeline_step_s(schedule: str, stage_s: list[float], m: int, v: int = 1,
     if len(x) != p:
         raise ValueError(f"{len(x)} send times for {p} stages")
     slowest = max(stage_s)
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return sum(stage_s) + sum(x[:-1]) + (m - 1) * slowest
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         pace = slowest
         for i in range(p):
             run = 0.0
@@ -136,7 +137,7 @@ def simulate(schedule: str, forward_s: list[float], backward_s: list[float], m: 
             chunk = (k // p) % v
             return kind, (v - 1 - chunk if kind == "B" else chunk), (k // (p * v)) * p + k % p
         n = m * v
-        if schedule == "gpipe":
+        if schedule == Schedule.GPIPE:
             orders.append([op("F", k) for k in range(n)] + [op("B", k) for k in range(n)])
             continue
         warm = min((p - 1 - s) * 2 + (v - 1) * p if v > 1 else p - 1 - s, n)

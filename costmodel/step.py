@@ -39,11 +39,11 @@ import numpy as np
 from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from core.errors import MeshplanError
 from core.graph import OpGraph, OpNode, TensorKind
+from core.levers import Attention, Composer, LossKind, Recompute, lever
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Replicate, Shard, Spec, gradient_spec, split_axes
 from core.reshard import conjugate, plan_reshard
 from costmodel.attention import (
-    ATTENTION_KERNELS,
     AttentionRegion,
     attention_regions,
     kernels_s,
@@ -51,7 +51,7 @@ from costmodel.attention import (
 )
 from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_split, zero_units
 from costmodel.comm import collective_time_s
-from costmodel.compose import POLICIES, StepCost, compose
+from costmodel.compose import StepCost, compose
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
     ComputeCost,
@@ -81,17 +81,19 @@ OPTIMIZER_BYTES_PER_PARAM = 7 * 4
 OPTIMIZER_OPS_PER_TENSOR = 12
 # Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
-RECOMPUTE = ("none", "selective", "full")
+# The policies a cost model prices (AUTO is the search's: it counts the recomputed layers).
+RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
 
 
 class CostModel:
     """Prices strategies of one graph on one mesh and profile, in one precision."""
 
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
-                 enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = "auto",
-                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = "none", composer: str = "serial",
+                 enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = LossKind.AUTO,
+                 micro_batches: int = 1, zero_stage: int = 0, recompute: str = Recompute.NONE,
+                 composer: str = Composer.SERIAL,
                  zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
-                 fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = "flash",
+                 fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = Attention.FLASH,
                  attention_dropout: float = 0.0) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
@@ -111,14 +113,12 @@ class CostModel:
         `attention.materialized_kernels` lists — with dropout on the probabilities when
         `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost)."""
         self.fp32_communication = fp32_communication
-        if attention not in ATTENTION_KERNELS:
-            raise ValueError(f"attention must be one of {', '.join(ATTENTION_KERNELS)}, got {attention!r}")
+        attention, composer = lever(Attention, attention, "attention"), lever(Composer, composer, "composer")
+        recompute = lever(Recompute, recompute, "recompute")
         if not 0.0 <= attention_dropout < 1.0:
             raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}")
         self.attention, self.attention_dropout = attention, attention_dropout
         self.zero_shard_size = zero_shard_size  # optimizer_weight_shard_size: ranks a ZeRO shard group spans
-        if composer not in POLICIES:
-            raise ValueError(f"composer must be one of {', '.join(POLICIES)}, got {composer!r}")
         self.composer = composer
         self.zero_threshold_bytes = zero_threshold_bytes
         if recompute not in RECOMPUTE:
@@ -134,7 +134,7 @@ class CostModel:
         self.layer_of: dict[str, tuple[int, int]] = {}
         self.layer_inputs: dict[str, tuple[str, ...]] = {}
         self.recompute_layers = dict(recompute_layers or {})
-        if recompute == "full":
+        if recompute is Recompute.FULL:
             self._find_recomputed_layers()
         self.loss = loss_kind(graph, loss)
         self.loss_tensor = graph.outputs[0]
@@ -155,7 +155,7 @@ class CostModel:
         self.backward_readers = {t: tuple(ns) for t, ns in readers.items()}
         self.on_chip = attention_score_tensors(graph)
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
-        self.materialized: dict[str, AttentionRegion] = {} if attention == "flash" else {
+        self.materialized: dict[str, AttentionRegion] = {} if attention is Attention.FLASH else {
             n: r for r in attention_regions(graph).values() for n in r.nodes}
         self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
@@ -232,7 +232,7 @@ class CostModel:
         need = loss_input_spec(self.loss, spec, len(info.shape))
         events = tuple(replace(e, purpose=Purpose.LOSS) for e in self.edge_events(t, spec, need, frozenset()))
         numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
-        itemsize = 4 if self.loss == "cross-entropy" else self.precision.activation_bytes  # logits upcast to fp32
+        itemsize = 4 if self.loss is LossKind.CROSS_ENTROPY else self.precision.activation_bytes  # logits upcast to fp32
         dev = self.profile.device
         fwd = PASSES[self.loss] * numel * itemsize / dev.elementwise_bytes_per_s + KERNELS * dev.kernel_launch_s
         return LossCost(kind=self.loss, compute_s=fwd * (1 + BACKWARD_BYTES_FACTOR), events=events,

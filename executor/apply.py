@@ -62,7 +62,8 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 
 from core import placement as mp
 from core.errors import MeshplanError
-from core.graph import Fold, OpGraph
+from core.graph import Fold, OpGraph, TensorKind
+from core.levers import Recompute
 from planner.graph import load_graph
 from planner.params import normalize
 from planner.strategy import Strategy, load_strategy
@@ -130,7 +131,7 @@ def bind_parameters(strategy: Strategy, graph: OpGraph, module: nn.Module) -> tu
         shapes[id(p)] = tuple(p.shape)
     keys = {fqn: _key(fqn) for fqn, _ in named}
     obj_of = {fqn: id(p) for fqn, p in named}
-    onnx_params = [t for t, v in strategy.tensors.items() if v.kind == "param"]
+    onnx_params = [t for t, v in strategy.tensors.items() if v.kind is TensorKind.PARAM]
     bound: list[Binding] = []
     used: set[int] = set()
     for name in onnx_params:
@@ -193,7 +194,7 @@ def _torch_placement(p: mp.Placement, ndim: int, transposed: bool) -> Placement:
 def _data_parallel_axes(strategy: Strategy) -> set[int]:
     axes: set[int] = set()
     for t, v in strategy.tensors.items():
-        if v.kind == "input" and len(v.shape) > 0:
+        if v.kind is TensorKind.INPUT and len(v.shape) > 0:
             spec = strategy.spec_of(t)
             if spec is not None:
                 axes |= set(spec.shard_axes(0))
@@ -511,7 +512,7 @@ def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyRepo
         policy = s.training.recompute.get(group.prefix)
         if policy is None:
             continue
-        if policy != "full":
+        if policy != Recompute.FULL:
             report.fallbacks.append(f"{group.prefix}: {policy} recomputation is not applied (only full layers "
                                     "wrap with checkpoint); its activations are kept")
             continue

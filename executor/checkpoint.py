@@ -33,6 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from core.errors import MeshplanError
+from core.graph import TensorKind
 from executor.spmd import SpmdRunner, contiguous_stride
 from planner.strategy import Strategy
 
@@ -218,7 +219,7 @@ def inspect(path: str | Path) -> dict[str, Any]:
 
 
 def _params(strategy: Strategy) -> dict[str, list[int]]:
-    return {t: list(v.shape) for t, v in sorted(strategy.tensors.items()) if v.kind == "param"}
+    return {t: list(v.shape) for t, v in sorted(strategy.tensors.items()) if v.kind is TensorKind.PARAM}
 
 
 def check_model(path: str | Path, strategy: Strategy) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import Shard
 
 from core.graph import OpGraph
+from core.levers import LossKind, Schedule
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.dtensors import local_shard
@@ -45,8 +46,9 @@ from planner.strategy import Strategy
 PIPELINE_PHASES = ("forward", "backward", "pipeline_wait", "gradient_sync", "optimizer")
 
 
-def schedule_class(schedule: str) -> type:
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[schedule]
+def schedule_class(schedule: Schedule) -> type:
+    return {Schedule.GPIPE: ScheduleGPipe, Schedule.ONE_F_ONE_B: Schedule1F1B,
+            Schedule.INTERLEAVED: ScheduleInterleaved1F1B}[Schedule(schedule)]
 
 
 class ChunkModule(nn.Module):
@@ -160,7 +162,7 @@ class PipelinedStep:
 
         self.cpu_batch = make_batch(graph, opts.seed, m)
         batch = [b.to(device) for b in self.cpu_batch]
-        self.loss = loss_of = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == "auto" else opts.loss),
+        self.loss = loss_of = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == LossKind.AUTO else opts.loss),
                                    opts.seed, m, scale=1.0 if strategy.training.gradients_mean else batch_shards(strategy))
         out_name = graph.outputs[0]
         need = runner.dtensor(loss_input_spec(loss_of.kind, strategy.spec_of(out_name) or Spec.replicated(self.mesh.ndim),
@@ -191,7 +193,7 @@ class PipelinedStep:
             # them, and the step's reduction reduce-scatters their sum once.
             stages[0].after_backward = lambda: runner.after_micro_batch() if runner.packed else None
         kind = schedule_class(pipe.schedule)
-        self.schedule = kind(stages if pipe.schedule == "interleaved" else stages[0], m, loss_fn=loss_fn,
+        self.schedule = kind(stages if pipe.schedule == Schedule.INTERLEAVED else stages[0], m, loss_fn=loss_fn,
                              scale_grads=False)
         self.meter = SavedMeter(module)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 from core.collectives import Cadence, Collective, Purpose
 from core.errors import MeshplanError
-from core.graph import OpGraph
+from core.graph import OpGraph, TensorKind
+from core.levers import Attention, LossKind
 from costmodel.buckets import gather_groups, pack_buckets, zero_split, zero_units
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
@@ -23,7 +24,7 @@ class RunOptions:
     steps: int = 5
     warmup: int = 2
     verify: bool = False
-    loss: str = "auto"  # auto (the plan's) | cross-entropy | mse
+    loss: LossKind = LossKind.AUTO  # AUTO: the plan's
     optimizer: str = "adamw"  # adamw | sgd
     lr: float = 1e-3
     seed: int = 0
@@ -51,7 +52,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
     CPU performs an all_to_all as all_gather + local chunk. A pipelined plan's (`graph` needed): those
     of a rank of `stage`, its nodes' and its parameters' only, with its sends to the neighbouring
     stages (`send`) and one all-reduce per tied parameter it holds a copy of."""
-    params = {t for t, v in strategy.tensors.items() if v.kind == "param"}
+    params = {t for t, v in strategy.tensors.items() if v.kind is TensorKind.PARAM}
     mine: set[str] | None = None
     out: Counter[str] = Counter()
     if strategy.pipeline is not None:
@@ -116,7 +117,7 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
     if strategy.pipeline is not None:
         check_pipeline(strategy, graph)
     tr = strategy.training
-    if tr.attention == "fused-softmax" or tr.attention_dropout:
+    if tr.attention == Attention.FUSED_SOFTMAX or tr.attention_dropout:
         raise RunError(f"the executor runs attention as FlashAttention (torch's SDPA) or torch's eager ops, without "
                        f"dropout; this plan prices {tr.attention} attention"
                        + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from core.graph import OpNode
+from core.levers import Attention, Recompute
 from core.placement import Spec, chunk, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.dtensors import (
@@ -228,7 +229,7 @@ class SpmdRunner:
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
             return redistribute(wrapped[t], want).to_local(grad_placements=grad)
 
-        attention = eager_attention if self.strategy.training.attention == "eager" else fused_attention
+        attention = eager_attention if self.strategy.training.attention == Attention.EAGER else fused_attention
 
         def run(start: int, end: int) -> None:
             local = scope["local"]
@@ -317,7 +318,7 @@ class SpmdRunner:
         out = {}
         tr = self.strategy.training
         for group in self.graph.layers:
-            if tr.recompute.get(group.prefix) != "full":
+            if tr.recompute.get(group.prefix) != Recompute.FULL:
                 continue
             for names in group.nodes[:tr.recomputed_layers(group.prefix, group.num_layers)]:
                 idx = sorted(at[n] for n in names if n in at)

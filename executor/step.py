@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from core.graph import OpGraph
+from core.graph import OpGraph, TensorKind
+from core.levers import LossKind
 from executor.interpreter import OnnxModule, load_module
 from executor.preflight import RunOptions
 from executor.spmd import SpmdRunner
@@ -70,13 +71,13 @@ class Loss:
         shape = _global_shape(out.shape, micro_batches)
         self.kind = kind
         self.labels: torch.Tensor | None = None
-        if kind == "cross-entropy":
+        if kind is LossKind.CROSS_ENTROPY:
             g = torch.Generator().manual_seed(seed + 2)
             self.labels = torch.randint(0, shape[-1], shape[:-1], generator=g)
-        self.count = (math.prod(shape[:-1]) if kind == "cross-entropy" else math.prod(shape)) / scale
+        self.count = (math.prod(shape[:-1]) if kind is LossKind.CROSS_ENTROPY else math.prod(shape)) / scale
 
     def local(self, y: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "cross-entropy":
+        if self.kind is LossKind.CROSS_ENTROPY:
             assert labels is not None
             return torch.nn.functional.cross_entropy(y.reshape(-1, y.shape[-1]).float(), labels.reshape(-1),
                                                      reduction="sum") / self.count
@@ -123,7 +124,7 @@ def state_bytes(module: torch.nn.Module, optim: torch.optim.Optimizer, runner: S
 
 def batch_shards(strategy: Strategy) -> int:
     """Ranks the batch is split over (the data-parallel degree): the shards of the inputs' dim 0."""
-    specs = [strategy.spec_of(t) for t in strategy.tensors if strategy.tensors[t].kind == "input"]
+    specs = [strategy.spec_of(t) for t in strategy.tensors if strategy.tensors[t].kind is TensorKind.INPUT]
     return max((sp.num_shards(0, strategy.mesh.shape) for sp in specs if sp is not None), default=1)
 
 

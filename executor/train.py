@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from core.levers import LossKind
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.dtensors import local_shard
@@ -99,7 +100,7 @@ class PlainStep:
         k = self.k = strategy.training.micro_batches
         self.cpu_batch = make_batch(graph, opts.seed, k)  # the one-process reference runs on the CPU, all at once
         batch = [b.to(device) for b in self.cpu_batch]
-        self.loss = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == "auto" else opts.loss),
+        self.loss = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == LossKind.AUTO else opts.loss),
                          opts.seed, k, scale=1.0 if strategy.training.gradients_mean else batch_shards(strategy))
         self.runner = runner = SpmdRunner(self.module, strategy, self.mesh)
         # Where the loss reads the output: its planned spec with partial sums reduced and (cross-entropy)

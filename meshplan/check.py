@@ -32,6 +32,8 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from core.errors import MeshplanError
+from core.layout import parse_layout
+from core.levers import Mode, Recompute, Schedule, lever
 from planner.search.request import PlanRequest
 from planner.strategy import Strategy
 
@@ -159,12 +161,14 @@ def _case(c: dict[str, Any], i: int, root: Path, path: Path) -> Case:
             devices=int(c["devices"]),
             mesh_shape=tuple(int(x) for x in str(mesh).lower().split("x")) if mesh is not None else None,
             axis_names=tuple(c["axis_names"]) if "axis_names" in c else None,
-            mode=str(c.get("mode", "auto")), pins=dict(c.get("pins", {})),
+            mode=lever(Mode, str(c.get("mode", "auto")), "mode"), pins=dict(c.get("pins", {})),
             memory_limit_gib=c.get("memory_limit_gib"), dtype=c.get("dtype"), solver=str(c.get("solver", "cbc")),
             time_limit_s=float(c.get("time_limit_s", 60.0)), workers=int(c.get("workers", 1)),
             global_batch_size=c.get("global_batch_size"), micro_batch_size=c.get("micro_batch_size"),
             accumulation_steps=c.get("accumulation_steps"), zero_stage=None if zero == "auto" else int(zero),
-            recompute=str(c.get("recompute", "auto")), layout=c.get("layout"), schedule=c.get("schedule"))
+            recompute=lever(Recompute, str(c.get("recompute", "auto")), "recompute"),
+            layout=parse_layout(str(c["layout"]), int(c["devices"])) if "layout" in c else None,
+            schedule=lever(Schedule, str(c["schedule"]), "schedule") if "schedule" in c else None)
     except (MeshplanError, TypeError, ValueError) as e:
         raise CheckError(f"{where}: {str(e).splitlines()[0]}") from e
     try:

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from core.levers import Attention
+
 if TYPE_CHECKING:
     from hwprofiles.report import CalibrationReport
     from planner.strategy import Strategy, TrainingSettings
@@ -99,7 +101,7 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                                           ("fp32 reductions", tr.force_fp32_communication)) if on]
         if switches:
             head.add_row("switches", "; ".join(switches))
-    if tr.attention != "flash":
+    if tr.attention != Attention.FLASH:
         head.add_row("attention", f"{tr.attention} (scores through memory)"
                      + (f", dropout {tr.attention_dropout:g}" if tr.attention_dropout else ""))
     overhead = f" + per-step overhead {c.overhead_s * 1e3:.2f} ms" if c.overhead_s else ""

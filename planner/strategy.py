@@ -24,7 +24,8 @@ import jsonschema
 
 from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
 from core.errors import MeshplanError, read_json
-from core.graph import OpGraph
+from core.graph import OpGraph, TensorKind
+from core.levers import Attention, LossKind, Mode, Recompute, Schedule, Search
 from core.mesh import DeviceMesh
 from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
@@ -54,15 +55,15 @@ class ProfileRef:
 
 @dataclass(frozen=True, kw_only=True)
 class PlanSettings:
-    mode: str
-    search: str
+    mode: Mode
+    search: Search
     dtype: str
     memory_limit_bytes: float | None
     solver: str
     follow: bool
     pins: Mapping[str, str]
     batch: int | None
-    loss: str = "auto"
+    loss: LossKind = LossKind.AUTO
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,7 +74,7 @@ class TrainingSettings:
     data-parallel rank per micro-step."""
     micro_batches: int = 1
     zero_stage: int = 0
-    recompute: Mapping[str, str] = field(default_factory=dict)
+    recompute: Mapping[str, Recompute] = field(default_factory=dict)
     global_batch_size: int | None = None
     micro_batch_size: int | None = None
     layout: str | None = None  # the hand layout the plan was held to (torchtitan's degrees), if any
@@ -92,7 +93,7 @@ class TrainingSettings:
     zero_shard_size: int | None = None  # optimizer_weight_shard_size: ZeRO-1/2 shard groups of this many ranks
     # How the runtime runs attention (costmodel/attention.py's ATTENTION_KERNELS) and the dropout on its
     # probabilities (a cost only where the probabilities are materialised).
-    attention: str = "flash"
+    attention: Attention = Attention.FLASH
     attention_dropout: float = 0.0
 
     @property
@@ -108,13 +109,13 @@ class TrainingSettings:
         return min(layers, self.recompute_layers.get(group, layers))
 
     @property
-    def recompute_policy(self) -> str:
-        """The one policy every recomputed group has ("none" without any); groups differ in no plan yet."""
+    def recompute_policy(self) -> Recompute:
+        """The one policy every recomputed group has (NONE without any); groups differ in no plan yet."""
         policies = set(self.recompute.values())
         if len(policies) > 1:
             raise StrategyError(f"recomputation differs between layer groups ({dict(self.recompute)}); this meshplan "
                                 "plans one policy for all")
-        return policies.pop() if policies else "none"
+        return policies.pop() if policies else Recompute.NONE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +139,7 @@ class PipelineStage:
 class Pipeline:
     """Pipeline parallelism: stages over sub-meshes, the schedule, model chunks per device."""
     stages: tuple[PipelineStage, ...]
-    schedule: str = "1f1b"  # gpipe | 1f1b | interleaved
+    schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1
     bubble_fraction: float = 0.0  # idle over ideal compute: (p − 1)/(v·m)
     p2p_bytes: float = 0.0  # sent between consecutive stages per micro-batch (forward and backward)
@@ -151,7 +152,7 @@ class Pipeline:
 
 @dataclass(frozen=True, kw_only=True)
 class TensorPlacement:
-    kind: str  # input | param | activation
+    kind: TensorKind  # INPUT, PARAM or ACTIVATION (constants are not placed)
     shape: tuple[int, ...]
     spec: Spec
 
@@ -315,7 +316,7 @@ def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
                                  step_s=st.get("step_s", 0.0),
                                  memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
                    for st in d["stages"])
-    return Pipeline(stages=stages, schedule=d.get("schedule", "1f1b"), virtual_stages=d.get("virtual_stages", 1),
+    return Pipeline(stages=stages, schedule=Schedule(d.get("schedule", "1f1b")), virtual_stages=d.get("virtual_stages", 1),
                     bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0),
                     result_broadcast=d.get("result_broadcast", False))
 
@@ -345,7 +346,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
         "pipeline": _pipeline_doc(s.pipeline),
-        "tensors": {t: {"kind": p.kind, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
+        "tensors": {t: {"kind": p.kind.value, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
                         "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
         "nodes": {n: {"op_type": p.op_type, "module": p.module, "strategy": p.strategy,
                       "inputs": [str(x) if x is not None else None for x in p.inputs],
@@ -457,11 +458,12 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                        notes=tuple(m.get("notes", ()))),
         profile=ProfileRef(name=p["name"], digest=p["digest"], source=p["source"]),
         mesh=mesh,
-        settings=PlanSettings(mode=st["mode"], search=st["search"], dtype=st["dtype"],
+        settings=PlanSettings(mode=Mode(st["mode"]), search=Search(st["search"]), dtype=st["dtype"],
                               memory_limit_bytes=st["memory_limit_bytes"], solver=st["solver"], follow=st["follow"],
-                              pins=dict(st["pins"]), batch=st["batch"], loss=st["loss"]),
+                              pins=dict(st["pins"]), batch=st["batch"], loss=LossKind(st["loss"])),
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
-                                  recompute=dict(tr["recompute"]), global_batch_size=tr["global_batch_size"],
+                                  recompute={g: Recompute(x) for g, x in tr["recompute"].items()},
+                                  global_batch_size=tr["global_batch_size"],
                                   micro_batch_size=tr["micro_batch_size"], layout=tr["layout"],
                                   comm_fusion=CommFusion(**tr["comm_fusion"]) if "comm_fusion" in tr else
                                   CommFusion.uniform(tr.get("bucket_bytes", GRAD_BUCKET_BYTES)),
@@ -472,10 +474,10 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   parameter_broadcast=tr.get("parameter_broadcast", False),
                                   force_fp32_communication=tr.get("force_fp32_communication", False),
                                   zero_shard_size=tr.get("zero_shard_size"),
-                                  attention=tr.get("attention", "flash"),
+                                  attention=Attention(tr.get("attention", "flash")),
                                   attention_dropout=tr.get("attention_dropout", 0.0)),
         pipeline=_pipeline_of(d["pipeline"]),
-        tensors={name: TensorPlacement(kind=t["kind"], shape=tuple(t["shape"]),
+        tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))
                  for name, t in d["tensors"].items()},
         nodes={name: NodePlan(op_type=n["op_type"], module=n["module"], strategy=n["strategy"],
@@ -554,7 +556,7 @@ def parameter_layout(s: Strategy) -> ParameterLayout:
     return ParameterLayout(model_name=s.model.name, fingerprint=s.model.fingerprint, mesh_shape=tuple(s.mesh.shape),
                            axis_names=tuple(s.mesh.axis_names),
                            parameters={t: (tuple(v.shape), str(v.spec)) for t, v in sorted(s.tensors.items())
-                                       if v.kind == "param"})
+                                       if v.kind is TensorKind.PARAM})
 
 
 def save_strategy_checkpoint(s: Strategy, path: str | Path, *, only_trainable_params: bool = False) -> None:

@@ -16,6 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from cli import main
 from core.collectives import Collective, LinkLevel, Phase
+from core.graph import TensorKind
 from core.mesh import DeviceMesh
 from core.placement import Shard, Spec
 from costmodel.memory import PRECISIONS
@@ -213,7 +214,7 @@ def test_modes(zoo: Callable[[str], Path]) -> None:
     path = str(zoo("mlp"))
     dp, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mesh_shape=(4,), mode="data-parallel"))
     assert dp.spec_of("x") == Spec((Shard(0),))
-    assert all(t.spec == Spec.replicated(1) for t in dp.tensors.values() if t.kind == "param")
+    assert all(t.spec == Spec.replicated(1) for t in dp.tensors.values() if t.kind is TensorKind.PARAM)
     alone, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mode="stand-alone"))
     assert alone.mesh_shape == (1,)
     semi, _ = make_plan(PlanRequest(model=path, dims={"batch": 64}, devices=4, mesh_shape=(4,), mode="semi", search="propagation",

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from cli import main
 from core.collectives import Cadence, Collective, Phase, Purpose
-from core.graph import OpGraph
+from core.graph import OpGraph, TensorKind
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, R, Shard, Spec
 from costmodel.buckets import CommFusion, pack_buckets
@@ -311,7 +311,7 @@ def test_layout_holds_the_plan_to_its_degrees(zoo: Callable[[str], Path]) -> Non
     assert s.training.micro_batches == 2 and s.training.micro_batch_size == 2 and s.model.dims["batch"] == 8
     assert s.spec_of("ids") == Spec((Shard(0), Shard(0)))
     for name, t in s.tensors.items():
-        if t.kind == "param":
+        if t.kind is TensorKind.PARAM:
             want = Spec((R, Shard(0))) if t.shape and t.shape[0] >= 2 else Spec((R, R))
             assert t.spec == want, name
 
@@ -326,7 +326,7 @@ def test_zero3_stores_every_parameter_split(zoo: Callable[[str], Path]) -> None:
     z3, _ = make_plan(PlanRequest(model=model, dims={"batch": 8, "seq": 32}, profile="cpu", devices=4,
                                   mesh_shape=(4,), zero_stage=3))
     assert z3.training.zero_stage == 3
-    params = {n: t for n, t in z3.tensors.items() if t.kind == "param"}
+    params = {n: t for n, t in z3.tensors.items() if t.kind is TensorKind.PARAM}
     assert all(t.spec.shard_count((4,)) == 4 for t in params.values() if t.shape and t.shape[0] >= 4)
     purposes = {c.purpose for n in z3.nodes.values() for c in n.collectives}
     assert Purpose.REGATHER in purposes

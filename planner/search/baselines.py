@@ -9,6 +9,7 @@ from dataclasses import replace
 from core.errors import MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
+from core.levers import Mode, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Shard, Spec
 from costmodel.compose import StepCost
@@ -54,9 +55,9 @@ def hand_layouts(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, S
         except MeshplanError as e:
             out["fsdp+tp"] = reason(e)
     full = None
-    if graph.layers and cm.recompute != "full":
+    if graph.layers and cm.recompute is not Recompute.FULL:
         full = CostModel(graph, mesh, cm.profile, cm.precision, loss=cm.loss, micro_batches=cm.micro_batches,
-                         zero_stage=cm.zero_stage, recompute="full", composer=cm.composer,
+                         zero_stage=cm.zero_stage, recompute=Recompute.FULL, composer=cm.composer,
                          fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes,
                          fp32_communication=cm.fp32_communication, zero_shard_size=cm.zero_shard_size,
                          attention=cm.attention, attention_dropout=cm.attention_dropout)
@@ -81,7 +82,7 @@ def data_parallel_strategy(graph: OpGraph, n: int) -> Strategy:
     rules = rules_for_graph(graph, mesh)
     cm = CostModel(graph, mesh, profile, PRECISIONS["fp32"])
     choice, params, stats = propagate(graph, rules, cm, data_parallel_pins(graph, mesh))
-    settings = PlanSettings(mode="data-parallel", search="propagation", dtype="fp32", memory_limit_bytes=None,
+    settings = PlanSettings(mode=Mode.DATA_PARALLEL, search=Search.PROPAGATION, dtype="fp32", memory_limit_bytes=None,
                             solver="none", follow=False, pins={}, batch=None, loss=cm.loss)
     return build_strategy(graph, "", ProfileRef(name=profile.name, digest=profile.digest, source="cpu"), mesh, rules,
                           choice, cm.price(choice, params), stats, settings)

@@ -9,6 +9,7 @@ from pathlib import Path
 from core.collectives import Phase
 from core.graph import OpGraph, TensorKind
 from core.layout import Layout
+from core.levers import LossKind, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec, fully_sharded
 from costmodel.compose import StepCost
@@ -53,7 +54,7 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
 
 
 def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
-                steps: int, policy: str, layers: Mapping[str, int] | None = None) -> CostModel:
+                steps: int, policy: Recompute, layers: Mapping[str, int] | None = None) -> CostModel:
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
@@ -87,7 +88,7 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         info = graph.tensors[t]
         if info.kind is TensorKind.CONSTANT or info.dtype == "sequence":
             continue
-        tensors[t] = TensorPlacement(kind=info.kind.value, shape=tuple(info.shape), spec=spec)
+        tensors[t] = TensorPlacement(kind=info.kind, shape=tuple(info.shape), spec=spec)
     nodes = {}
     for n in graph.compute_nodes:
         s = choice[n.name]
@@ -111,15 +112,15 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
     )
 
 
-def plan_settings(req: PlanRequest, graph: OpGraph, *, search: str, dtype: str, limit: float,
-                  loss: str) -> PlanSettings:
+def plan_settings(req: PlanRequest, graph: OpGraph, *, search: Search, dtype: str, limit: float,
+                  loss: LossKind) -> PlanSettings:
     """What the search was asked and how it ran, as the strategy file records it."""
     return PlanSettings(mode=req.mode, search=search, dtype=dtype, memory_limit_bytes=limit, solver=req.solver,
                         follow=req.follow, pins=dict(req.pins), batch=batch_of(graph), loss=loss)
 
 
 def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: PricedStep, *, data_parallel: int,
-                      layout: Layout | None, recompute: Mapping[str, str],
+                      layout: Layout | None, recompute: Mapping[str, Recompute],
                       recompute_layers: Mapping[str, int] | None = None) -> TrainingSettings:
     """The training step's levers as the plan chose them: one builder for every search path. The
     micro-batch per data-parallel rank is rank 0's: the traced batch split as torch.chunk splits it

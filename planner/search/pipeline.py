@@ -27,6 +27,7 @@ from core.collectives import Cadence, Collective
 from core.errors import MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
+from core.levers import Recompute, Schedule
 from core.mesh import DeviceMesh
 from costmodel.comm import collective_time_s
 from costmodel.compose import compose
@@ -76,7 +77,7 @@ class StageCost:
         return self.time_s + self.send_s
 
 
-def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut, full: DeviceMesh, schedule: str,
+def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut, full: DeviceMesh, schedule: Schedule,
                  m: int) -> list[StageCost]:
     """Each stage's time per micro-batch, per-step work and memory from the priced items of the whole
     graph on one stage's sub-mesh."""
@@ -174,7 +175,7 @@ def balanced_counts(stages: list[StageCost], the_cut: Cut) -> list[int] | None:
     return counts if counts != list(the_cut.layers_per_chunk) else None
 
 
-def pipelined_cost(stages: list[StageCost], schedule: str, m: int, v: int, fixed_s: float,
+def pipelined_cost(stages: list[StageCost], schedule: Schedule, m: int, v: int, fixed_s: float,
                    flops: float, composer: str) -> PredictedCost:
     """The step: the pipeline over its stages (`pipeline_step_s`, the sends where the schedule waits for
     them), then the slowest stage's per-step work; compute, communication (the pacing stage's
@@ -194,7 +195,7 @@ def pipelined_cost(stages: list[StageCost], schedule: str, m: int, v: int, fixed
                          bubble_s=without_sends - m * times[pacing])
 
 
-def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule: str, m: int,
+def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule: Schedule, m: int,
                 stage_devices: int) -> Pipeline:
     first: dict[int, str] = {}
     last: dict[int, str] = {}
@@ -261,20 +262,20 @@ def interleaved(layout: Layout, layers: int) -> Layout | None:
 
 
 def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
-                   recompute: str, layout: Layout, limit: float, say: Callable[[str], None], *,
+                   recompute: Recompute, layout: Layout, limit: float, say: Callable[[str], None], *,
                    enforce_limit: bool = False) -> tuple[Strategy, list[Candidate]]:
     """A pipelined plan for a layout with pp > 1: the cut, one ILP over a stage's sub-mesh with a memory
     row per stage, the stages priced, the strategy with its `pipeline`. A hand layout is priced fitting
     or not; under `enforce_limit` (the planner's own candidates) every stage must fit."""
     p, v = layout.pipeline, layout.virtual
-    schedule = req.schedule or ("interleaved" if v > 1 else "1f1b")
+    schedule = req.schedule or (Schedule.INTERLEAVED if v > 1 else Schedule.ONE_F_ONE_B)
     the_cut = cut(graph, p, v)
     sub = DeviceMesh.build(layout.stage_devices, layout.mesh_shape, layout.axis_names,
                            devices_per_node=profile.devices_per_node)
     full = full_mesh(layout, sub, profile)
     say(f"pipeline {p} stages × {sub}: rules")
     rules = rules_for_graph(graph, sub, strict=req.strict)
-    policy = "full" if recompute == "full" else "none"
+    policy = Recompute.FULL if recompute is Recompute.FULL else Recompute.NONE
     cm = cost_model_for(req, graph, sub, profile, precision, steps, policy)
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
     held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
@@ -305,7 +306,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
         "GiB per device")
     settings = plan_settings(req, graph, search=req.search, dtype=precision.name, limit=limit, loss=cm.loss)
     training = training_settings(req, graph, steps, priced, data_parallel=layout.data_parallel, layout=layout,
-                                 recompute={g.prefix: "full" for g in graph.layers} if policy == "full" else {})
+                                 recompute={g.prefix: Recompute.FULL for g in graph.layers} if policy is Recompute.FULL else {})
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     record = CandidateRecord(mesh=full.shape, axis_names=full.axis_names, step_time_s=cost.step_time_s,
                              memory_bytes_per_device=cost.memory_bytes_per_device, solver_status=sol.stats.status)

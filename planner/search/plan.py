@@ -23,7 +23,8 @@ from typing import TypeVar
 
 from core.errors import DimBindingError, MeshplanError
 from core.graph import OpGraph
-from core.layout import Layout, parse_layout
+from core.layout import Layout
+from core.levers import Mode, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec
 from costmodel.compose import StepCost
@@ -66,7 +67,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     failures: list[MeshplanError] = []
     graphs: dict[int, OpGraph] = {}
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
-    def attempt(k: int, recompute: str) -> tuple[Strategy, list[Candidate]] | None:
+    def attempt(k: int, recompute: Recompute) -> tuple[Strategy, list[Candidate]] | None:
         dims = req.dims_for(k)
         if k not in graphs:
             say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
@@ -161,7 +162,7 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
             return None  # interleaved 1F1B runs micro-batches in rounds of p
         if dp not in graphs:
             graphs[dp] = load_graph(req.model, {**req.dims, "batch": dp})
-        for recompute in ("none", "full"):
+        for recompute in (Recompute.NONE, Recompute.FULL):
             try:
                 return k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit, say,
                                          enforce_limit=True)
@@ -230,15 +231,15 @@ def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
 
 
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
-                 recompute: str, say: Progress) -> tuple[Strategy, list[Candidate]]:
-    devices = 1 if req.mode == "stand-alone" else req.devices
-    layout = parse_layout(req.layout, devices) if req.layout is not None else None
+                 recompute: Recompute, say: Progress) -> tuple[Strategy, list[Candidate]]:
+    devices = 1 if req.mode is Mode.STAND_ALONE else req.devices
+    layout = req.layout
     limit = _memory_limit(req, profile)
     if layout is not None and layout.pipeline > 1:
         return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
     shapes = [layout.mesh_shape] if layout is not None else \
-        [req.mesh_shape] if req.mesh_shape and req.mode != "stand-alone" else \
-        [(1,)] if req.mode == "stand-alone" else \
+        [req.mesh_shape] if req.mesh_shape and req.mode is not Mode.STAND_ALONE else \
+        [(1,)] if req.mode is Mode.STAND_ALONE else \
         [(devices // profile.devices_per_node, profile.devices_per_node)] if _multi_node_search(req, profile) else \
         mesh_candidates(devices, profile.devices_per_node)
     best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
@@ -252,17 +253,16 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         rules = rules_for_graph(graph, mesh, strict=req.strict)
         model = partial(cost_model_for, req, graph, mesh, profile, precision, steps)
         # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
-        counted = graph.layers and req.search == "ilp" and req.mode in ("auto", "semi") and (
-            recompute == "auto" or req.recompute_layers is not None)
-        cm = model("none" if counted or recompute == "auto" else recompute)
-        recomputed = {g.prefix: g.num_layers for g in graph.layers} if recompute == "full" else {}
+        counted = graph.layers and req.decides and (recompute is Recompute.AUTO or req.recompute_layers is not None)
+        cm = model(Recompute.NONE if counted or recompute is Recompute.AUTO else recompute)
+        recomputed = {g.prefix: g.num_layers for g in graph.layers} if recompute is Recompute.FULL else {}
         pins = resolve_pins(graph, mesh, req.pins)
-        if req.mode == "data-parallel":
+        if req.mode is Mode.DATA_PARALLEL:
             pins = {**data_parallel_pins(graph, mesh), **pins}
         if layout is not None:
             pins = {**layout.input_pins(graph, mesh), **pins}
         try:
-            if req.mode in ("auto", "semi") and req.search == "ilp":
+            if req.decides:
                 say(f"mesh {mesh}: solving")
                 # A hand layout is priced as it is, fitting or not (the table says which).
                 no_zero: frozenset[str] = frozenset()
@@ -276,12 +276,12 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                                             num_workers=req.workers),
                                       param_layout=param_layout_for(req, layout, graph, mesh),
                                       zero_stages=req.zero_options(), no_zero=no_zero,
-                                      recompute_model=model("full") if counted else None,
+                                      recompute_model=model(Recompute.FULL) if counted else None,
                                       recompute_layers=req.recompute_layers)
                     sol = ilp.solve()
                     choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
                     if sol.recompute:  # priced with the layers the solver recomputes
-                        cm, recomputed = model("full", sol.recompute), sol.recompute
+                        cm, recomputed = model(Recompute.FULL, sol.recompute), sol.recompute
                     else:
                         cm, recomputed = base, {} if counted else recomputed
                     cost = cm.price(choice, param_specs, zero=sol.zero)
@@ -303,7 +303,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.2f} GiB per device "
                                     f"but --memory-limit is {limit / 2**30:.2f} GiB; raise --memory-limit, add devices, "
                                     "or use more micro-steps or recomputation" +
-                                    (" or --mode auto" if req.mode != "auto" else ""))
+                                    (" or --mode auto" if req.mode is not Mode.AUTO else ""))
         except PinError:
             raise
         except MeshplanError as e:
@@ -318,7 +318,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     if best is None:
         raise errors[0]
     _, mesh, rules, cm, choice, cost, stats, recomputed = best
-    settings = plan_settings(req, graph, search=req.search if req.mode in ("auto", "semi") else "propagation",
+    settings = plan_settings(req, graph, search=req.search if req.mode in (Mode.AUTO, Mode.SEMI) else Search.PROPAGATION,
                              dtype=precision.name, limit=limit, loss=cm.loss)
     records = tuple(
         CandidateRecord(mesh=c.mesh.shape, axis_names=c.mesh.axis_names,
@@ -329,8 +329,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     dp = cost.placed[graph.inputs[0]].num_shards(0, mesh.shape) if graph.inputs and graph.inputs[0] in cost.placed else 1
     training = training_settings(
         req, graph, steps, cost.priced, data_parallel=dp, layout=layout, recompute_layers=recomputed,
-        recompute={g: "full" for g in recomputed} if recomputed else
-        {group.prefix: recompute for group in graph.layers} if recompute == "selective" else {})
+        recompute={g: Recompute.FULL for g in recomputed} if recomputed else
+        {group.prefix: recompute for group in graph.layers} if recompute is Recompute.SELECTIVE else {})
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates

@@ -7,22 +7,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from core.errors import MeshplanError
-from core.layout import parse_layout
+from core.layout import Layout, parse_layout
+from core.levers import Attention, Composer, LossKind, Mode, Recompute, Schedule, Search, lever
 from core.mesh import DeviceMesh
-from costmodel.attention import ATTENTION_KERNELS
 from costmodel.buckets import CommFusion
-from costmodel.compose import POLICIES, StepCost
-from costmodel.pipeline import SCHEDULES
-from costmodel.step import RECOMPUTE
+from costmodel.compose import StepCost
 from planner.strategy import (
     SolverStats,
 )
-
-MODES = ("auto", "semi", "data-parallel", "stand-alone")
-
-
-SEARCHES = ("ilp", "propagation")
-
 
 Progress = Callable[[str], None]
 
@@ -35,8 +27,8 @@ class PlanRequest:
     devices: int = 1
     mesh_shape: tuple[int, ...] | None = None
     axis_names: tuple[str, ...] | None = None
-    mode: str = "auto"
-    search: str = "ilp"
+    mode: Mode = Mode.AUTO
+    search: Search = Search.ILP
     pins: Mapping[str, str] = field(default_factory=dict)
     memory_limit_gib: float | None = None  # default: 90% of the device's capacity
     time_limit_s: float = 60.0
@@ -46,19 +38,20 @@ class PlanRequest:
     follow: bool = True
     strict: bool = False
     all_to_all: bool = True
-    loss: str = "auto"  # auto | cross-entropy | mse (costmodel/loss.py)
+    loss: LossKind = LossKind.AUTO
     # The training step's levers. The global batch (sequences per optimizer step) is split into
     # `accumulation_steps` micro-steps (None: the fewest that fit in memory); the graph's `batch` dim
     # is bound at one micro-step's batch, global / steps. Without it, `--dim batch` is one step.
     global_batch_size: int | None = None
     accumulation_steps: int | None = None
     zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
-    recompute: str = "auto"  # none | selective | full | auto (the ILP decides how many layers per group)
+    recompute: Recompute = Recompute.AUTO  # AUTO: the ILP decides how many layers per group
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
-    layout: str | None = None  # torchtitan's degrees, e.g. "dp_shard=8,tp=8" (core/layout.py); pp, vpp pipeline
-    schedule: str | None = None  # a pipeline's: gpipe | 1f1b | interleaved (default 1f1b; interleaved with vpp)
+    # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
+    layout: Layout | None = None
+    schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
-    composer: str = "serial"  # how priced items add up (costmodel/compose.py): serial | overlap
+    composer: Composer = Composer.SERIAL  # how priced items add up (costmodel/compose.py)
     # Communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb): bucket caps per kind, or None:
     # auto (the fastest of FUSION_CANDIDATES per kind, priced on the plan found).
     fusion: CommFusion | None = field(default_factory=CommFusion)
@@ -67,37 +60,41 @@ class PlanRequest:
     gradients_mean: bool = True
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
-    attention: str = "flash"  # how the runtime runs attention: flash | eager | fused-softmax
+    attention: Attention = Attention.FLASH  # how the runtime runs attention
     attention_dropout: float = 0.0  # dropout on the attention probabilities (priced where materialised)
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
     pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise MeshplanError(f"--mode {self.mode}: choose one of {', '.join(MODES)}")
-        if self.search not in SEARCHES:
-            raise MeshplanError(f"--search {self.search}: choose ilp or propagation")
+        # The typed levers, from their words where a caller gave words; the layout parsed once.
+        for name, kind in (("mode", Mode), ("search", Search), ("loss", LossKind), ("recompute", Recompute),
+                           ("composer", Composer), ("attention", Attention)):
+            object.__setattr__(self, name, lever(kind, getattr(self, name), name))
+        if self.schedule is not None:
+            object.__setattr__(self, "schedule", lever(Schedule, self.schedule, "schedule"))
+        if isinstance(self.layout, str):
+            object.__setattr__(self, "layout", parse_layout(self.layout, self.devices))
         if self.devices < 1:
             raise MeshplanError(f"--devices {self.devices}: needs at least 1 device")
         if self.workers < 1:
             raise MeshplanError(f"--workers {self.workers}: needs at least 1 solver thread")
-        if self.mode == "semi" and not self.pins:
+        if self.mode is Mode.SEMI and not self.pins:
             raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
         if self.layout is not None:
+            if self.layout.devices != self.devices:
+                raise MeshplanError(f"--layout {self.layout} covers {self.layout.devices} devices, not --devices "
+                                    f"{self.devices}; make its degrees multiply to {self.devices}")
             if self.mesh_shape is not None:
                 raise MeshplanError("--layout and --mesh both fix the mesh; give one")
-            if self.mode not in ("auto", "semi") or self.search != "ilp":
+            if not self.decides:
                 raise MeshplanError(f"--layout is priced by the ILP: use --mode auto or semi, not {self.mode}")
-            parse_layout(self.layout, self.devices)
-        pp = parse_layout(self.layout, self.devices) if self.layout is not None else None
+        pp = self.layout
         if self.schedule is not None:
-            if self.schedule not in SCHEDULES:
-                raise MeshplanError(f"--schedule {self.schedule}: choose one of {', '.join(SCHEDULES)}")
             if pp is None or pp.pipeline == 1:
                 raise MeshplanError(f"--schedule {self.schedule} schedules pipeline stages: give --layout with pp=N")
-            if (pp.virtual > 1) != (self.schedule == "interleaved"):
+            if (pp.virtual > 1) != (self.schedule is Schedule.INTERLEAVED):
                 raise MeshplanError(f"--schedule {self.schedule} with vpp={pp.virtual}: the interleaved schedule is the "
                                     "one with virtual stages (vpp > 1), and it needs them")
         if pp is not None and pp.pipeline > 1 and self.global_batch_size is None:
@@ -116,25 +113,18 @@ class PlanRequest:
                 raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
                                     f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
                                     f"divides it")
-        if self.composer not in POLICIES:
-            raise MeshplanError(f"composer {self.composer}: choose {', '.join(POLICIES)}")
-        if self.recompute not in (*RECOMPUTE, "auto"):
-            raise MeshplanError(f"--recompute {self.recompute}: choose {', '.join(RECOMPUTE)} or auto")
-        if self.recompute_layers is not None and (self.recompute != "full" or self.recompute_layers < 0):
+        if self.recompute_layers is not None and (self.recompute is not Recompute.FULL or self.recompute_layers < 0):
             raise MeshplanError(f"--recompute-layers {self.recompute_layers}: counts the layers of each group that "
                                 "full recomputation covers; give --recompute full and a count of 0 or more")
-        if self.recompute_layers is not None and (self.mode not in ("auto", "semi") or self.search != "ilp"):
+        if self.recompute_layers is not None and not self.decides:
             raise MeshplanError("--recompute-layers is decided with the sharding by the ILP: use --mode auto or semi")
-        if self.attention not in ATTENTION_KERNELS:
-            raise MeshplanError(f"--attention {self.attention}: choose {', '.join(ATTENTION_KERNELS)} (FlashAttention, "
-                                f"torch's eager ops, Megatron-LM's fused softmax)")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise MeshplanError(f"--attention-dropout {self.attention_dropout}: a probability in [0, 1)")
         if self.zero_shard_size is not None and self.zero_shard_size < 1:
             raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: a ZeRO shard group needs at least 1 rank")
         if self.zero_stage not in (None, 0, 1, 2, 3):
             raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
-        if self.zero_stage == 3 and (self.mode not in ("auto", "semi") or self.search != "ilp"):
+        if self.zero_stage == 3 and not self.decides:
             raise MeshplanError(f"--zero 3 places the parameters through the ILP: use --mode auto or semi (for data "
                                 f"parallelism with FSDP, --layout dp_shard=N), not {self.mode}")
         k, g = self.accumulation_steps, self.global_batch_size
@@ -153,12 +143,17 @@ class PlanRequest:
             raise MeshplanError(f"--accumulation-steps {k} splits a global batch: give --global-batch-size "
                                 "(the batch per optimizer step) instead of --dim batch")
 
+    @property
+    def decides(self) -> bool:
+        """The ILP decides the sharding (auto or semi mode with the ILP search), not propagation."""
+        return self.mode in (Mode.AUTO, Mode.SEMI) and self.search is Search.ILP
+
     def data_parallel_degree(self) -> int:
         """Ranks that split the batch, where the request fixes it: the layout's dp_replicate × dp_shard,
         or every device in data-parallel mode."""
         if self.layout is not None:
-            return parse_layout(self.layout, self.devices).data_parallel
-        if self.mode == "data-parallel":
+            return self.layout.data_parallel
+        if self.mode is Mode.DATA_PARALLEL:
             return self.devices
         raise MeshplanError("--micro-batch-size needs the data-parallel degree: give --layout (e.g. "
                             "dp_shard=8,tp=8) or --mode data-parallel, or use --accumulation-steps")
@@ -169,27 +164,26 @@ class PlanRequest:
             return [1]
         if self.micro_batch_size is not None:
             return [self.global_batch_size // (self.micro_batch_size * self.data_parallel_degree())]
-        if self.layout is not None and parse_layout(self.layout, self.devices).pipeline > 1:
+        if self.layout is not None and self.layout.pipeline > 1:
             return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
 
     def searches_pipelines(self) -> bool:
         """Pipelines are tried where the planner chooses the mesh of a global batch."""
-        return (self.layout is None and self.mesh_shape is None and self.mode == "auto" and self.search == "ilp"
+        return (self.layout is None and self.mesh_shape is None and self.mode is Mode.AUTO and self.search is Search.ILP
                 and self.global_batch_size is not None and self.micro_batch_size is None
                 and self.accumulation_steps is None and self.devices > 1)
 
-    def recompute_candidates(self, devices_per_node: int = 1) -> list[str]:
+    def recompute_candidates(self, devices_per_node: int = 1) -> list[Recompute]:
         """Recomputation policies to try, cheapest first (selective is priced as none: attention runs
         fused, its scores recomputed in backward, whatever the policy). Under auto the ILP decides how
         many layers of each group to recompute ("auto"); without an ILP, none and then full (also where
         pipelines are searched on several nodes: their candidates and the plans without them are many, and the counted
         recomputation's ILP takes tens of seconds on meshes of hundreds of devices)."""
-        if self.recompute != "auto":
+        if self.recompute is not Recompute.AUTO:
             return [self.recompute]
-        counted = self.mode in ("auto", "semi") and self.search == "ilp" and not (
-            self.searches_pipelines() and self.devices > devices_per_node)
-        return ["none", "auto" if counted else "full"]
+        counted = self.decides and not (self.searches_pipelines() and self.devices > devices_per_node)
+        return [Recompute.NONE, Recompute.AUTO if counted else Recompute.FULL]
 
     def dims_for(self, steps: int) -> dict[str, int]:
         if self.global_batch_size is None:
