@@ -9,6 +9,7 @@ message of S bytes on n ranks takes steps(n)·α + bus_factor(n)·S/β on a link
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 
 class LinkLevel(enum.Enum):
@@ -90,3 +91,19 @@ def cadence_of(purpose: Purpose, is_param: bool) -> Cadence:
     if is_param and purpose is Purpose.GRAD_SYNC:
         return Cadence.STEP
     return Cadence.MICRO_BATCH
+
+
+@dataclass(frozen=True, slots=True)
+class PricedCollective:
+    """One collective a plan runs, priced: its kind, the mesh axes it spans (by index), its message
+    (bytes per rank) and time, when it runs (phase, cadence), why (purpose) and for which tensor.
+    The cost model makes them; the strategy file records them (the axes by name there)."""
+
+    kind: Collective
+    axes: tuple[int, ...]
+    size_bytes: float
+    time_s: float
+    phase: Phase
+    purpose: Purpose
+    tensor: str
+    cadence: Cadence = Cadence.MICRO_BATCH

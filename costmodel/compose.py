@@ -24,12 +24,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from core.collectives import Cadence, Collective, Purpose
+from core.collectives import Cadence, Collective, PricedCollective, Purpose
 from core.levers import Composer, lever
 
 if TYPE_CHECKING:
     from core.placement import Spec
-    from costmodel.items import CommEvent, PricedStep
+    from costmodel.items import PricedStep
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class StepCost:
 
     # The items, as a strategy file lists them.
     @property
-    def events(self) -> list[CommEvent]:
+    def events(self) -> list[PricedCollective]:
         return self.priced.events
 
     @property
@@ -63,7 +63,7 @@ class StepCost:
         return self.priced.node_compute_s
 
     @property
-    def node_events(self) -> dict[str, list[CommEvent]]:
+    def node_events(self) -> dict[str, list[PricedCollective]]:
         return self.priced.node_events
 
     @property
@@ -71,7 +71,7 @@ class StepCost:
         return self.priced.placed
 
     @property
-    def reshards(self) -> list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]]:
+    def reshards(self) -> list[tuple[str, str, Spec, Spec, tuple[PricedCollective, ...]]]:
         return self.priced.reshards
 
     @property

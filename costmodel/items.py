@@ -1,5 +1,5 @@
 """What pricing a step produces, item by item (`step.py` prices, `compose.py` adds up): each collective
-(`CommEvent`, with its phase, purpose and cadence), each node's compute and saved bytes (`NodeCost`,
+(`core.collectives.PricedCollective`, with its phase, purpose and cadence), each node's compute and saved bytes (`NodeCost`,
 and the loss's, `LossCost`), and the whole step's items (`PricedStep`)."""
 
 from __future__ import annotations
@@ -7,22 +7,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from core.collectives import Cadence, Collective, Phase, Purpose
+from core.collectives import PricedCollective
 from core.placement import Spec
 from costmodel.buckets import CommFusion
 from costmodel.compute import ComputeCost
-
-
-@dataclass(frozen=True, slots=True)
-class CommEvent:
-    kind: Collective
-    axes: tuple[int, ...]
-    size_bytes: float
-    time_s: float
-    phase: Phase
-    purpose: Purpose
-    tensor: str
-    cadence: Cadence = Cadence.MICRO_BATCH
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +18,7 @@ class LossCost:
     """The loss on the model's output, charged to the node producing it (`costmodel/loss.py`)."""
     kind: str
     compute_s: float
-    events: tuple[CommEvent, ...]  # the output brought to where the loss needs it
+    events: tuple[PricedCollective, ...]  # the output brought to where the loss needs it
     saved_bytes: float
 
     @property
@@ -62,8 +50,8 @@ class PricedStep:
     backward_s: float = 0.0  # of that, one micro-batch's backward (recomputation included): what overlaps
     params: frozenset[str] = frozenset()  # the parameters (their gathers and reductions may overlap)
     fusion: CommFusion = field(default_factory=CommFusion)  # the bucket caps its gradient collectives were packed by
-    events: list[CommEvent] = field(default_factory=list)  # every collective, in node order
-    node_events: dict[str, list[CommEvent]] = field(default_factory=dict)  # the same, by the node charged
+    events: list[PricedCollective] = field(default_factory=list)  # every collective, in node order
+    node_events: dict[str, list[PricedCollective]] = field(default_factory=dict)  # the same, by the node charged
     optimizer_s: dict[str, float] = field(default_factory=dict)  # per parameter, its local shard's update
     optimizer_fixed_s: float = 0.0  # per step (a calibrated optimizer's fixed cost)
     overhead_s: float = 0.0  # the executor's fixed host cost per step
@@ -71,10 +59,10 @@ class PricedStep:
     memory: dict[str, dict[str, float]] = field(default_factory=dict)  # category → owner → bytes per device
     flops_matmul: float = 0.0  # per device, forward + backward
     placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
-    reshards: list[tuple[str, str, Spec, Spec, tuple[CommEvent, ...]]] = field(default_factory=list)
+    reshards: list[tuple[str, str, Spec, Spec, tuple[PricedCollective, ...]]] = field(default_factory=list)
     zero_stages: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where applied
 
-    def replace_events(self, by_id: Mapping[int, Sequence[CommEvent]]) -> None:
+    def replace_events(self, by_id: Mapping[int, Sequence[PricedCollective]]) -> None:
         """Each event whose id is a key replaced by its events, in the step's list and its node's."""
         if by_id:
             self.events = [x for e in self.events for x in by_id.get(id(e), (e,))]

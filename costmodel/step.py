@@ -36,7 +36,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
+from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
 from core.errors import MeshplanError
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Recompute, lever
@@ -59,7 +59,7 @@ from costmodel.compute import (
     local_shapes,
     tensor_bytes,
 )
-from costmodel.items import CommEvent, LossCost, NodeCost, PricedStep
+from costmodel.items import LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import (
     ALIAS_OPS,
@@ -157,7 +157,7 @@ class CostModel:
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
         self.materialized: dict[str, AttentionRegion] = {} if attention is Attention.FLASH else {
             n: r for r in attention_regions(graph).values() for n in r.nodes}
-        self._edge_cache: dict[tuple[object, ...], tuple[CommEvent, ...]] = {}
+        self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
@@ -285,7 +285,7 @@ class CostModel:
         return sum(self.param_states(tensor, spec, stage=stage))
 
     def zero_events(self, tensor: str, spec: Spec, axes: tuple[int, ...], grad_bytes: float,
-                    stage: int) -> list[CommEvent]:
+                    stage: int) -> list[PricedCollective]:
         """ZeRO-1/2 in place of a gradient's all-reduce over `axes`: reduce-scatters over each axis in
         turn (each on what the previous left: the shard shrinks), once per step at stage 1 and per
         micro-batch at stage 2 (gradients kept sharded), and after the optimizer step the updated shard
@@ -296,16 +296,16 @@ class CostModel:
         sharded, rest = self.zero_axes(axes)
         rs, ag, g, w = [], [], grad_bytes, weights
         for a in sharded:
-            rs.append(CommEvent(Collective.REDUCE_SCATTER, (a,), g,
+            rs.append(PricedCollective(Collective.REDUCE_SCATTER, (a,), g,
                                 collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, g, (a,)),
                                 Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER, tensor, cadence))
-            ag.append(CommEvent(Collective.ALL_GATHER, (a,), w,
+            ag.append(PricedCollective(Collective.ALL_GATHER, (a,), w,
                                 collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, w, (a,)),
                                 Phase.OPTIMIZER, Purpose.PARAM_GATHER, tensor, Cadence.STEP))
             g, w = g / self.mesh.shape[a], w / self.mesh.shape[a]
         # A shard group smaller than the data-parallel group (optimizer_weight_shard_size): the other
         # axes all-reduce the shard, once per reduce-scatter.
-        ar = [CommEvent(Collective.ALL_REDUCE, (a,), g, collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE,
+        ar = [PricedCollective(Collective.ALL_REDUCE, (a,), g, collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE,
                                                                            g, (a,)),
                         Phase.BACKWARD, Purpose.GRAD_SYNC, tensor, cadence) for a in rest]
         return rs + ar + ag[::-1]
@@ -321,7 +321,7 @@ class CostModel:
     # -- one edge --------------------------------------------------------------------------------
 
     def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
-                    saved: bool = True) -> tuple[CommEvent, ...]:
+                    saved: bool = True) -> tuple[PricedCollective, ...]:
         """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient;
         `saved`: the consumer's backward reads the tensor (a gathered parameter is then gathered again)."""
         info = self.graph.tensors[tensor]
@@ -375,12 +375,12 @@ class CostModel:
         return index in backward_reads(node, self.needs_grad)
 
     def _edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
-                     saved: bool = True) -> tuple[CommEvent, ...]:
+                     saved: bool = True) -> tuple[PricedCollective, ...]:
         info = self.graph.tensors[tensor]
         is_param = info.kind is TensorKind.PARAM
         itemsize = (self.precision.weight_bytes if is_param else
                     self.precision.activation_bytes if info.is_float else info.itemsize_bytes)
-        events: list[CommEvent] = []
+        events: list[PricedCollective] = []
 
         def add(kind: Collective, axis: int, size: float, phase: Phase, purpose: Purpose) -> None:
             if self.fp32_communication and kind in _REDUCING:  # MindSpore's force_fp32_communication
@@ -392,7 +392,7 @@ class CostModel:
                 t = self._bucket_share(kind, axis, size, t)
             else:  # issued on its own by the executor (a redistribute): its host cost too
                 t += self.profile.device.reshard_overhead_s or 0.0
-            events.append(CommEvent(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
+            events.append(PricedCollective(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
 
         grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
@@ -529,12 +529,12 @@ class CostModel:
         stored: the all-reduce becomes `zero_events`. Records each such parameter's stage in the priced
         step and returns its ZeRO degree (the product of the axes it is reduced over)."""
         resharded = {t for t, *_ in priced.reshards}
-        synced: dict[str, list[CommEvent]] = {}
+        synced: dict[str, list[PricedCollective]] = {}
         for e in priced.events:
             if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and e.tensor in self.param_owner
                     and e.tensor not in resharded and self.stage_of(e.tensor, zero)):
                 synced.setdefault(e.tensor, []).append(e)
-        replaced: dict[int, list[CommEvent]] = {}
+        replaced: dict[int, list[PricedCollective]] = {}
         degree: dict[str, int] = {}
         for t, evs in synced.items():
             axes = tuple(sorted({a for e in evs for a in e.axes}))
@@ -553,16 +553,16 @@ class CostModel:
         resharded = {t for t, *_ in cost.reshards}
         zeroed = cost.zero_stages
 
-        def of(kind: Collective, purpose: Purpose) -> dict[str, list[CommEvent]]:
-            out: dict[str, list[CommEvent]] = {}
+        def of(kind: Collective, purpose: Purpose) -> dict[str, list[PricedCollective]]:
+            out: dict[str, list[PricedCollective]] = {}
             for e in cost.events:
                 if e.purpose is purpose and e.kind is kind and e.tensor in self.param_owner and e.tensor not in resharded:
                     out.setdefault(e.tensor, []).append(e)
             return out
 
-        priced: dict[int, list[CommEvent]] = {}
+        priced: dict[int, list[PricedCollective]] = {}
 
-        def share(kind: Collective, names: list[str] | tuple[str, ...], syncs: dict[str, list[CommEvent]]) -> None:
+        def share(kind: Collective, names: list[str] | tuple[str, ...], syncs: dict[str, list[PricedCollective]]) -> None:
             evs = [e for t in names for e in syncs[t]]
             for a in sorted({a for e in evs for a in e.axes}):
                 on_axis = [e for e in evs if e.axes == (a,)]
@@ -590,7 +590,7 @@ class CostModel:
         cost.replace_events(priced)
 
 
-def _axes(events: list[CommEvent]) -> tuple[int, ...]:
+def _axes(events: list[PricedCollective]) -> tuple[int, ...]:
     return tuple(sorted({a for e in events for a in e.axes}))
 
 
@@ -599,7 +599,7 @@ _FUSED = {Collective.ALL_REDUCE: "allreduce", Collective.ALL_GATHER: "allgather"
           Collective.REDUCE_SCATTER: "reducescatter"}
 
 
-def _seen_reduction(e: CommEvent, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
+def _seen_reduction(e: PricedCollective, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
     """A tensor read by several consumers sums their partial gradients first and reduces once per
     axis (autograd accumulates, then one all-reduce): later consumers' reductions are the same one."""
     if e.purpose not in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER):

@@ -64,6 +64,7 @@ from core import placement as mp
 from core.errors import MeshplanError
 from core.graph import Fold, OpGraph, TensorKind
 from core.levers import Recompute
+from executor.dtensors import placement
 from planner.graph import load_graph
 from planner.params import normalize
 from planner.strategy import Strategy, load_strategy
@@ -184,13 +185,6 @@ def _best_match(key: str, keys: dict[str, str]) -> str | None:
 # the plan's axes and what each module does on them
 
 
-def _torch_placement(p: mp.Placement, ndim: int, transposed: bool) -> Placement:
-    if isinstance(p, mp.Shard):
-        d = p.dim % ndim
-        return Shard(ndim - 1 - d if transposed else d)
-    return Replicate()  # a stored parameter is never partial
-
-
 def _data_parallel_axes(strategy: Strategy) -> set[int]:
     axes: set[int] = set()
     for t, v in strategy.tensors.items():
@@ -268,7 +262,7 @@ def _tensor_parallel(strategy: Strategy, graph: OpGraph, module: nn.Module, bind
         if not isinstance(p, mp.Shard):
             continue
         ndim = len(strategy.tensors[b.onnx].shape)
-        where = _torch_placement(p, ndim, b.transposed)
+        where = placement(p, ndim=ndim, transposed=b.transposed)
         params_at[owner][pname] = where
         kind = type(mods[owner]).__name__
         if pname == "weight" and kind in _COLWISE_WEIGHT_DIM:

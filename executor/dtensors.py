@@ -18,15 +18,18 @@ from core.placement import Spec, chunk
 
 def to_dtensor(spec: Spec) -> list[Placement]:
     """meshplan's placements → DTensor's, one to one (the same vocabulary: S(d), R, P(op))."""
-    out: list[Placement] = []
-    for p in spec.placements:
-        if isinstance(p, mp.Shard):
-            out.append(Shard(p.dim))
-        elif isinstance(p, mp.Partial):
-            out.append(Partial(p.reduce_op))
-        else:
-            out.append(Replicate())
-    return out
+    return [placement(p) for p in spec.placements]
+
+
+def placement(p: mp.Placement, *, ndim: int | None = None, transposed: bool = False) -> Placement:
+    """One placement as DTensor's. `ndim` and `transposed`: a 2-d weight the module holds as the
+    transpose of the exported one (a `Fold.LAYOUT` parameter) is split on the other dim."""
+    if isinstance(p, mp.Shard):
+        d = p.dim % ndim if ndim is not None else p.dim
+        return Shard(ndim - 1 - d if transposed and ndim is not None else d)
+    if isinstance(p, mp.Partial):
+        return Partial(p.reduce_op)
+    return Replicate()
 
 
 @functools.cache

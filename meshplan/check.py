@@ -214,7 +214,7 @@ def comm_bytes_per_step(s: Strategy) -> float:
     from core.collectives import Cadence
 
     k = s.training.micro_batches
-    return sum(c.bytes * (k if c.cadence is Cadence.MICRO_BATCH else 1) for n in s.nodes.values() for c in n.collectives)
+    return sum(c.size_bytes * (k if c.cadence is Cadence.MICRO_BATCH else 1) for n in s.nodes.values() for c in n.collectives)
 
 
 def structure(s: Strategy) -> dict[str, str]:

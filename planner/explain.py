@@ -89,11 +89,11 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
     agg: dict[tuple[str, tuple[str, ...], str], dict[str, Any]] = {}
     for node in strategy.nodes.values():
         for x in node.collectives:
-            key = (x.kind.value, x.axes, x.phase.value)
+            key = (x.kind.value, tuple(mesh.axis_names[i] for i in x.axes), x.phase.value)
             a = agg.setdefault(key, {"kind": key[0], "axes": list(key[1]), "phase": key[2], "count": 0, "bytes": 0.0,
                                      "time_s": 0.0})
             a["count"] += 1
-            a["bytes"] += x.bytes
+            a["bytes"] += x.size_bytes
             a["time_s"] += x.time_s
     by_layer: dict[str, float] = defaultdict(float)
     for node in strategy.nodes.values():

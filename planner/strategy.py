@@ -22,7 +22,7 @@ from typing import Any
 
 import jsonschema
 
-from core.collectives import Cadence, Collective, Phase, Purpose, cadence_of
+from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
 from core.errors import MeshplanError, read_json
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind, Mode, Recompute, Schedule, Search
@@ -158,18 +158,6 @@ class TensorPlacement:
 
 
 @dataclass(frozen=True, kw_only=True)
-class CollectiveRecord:
-    kind: Collective
-    axes: tuple[str, ...]  # mesh axis names
-    bytes: float
-    time_s: float
-    phase: Phase
-    purpose: Purpose
-    tensor: str
-    cadence: Cadence
-
-
-@dataclass(frozen=True, kw_only=True)
 class NodePlan:
     op_type: str
     module: str
@@ -178,7 +166,7 @@ class NodePlan:
     outputs: tuple[Spec, ...]
     kernels: tuple[str, ...]
     compute_s: float
-    collectives: tuple[CollectiveRecord, ...]
+    collectives: tuple[PricedCollective, ...]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +175,7 @@ class Reshard:
     consumer: str
     src: Spec
     dst: Spec
-    collectives: tuple[CollectiveRecord, ...]  # the forward ones (the backward are on the consumer)
+    collectives: tuple[PricedCollective, ...]  # the forward ones (the backward are on the consumer)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -291,8 +279,9 @@ class Strategy:
 # JSON: write (schema 2)
 
 
-def _collective_doc(c: CollectiveRecord) -> dict[str, Any]:
-    return {"kind": c.kind.value, "axes": list(c.axes), "bytes": c.bytes, "time_s": c.time_s, "phase": c.phase.value,
+def _collective_doc(c: PricedCollective, mesh: DeviceMesh) -> dict[str, Any]:
+    return {"kind": c.kind.value, "axes": [mesh.axis_names[a] for a in c.axes], "bytes": c.size_bytes,
+            "time_s": c.time_s, "phase": c.phase.value,
             "purpose": c.purpose.value, "tensor": c.tensor, "cadence": c.cadence.value}
 
 
@@ -351,9 +340,9 @@ def _document(s: Strategy) -> dict[str, Any]:
         "nodes": {n: {"op_type": p.op_type, "module": p.module, "strategy": p.strategy,
                       "inputs": [str(x) if x is not None else None for x in p.inputs],
                       "outputs": [str(x) for x in p.outputs], "kernels": list(p.kernels), "compute_s": p.compute_s,
-                      "collectives": [_collective_doc(c) for c in p.collectives]} for n, p in s.nodes.items()},
+                      "collectives": [_collective_doc(c, s.mesh) for c in p.collectives]} for n, p in s.nodes.items()},
         "reshards": [{"tensor": r.tensor, "consumer": r.consumer, "from": str(r.src), "to": str(r.dst),
-                      "collectives": [_collective_doc(c) for c in r.collectives]} for r in s.reshards],
+                      "collectives": [_collective_doc(c, s.mesh) for c in r.collectives]} for r in s.reshards],
         "fallback_ops": [{"node": f.node, "op_type": f.op_type} for f in s.fallbacks],
         "cost": {"composer": s.cost.composer, "hidden_comm_s": s.cost.hidden_comm_s,
                  "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
@@ -440,10 +429,14 @@ def from_dict(data: Mapping[str, Any], origin: str = "strategy") -> Strategy:
         raise StrategyError(f"{origin}: {e}; re-plan with meshplan plan") from e
 
 
-def _collective(c: Mapping[str, Any]) -> CollectiveRecord:
-    return CollectiveRecord(kind=Collective(c["kind"]), axes=tuple(c["axes"]), bytes=float(c["bytes"]),
-                            time_s=float(c["time_s"]), phase=Phase(c["phase"]), purpose=Purpose(c["purpose"]),
-                            tensor=c["tensor"], cadence=Cadence(c["cadence"]))
+def _collective(c: Mapping[str, Any], mesh: DeviceMesh) -> PricedCollective:
+    axes = [a for a in c["axes"] if a not in mesh.axis_names]
+    if axes:
+        raise StrategyError(f"a collective spans mesh axis {axes[0]!r}, which the strategy's mesh "
+                            f"{list(mesh.axis_names)} lacks; plan again")
+    return PricedCollective(kind=Collective(c["kind"]), axes=tuple(mesh.axis_names.index(a) for a in c["axes"]),
+                            size_bytes=float(c["bytes"]), time_s=float(c["time_s"]), phase=Phase(c["phase"]),
+                            purpose=Purpose(c["purpose"]), tensor=c["tensor"], cadence=Cadence(c["cadence"]))
 
 
 def _build(d: Mapping[str, Any]) -> Strategy:
@@ -484,10 +477,10 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                               inputs=tuple(parse_spec(x) if x is not None else None for x in n["inputs"]),
                               outputs=tuple(parse_spec(x) for x in n["outputs"]), kernels=tuple(n["kernels"]),
                               compute_s=float(n["compute_s"]),
-                              collectives=tuple(_collective(x) for x in n["collectives"]))
+                              collectives=tuple(_collective(x, mesh) for x in n["collectives"]))
                for name, n in d["nodes"].items()},
         reshards=tuple(Reshard(tensor=r["tensor"], consumer=r["consumer"], src=parse_spec(r["from"]),
-                               dst=parse_spec(r["to"]), collectives=tuple(_collective(x) for x in r["collectives"]))
+                               dst=parse_spec(r["to"]), collectives=tuple(_collective(x, mesh) for x in r["collectives"]))
                        for r in d["reshards"]),
         fallbacks=tuple(Fallback(node=f["node"], op_type=f["op_type"]) for f in d["fallback_ops"]),
         cost=PredictedCost(step_time_s=c["step_time_s"], compute_s=c["compute_s"], optimizer_s=c["optimizer_s"],
@@ -628,7 +621,7 @@ def diff(a: Strategy, b: Strategy) -> dict[str, Any]:
         out: dict[str, float] = {}
         for node in s.nodes.values():
             for c in node.collectives:
-                out[c.kind.value] = out.get(c.kind.value, 0.0) + c.bytes
+                out[c.kind.value] = out.get(c.kind.value, 0.0) + c.size_bytes
         return out
 
     def mesh(s: Strategy) -> dict[str, Any]:

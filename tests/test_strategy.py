@@ -58,8 +58,8 @@ def test_v1_file_migrates(zoo: Callable[[str], Path], tmp_path: Path) -> None:
         old = s.nodes[name]
         assert (node.strategy, node.inputs, node.outputs, node.kernels) == (old.strategy, old.inputs, old.outputs,
                                                                             old.kernels)
-        assert [(c.kind, c.axes, c.bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in node.collectives] == \
-               [(c.kind, c.axes, c.bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in old.collectives]
+        assert [(c.kind, c.axes, c.size_bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in node.collectives] == \
+               [(c.kind, c.axes, c.size_bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in old.collectives]
     assert now.cost.step_time_s == pytest.approx(s.cost.step_time_s, rel=1e-12)
     assert now.cost.memory == pytest.approx(s.cost.memory, rel=1e-12)
 

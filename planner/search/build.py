@@ -15,13 +15,12 @@ from core.placement import OpStrategy, Spec, fully_sharded
 from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
-from costmodel.step import CommEvent, CostModel
+from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile, list_presets
 from planner.rules import RuleSet
 from planner.search.request import PlanRequest
 from planner.strategy import (
     CandidateRecord,
-    CollectiveRecord,
     Fallback,
     ModelRef,
     NodePlan,
@@ -74,12 +73,6 @@ def batch_of(graph: OpGraph) -> int | None:
     return None
 
 
-def collective_records(events: list[CommEvent] | tuple[CommEvent, ...], mesh: DeviceMesh) -> tuple[CollectiveRecord, ...]:
-    return tuple(CollectiveRecord(kind=e.kind, axes=tuple(mesh.axis_names[a] for a in e.axes), bytes=e.size_bytes,
-                                  time_s=e.time_s, phase=e.phase, purpose=e.purpose, tensor=e.tensor, cadence=e.cadence)
-                 for e in events)
-
-
 def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: DeviceMesh, rules: RuleSet,
                    choice: Mapping[str, OpStrategy], cost: StepCost, stats: SolverStats, settings: PlanSettings,
                    candidates: tuple[CandidateRecord, ...] = (), training: TrainingSettings | None = None) -> Strategy:
@@ -95,14 +88,14 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         nodes[n.name] = NodePlan(op_type=n.op_type, module=n.module_path, strategy=s.name, inputs=tuple(s.input_specs),
                                  outputs=tuple(s.output_specs), kernels=tuple(s.kernels),
                                  compute_s=cost.node_compute_s.get(n.name, 0.0),
-                                 collectives=collective_records(cost.node_events.get(n.name, []), mesh))
+                                 collectives=tuple(cost.node_events.get(n.name, [])))
     return Strategy(
         model=ModelRef(path=str(Path(model_path).resolve()), name=graph.name, fingerprint=graph.fingerprint,
                        dims=dict(graph.dims), notes=tuple(graph.notes)),
         profile=profile, mesh=mesh, settings=settings, training=training or TrainingSettings(),
         tensors=tensors, nodes=nodes,
         reshards=tuple(Reshard(tensor=t, consumer=c, src=a, dst=b,
-                               collectives=collective_records([e for e in ev if e.phase is Phase.FORWARD], mesh))
+                               collectives=tuple([e for e in ev if e.phase is Phase.FORWARD]))
                        for t, c, a, b, ev in cost.reshards),
         fallbacks=tuple(Fallback(node=n.name, op_type=n.op_type) for n in rules.fallbacks),
         cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
