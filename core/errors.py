@@ -22,9 +22,10 @@ class ModelError(MeshplanError):
 class DimBindingError(ModelError):
     """A symbolic dimension is unbound, bound twice, or bound to a name the model does not have."""
 
-    def __init__(self, message: str, *, unknown: tuple[str, ...] = ()) -> None:
+    def __init__(self, message: str, *, unknown: tuple[str, ...] = (), unbound: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.unknown = unknown  # names bound that the model does not have
+        self.unbound = unbound  # the model's symbolic dims left unbound
 
 
 class ProfileError(MeshplanError):

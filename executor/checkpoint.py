@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
 from core.errors import MeshplanError
-from core.graph import TensorKind
+from core.graph import Fold, TensorKind
 from executor.spmd import SpmdRunner, contiguous_stride
 from planner.strategy import Strategy
 
@@ -286,8 +286,18 @@ def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, str
             "mesh": list(strategy.mesh.shape), "axis_names": list(strategy.mesh.axis_names),
             "layout": strategy.training.layout, "optimizer_steps": steps,
             "pipeline_stages": len(strategy.pipeline.stages) if strategy.pipeline is not None else 1,
-            "parameters": sorted(_params(strategy)), "parameter_shapes": _params(strategy)}, indent=1) + "\n")
+            "parameters": sorted(_params(strategy)), "parameter_shapes": _params(strategy),
+            # A parameter the exporter folded at static shapes (a position table sliced to the traced
+            # positions) is saved as the rows it is: which module parameter they are, by torch's name.
+            **({"folded": folded} if (folded := _folded(runner)) else {})}, indent=1) + "\n")
     dist.barrier()
+
+
+def _folded(runner: SpmdRunner) -> dict[str, dict[str, Any]]:
+    """The module parameters behind the graph's parameters folded at the export's static shapes."""
+    graph = runner.graph
+    return {name: {"origin": p.origin, "shape": list(graph.tensors[name].shape)}
+            for name, p in sorted(graph.parameters.items()) if p.fold is Fold.STATIC and name in runner.params}
 
 
 class LoadPeak:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import MeshplanError
-from core.graph import Fold, OpGraph
+from core.graph import OpGraph
 from executor.preflight import RunError, RunOptions, check_step, planned_counts
 from executor.ranks import run_ranks
 from executor.train import worker
@@ -27,10 +27,6 @@ def check_executable(graph: OpGraph) -> None:
     if missing:
         raise RunError(f"the executor cannot run op type(s) {', '.join(missing)} (they plan, replicated or by rule); "
                        "add them to executor/ops.py, or plan without run")
-    static = [f"{p.name} ← {p.origin}" for p in graph.parameters.values() if p.fold is Fold.STATIC]
-    if static:
-        raise RunError(f"parameter(s) {', '.join(static)} were folded at the export's static shapes: training them "
-                       "would not train the module's tensors; re-export with dynamic_shapes or optimize=False")
 
 
 def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, timeout_s: float = 600.0) -> dict[str, Any]:

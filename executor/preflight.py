@@ -64,7 +64,6 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
         if strategy.pipeline.result_broadcast:
             out[Collective.BROADCAST.value] += 1
     resharded = {r.tensor for r in strategy.reshards}
-    axis_index = {n: i for i, n in enumerate(strategy.mesh.axis_names)}
     k = strategy.training.micro_batches
     fusion = strategy.training.comm_fusion
     # A parameter's gradient all-reduce (ZeRO: its reduce-scatters and the updated shard's gathers) when
@@ -75,7 +74,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
         for c in node.collectives:
             if c.purpose in _BUCKETED and c.tensor in params and c.tensor not in resharded:
                 axes, nbytes = bucketed[c.purpose].get(c.tensor, (set(), 0.0))
-                bucketed[c.purpose][c.tensor] = (axes | {axis_index[a] for a in c.axes}, max(nbytes, c.bytes))
+                bucketed[c.purpose][c.tensor] = (axes | set(c.axes), max(nbytes, c.size_bytes))
                 if c.purpose is Purpose.GRAD_REDUCE_SCATTER:
                     stages[c.tensor] = 2 if c.cadence is Cadence.MICRO_BATCH else 1
                 continue
@@ -123,7 +122,9 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
                        + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")
                        + ": plan with --attention flash or eager and --attention-dropout 0 to run it")
     k = strategy.training.micro_batches
-    batch = strategy.model.dims.get("batch")
+    # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
+    first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()
+    batch = strategy.model.dims.get("batch", first[0] if first else None)
     odd = [t for t in graph.inputs if not graph.tensors[t].shape or graph.tensors[t].shape[0] != batch]
     if k > 1 and (batch is None or odd):
         raise RunError(f"{k} micro-batches split every input along dim 0, the batch, but input(s) "

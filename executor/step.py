@@ -135,31 +135,44 @@ def _full(t: torch.Tensor | None) -> torch.Tensor:
 
 
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
-                               loss_of: Any, dist_loss: float, grads: dict[str, torch.Tensor],
+                               loss_of: Loss, dist_loss: float, grads: dict[str, torch.Tensor],
                                after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
-                               steps: int | None = None, offset: int = 0) -> dict[str, Any]:
+                               steps: int | None = None, offset: int = 0, micro_batches: int = 1) -> dict[str, Any]:
     """The same training in one process: the first step's loss, gradients and updated parameters,
     and the parameters after all the run's `steps` (`final`; default 1 + warm-up + timed steps). The
     parameters compared are those of `grads` (a pipeline stage's own). `offset`: optimizer steps the
     run's parameters had before it (a loaded checkpoint's), which the one process trains first, from
-    the start: the check of a checkpoint is this uninterrupted run."""
+    the start: the check of a checkpoint is this uninterrupted run. `micro_batches`: the step's batch
+    as that many micro-batches, their gradients accumulated (a model traced at a static batch, which
+    takes one micro-batch at a time); 1: the whole batch at once (the model bound at the step's batch)."""
     ref = load_module(model_path, dims, seed=opts.seed)
     optim = make_optimizer(ref.parameters(), opts)
-    for _ in range(offset):
+
+    def step_loss() -> torch.Tensor:
         optim.zero_grad(set_to_none=True)
-        loss_of(ref(*batch)).backward()
+        if micro_batches == 1:
+            loss = loss_of(ref(*batch))
+            loss.backward()
+            return loss.detach()
+        total = torch.zeros(())
+        for i in range(micro_batches):
+            labels = None if loss_of.labels is None else micro_batch(loss_of.labels, i, micro_batches)
+            part = loss_of.local(ref(*[micro_batch(x, i, micro_batches) for x in batch]), labels)
+            part.backward()
+            total = total + part.detach()
+        return total
+
+    for _ in range(offset):
+        step_loss()
         optim.step()
-    optim.zero_grad(set_to_none=True)
-    loss = loss_of(ref(*batch))
-    loss.backward()
+    loss = step_loss()
     mine = [(n, p) for n, p in ordered_params(ref) if n in grads]
     grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in mine)
     optim.step()
     param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in mine)
     loss_diff = abs(float(loss) - dist_loss)
     for _ in range((1 + opts.warmup + opts.steps if steps is None else steps) - 1):
-        optim.zero_grad(set_to_none=True)
-        loss_of(ref(*batch)).backward()
+        step_loss()
         optim.step()
     final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in mine)
     return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,

@@ -244,11 +244,13 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         final = {n: runner.full_parameter(n, p.detach()).cpu() for n, p in own}
         report["trained_parameters"] = train.trained_parameters(final)  # what the optimizer stepped, whole
         dims = dict(strategy.model.dims)
-        if strategy.training.micro_batches > 1:  # the reference takes the whole step's batch at once
-            dims["batch"] *= strategy.training.micro_batches
+        k = strategy.training.micro_batches
+        if "batch" in dims:  # the reference takes the whole step's batch at once
+            dims["batch"] *= k
+            k = 1
         report.update(verify_against_one_process(model_path, dims, opts, train.cpu_batch, train.loss,
                                                  float(first_loss), grads, after, final, steps=steps - before,
-                                                 offset=before))
+                                                 offset=before, micro_batches=k))
     if opts.save:
         from executor import checkpoint
 

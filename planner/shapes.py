@@ -38,7 +38,8 @@ def bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -
     unbound = [d for d in needed if d not in dims]
     if unbound:
         flags = " ".join(f"--dim {d}=N" for d in unbound)
-        raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}")
+        raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}",
+                              unbound=tuple(unbound))
     for k, size in dims.items():
         if size <= 0:
             raise DimBindingError(f"--dim {k}={size}: a dimension must be a positive integer")

@@ -34,6 +34,7 @@ from hwprofiles.profile import HardwareProfile, load_profile
 from planner.graph import load_graph
 from planner.rules import RuleSet, rules_for_graph
 from planner.search.build import (
+    batch_of,
     build_strategy,
     cost_model_for,
     param_layout_for,
@@ -63,22 +64,24 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     precision = PRECISIONS[req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32")]
-    steps, policies = req.step_candidates(), req.recompute_candidates(profile.devices_per_node)
+    policies = req.recompute_candidates(profile.devices_per_node)
+    traced, graphs = _traced(req)
+    steps = [req.static_steps(batch_of(traced) or 1)] if traced is not None else req.step_candidates()
+    if traced is not None:
+        graphs[steps[0]] = traced
     failures: list[MeshplanError] = []
-    graphs: dict[int, OpGraph] = {}
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+
     def attempt(k: int, recompute: Recompute) -> tuple[Strategy, list[Candidate]] | None:
-        dims = req.dims_for(k)
         if k not in graphs:
+            dims = req.dims_for(k)
             say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
             try:
                 graphs[k] = load_graph(req.model, dims)
             except DimBindingError as e:
                 if req.global_batch_size is None or "batch" not in e.unknown:
                     raise
-                raise DimBindingError(
-                    f"--global-batch-size binds the model's symbolic dim 'batch' per micro-step, but {e}; "
-                    "export the model with a dynamic dim named batch, or plan one step with --dim") from e
+                raise DimBindingError(f"--global-batch-size binds the model's dim 'batch' per micro-step: {e}") from e
         try:
             plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
         except PinError:
@@ -95,7 +98,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     # it needs only the layer count, known once the model is imported.
     pipelines: Callable[[], list[tuple[int, tuple[Strategy, list[Candidate]]]]] | None = None
     tried = 0
-    if req.searches_pipelines():
+    if req.searches_pipelines() and traced is None:  # a static batch is one micro-batch: no other to try
         attempt(steps[0], policies[0])
         tried = 1
         layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
@@ -134,6 +137,33 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
     return min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+
+
+def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:
+    """Whether the model's batch is static (a default export, traced at one micro-step's batch) where
+    the request runs micro-steps or pipeline micro-batches: the model imported at its traced batch, or
+    None where the batch is a symbolic dim bound per micro-step (with the import of the first
+    candidate's, when that told)."""
+    pipelined = req.layout is not None and req.layout.pipeline > 1
+    if "batch" in req.dims or (req.global_batch_size is None and not req.accumulation_steps and not pipelined):
+        return None, {}
+    if req.global_batch_size is not None:  # the usual case, a symbolic batch: no import beyond the first one
+        k = req.step_candidates()[0]
+        try:
+            return None, {k: load_graph(req.model, req.dims_for(k))}
+        except DimBindingError as e:
+            if "batch" not in e.unknown:
+                raise
+        return load_graph(req.model, req.dims), {}
+    try:
+        return load_graph(req.model, req.dims), {}
+    except DimBindingError as e:
+        if "batch" not in e.unbound:
+            raise
+        what = "a pipeline runs micro-batches" if pipelined else f"--accumulation-steps {req.accumulation_steps} runs micro-steps"
+        raise DimBindingError(f"{what} of a global batch, and the model's batch is a symbolic dim: give "
+                              "--global-batch-size (the batch per optimizer step, bound per micro-step)",
+                              unbound=("batch",)) from None
 
 
 def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:

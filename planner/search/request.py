@@ -97,9 +97,6 @@ class PlanRequest:
             if (pp.virtual > 1) != (self.schedule is Schedule.INTERLEAVED):
                 raise MeshplanError(f"--schedule {self.schedule} with vpp={pp.virtual}: the interleaved schedule is the "
                                     "one with virtual stages (vpp > 1), and it needs them")
-        if pp is not None and pp.pipeline > 1 and self.global_batch_size is None:
-            raise MeshplanError("--layout pp: a pipeline runs micro-batches of a global batch; give "
-                                "--global-batch-size (and --micro-batch-size, default 1 per data-parallel rank)")
         if self.micro_batch_size is not None:
             if self.micro_batch_size < 1:
                 raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: needs at least 1 sequence")
@@ -139,7 +136,7 @@ class PlanRequest:
             if k is not None and g % k:
                 raise MeshplanError(f"--global-batch-size {g} is not divisible by --accumulation-steps {k}; "
                                     f"pick steps among {', '.join(map(str, _divisors(g)))}")
-        elif k is not None and k > 1:
+        elif k is not None and k > 1 and "batch" in self.dims:
             raise MeshplanError(f"--accumulation-steps {k} splits a global batch: give --global-batch-size "
                                 "(the batch per optimizer step) instead of --dim batch")
 
@@ -167,6 +164,25 @@ class PlanRequest:
         if self.layout is not None and self.layout.pipeline > 1:
             return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
         return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
+
+    def static_steps(self, batch: int) -> int:
+        """Micro-steps of a model traced at a static batch, which is one micro-step's: the global batch
+        over it, or the accumulation steps asked for, or 1."""
+        g, k = self.global_batch_size, self.accumulation_steps
+        if self.micro_batch_size is not None and self.micro_batch_size * self.data_parallel_degree() != batch:
+            raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: the model's static batch {batch} is one "
+                                f"micro-step's, {batch // self.data_parallel_degree()} per data-parallel rank; drop "
+                                "--micro-batch-size, or re-export with a dynamic batch dim")
+        if g is None:
+            return k or 1
+        if g % batch:
+            raise MeshplanError(f"--global-batch-size {g} is not a multiple of the model's static batch {batch} (the "
+                                f"traced batch: one micro-step's); give a multiple of {batch}, or re-export with a "
+                                "dynamic batch dim")
+        if k is not None and k != g // batch:
+            raise MeshplanError(f"--accumulation-steps {k}: --global-batch-size {g} over the model's static batch "
+                                f"{batch} is {g // batch} micro-steps; give one of the two")
+        return g // batch
 
     def searches_pipelines(self) -> bool:
         """Pipelines are tried where the planner chooses the mesh of a global batch."""
