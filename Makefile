@@ -21,12 +21,16 @@ zoo: $(STAMP)
 	$(PY) -m bench.zoo
 
 # Batch 16 × 64 tokens: at 8 × 32 the ILP keeps gpt2-tiny whole on each CPU rank (splitting it costs
-# more than it saves there), and the demo would run no collective.
+# more than it saves there), and the demo would run no collective. The plan is priced on this
+# machine's compute, measured first (--compute-only: both ranks at once, links kept from the cpu
+# preset): a preset measured on another day predicts another machine.
 demo: $(STAMP)
 	mkdir -p out
 	$(PY) -m bench.zoo gpt2-tiny
+	$(VENV)/bin/meshplan profile calibrate --nproc 2 --compute-only --quick --base cpu --name cpu-here --out out/cpu-here.json
+	@echo "profile: out/cpu-here.json — this machine's compute, measured just now; links from the cpu preset"
 	$(VENV)/bin/meshplan inspect $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=16 --dim seq=64
-	$(VENV)/bin/meshplan plan $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=16 --dim seq=64 --devices 2 --profile cpu -o out/gpt2-tiny.strategy.json
+	$(VENV)/bin/meshplan plan $(ZOO_DIR)/gpt2-tiny.onnx --dim batch=16 --dim seq=64 --devices 2 --profile out/cpu-here.json -o out/gpt2-tiny.strategy.json
 	$(VENV)/bin/meshplan explain out/gpt2-tiny.strategy.json --top 5
 	$(VENV)/bin/meshplan run out/gpt2-tiny.strategy.json --model $(ZOO_DIR)/gpt2-tiny.onnx --nproc 2 --verify
 

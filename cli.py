@@ -13,12 +13,11 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import click
-from rich.table import Table
 
 from core.errors import MeshplanError
 from core.layout import parse_layout
 from core.levers import Attention, Composer, LeverError, LossKind, Mode, Recompute, Schedule, Search, lever
-from meshplan.options import (
+from meshplan.cli.options import (
     build_mesh,
     dim_option,
     mesh_options,
@@ -27,19 +26,25 @@ from meshplan.options import (
     parse_mesh_shape,
     parse_pins,
     parse_size,
+    parse_strategy_in,
     parse_zero,
+    plan_options,
     precision_for,
 )
-from meshplan.render import (
+from meshplan.cli.render import (
     console,
     err_console,
-    fmt_bytes,
     render_calibration,
+    render_checkpoint,
     render_diff,
     render_explain,
     render_layout_comparison,
     render_plan,
+    render_presets,
+    render_profile,
+    render_reshard,
     render_run,
+    render_strategies,
     render_summary,
 )
 
@@ -112,76 +117,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @click.argument("model", type=click.Path(dir_okay=True, path_type=str))
 @dim_option
 @mesh_options
-@click.option("--mode", type=click.Choice(["auto", "semi", "data-parallel", "stand-alone"]), default="auto",
-              show_default=True, help="auto: the ILP; semi: honour pins, decide the rest; data-parallel; stand-alone.")
-@click.option("--search", type=click.Choice(["ilp", "propagation"]), default="ilp", show_default=True,
-              help="How auto/semi decide: the ILP, or greedy propagation (fast, no ILP).")
-@click.option("--pin", "pins", multiple=True, metavar="TENSOR=PLACEMENTS", help="Fix a tensor's placements (repeatable).")
-@click.option("--pin-file", default=None, help="JSON map of tensor → placements.")
-@click.option("--memory-limit", "memory_limit", type=float, default=None, metavar="GIB",
-              help="Per-device memory limit in GiB (default: 90% of the device's capacity).")
-@click.option("--time-limit", type=float, default=60.0, show_default=True, metavar="S", help="Solver time limit.")
-@click.option("--solver", type=click.Choice(["cbc", "cpsat", "scip", "highs"]), default="cbc", show_default=True)
-@click.option("--workers", type=int, default=2, show_default=True,
-              help="Solver threads (CP-SAT; CBC runs one). The plan is the same whatever the count.")
-@click.option("--no-follow", is_flag=True, help="Give every op its own decision (exact, slower).")
-@click.option("--no-all-to-all", is_flag=True, help="Reshard S(i)→S(j) by all_gather + slice.")
-@click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
-@click.option("--loss", type=click.Choice(["auto", "cross-entropy", "mse"]), default="auto", show_default=True,
-              help="The training loss on the first output (auto: cross-entropy on logits, else mse).")
-@click.option("--global-batch-size", type=int, default=None, metavar="G",
-              help="Sequences per optimizer step, split into micro-steps (instead of --dim batch).")
-@click.option("--accumulation-steps", default="auto", show_default=True, metavar="K|auto",
-              help="Micro-steps per optimizer step with --global-batch-size (auto: the fewest that fit).")
-@click.option("--zero", "zero_stage", default="auto", show_default=True, metavar="0|1|2|3|auto",
-              help="ZeRO stage: 1 shards optimizer states over the data-parallel ranks, 2 gradients, 3 parameters; "
-                   "auto: each parameter's stage chosen by the ILP.")
-@click.option("--recompute", default="auto", show_default=True, metavar="none|selective|full|auto",
-              help="Activation recomputation of the repeated layers (auto: the ILP decides how many layers of each "
-                   "group, only where memory needs it).")
-@click.option("--recompute-layers", type=int, default=None, metavar="N",
-              help="With --recompute full: only the first N layers of each group (Megatron's --recompute-num-layers).")
-@click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE|KIND=SIZE,...|auto",
-              help="Bucket caps for gradient all-reduces and ZeRO's reduce-scatters and gathers (DDP's bucket_cap_mb, "
-                   "MindSpore's comm_fusion): one size for all, per kind (allreduce=25MB,allgather=50MB,"
-                   "reducescatter=25MB), or auto (the planner's choice).")
-@click.option("--zero-threshold", default="0", show_default=True, metavar="SIZE",
-              help="ZeRO-1/2 leave parameters smaller than this whole (MindSpore's parallel_optimizer_threshold).")
-@click.option("--zero-shard-size", type=int, default=None, metavar="N",
-              help="ZeRO-1/2 shard groups of N ranks inside the data-parallel group, the shard all-reduced across "
-                   "them (MindSpore's optimizer_weight_shard_size).")
-@click.option("--gradients-sum", is_flag=True,
-              help="Sum gradients over the data-parallel ranks, each rank's loss the mean of its own batch "
-                   "(MindSpore's gradients_mean=False; default: averaged).")
-@click.option("--parameter-broadcast", is_flag=True, help="Broadcast the parameters from rank 0 before training.")
-@click.option("--pipeline-result-broadcast", is_flag=True,
-              help="A pipelined plan's loss broadcast from the last stage to every stage after each step.")
-@click.option("--force-fp32-communication", is_flag=True,
-              help="All-reduces and reduce-scatters in fp32 whatever the training dtype (priced so).")
-@click.option("--overlap", is_flag=True,
-              help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
-                   "(default: serial, as the gloo executor runs).")
-@click.option("--attention", default="flash", show_default=True, metavar="flash|eager|fused-softmax",
-              help="How the runtime runs attention: FlashAttention (scores on chip), torch's eager ops or "
-                   "Megatron-LM's fused scale-mask-softmax (scores and probabilities through memory; priced per kernel).")
-@click.option("--attention-dropout", type=float, default=0.0, metavar="P",
-              help="Dropout on the attention probabilities (priced where they are materialised).")
-@click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
-              help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best.")
-@click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",
-              help="A pipeline layout's schedule (default 1f1b; interleaved with vpp).")
-@click.option("--micro-batch-size", type=int, default=None, metavar="M",
-              help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout).")
-@click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json).")
-@click.option("--strategy-out", default=None, metavar="FILE",
-              help="Also write a strategy checkpoint (MindSpore's strategy_ckpt_save_file): the strategy JSON, or "
-                   "with --only-trainable-params the parameters' layout only.")
-@click.option("--only-trainable-params", is_flag=True,
-              help="--strategy-out holds only the trainable parameters' placements and the mesh.")
-@click.option("--strategy-in", default=None, metavar="FILE",
-              help="Hold the plan to a strategy checkpoint's parameter placements and mesh (a strategy JSON or "
-                   "a --only-trainable-params file); the rest is planned anew.")
-@click.option("--json", "as_json", is_flag=True, help="Print the strategy JSON instead of the summary.")
+@plan_options
 @_one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
@@ -208,7 +144,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     names = tuple(n.strip() for n in axis_names.split(",")) if axis_names else None
     held: dict[str, str] = {}
     if strategy_in:
-        shape, names, held = _strategy_in(strategy_in, model, dims, shape, names, devices)
+        shape, names, held = parse_strategy_in(strategy_in, model, dims, shape, names, devices)
         mode = Mode.SEMI if mode == Mode.AUTO else mode
     user_pins = parse_pins(pins, pin_file)
     clash = sorted(t for t in set(held) & set(user_pins) if held[t] != user_pins[t])
@@ -252,29 +188,6 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
         render_layout_comparison(strategy, best)
 
 
-def _strategy_in(path: str, model: str, dims: dict[str, int], shape: tuple[int, ...] | None,
-                 names: tuple[str, ...] | None, devices: int) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, str]]:
-    """A strategy checkpoint's mesh and parameter placements, checked against the model and the flags."""
-    from planner.graph import load_graph
-    from planner.strategy import held_to_layout, load_parameter_layout
-
-    layout = load_parameter_layout(path)
-    pins = held_to_layout(layout, load_graph(model, dims), path)
-    n = 1
-    for d in layout.mesh_shape:
-        n *= d
-    if n != devices:
-        raise MeshplanError(f"--strategy-in {path} lays parameters out over {n} devices, not --devices {devices}; "
-                            "plan for those devices, or without --strategy-in")
-    if shape is not None and tuple(shape) != layout.mesh_shape:
-        raise MeshplanError(f"--mesh {'x'.join(map(str, shape))} differs from --strategy-in {path}'s "
-                            f"{'x'.join(map(str, layout.mesh_shape))}; drop --mesh")
-    if names is not None and tuple(names) != layout.axis_names:
-        raise MeshplanError(f"--axis-names {','.join(names)} differ from --strategy-in {path}'s "
-                            f"{','.join(layout.axis_names)}; drop --axis-names")
-    return layout.mesh_shape, layout.axis_names, pins
-
-
 @main.command()
 @click.argument("strategy_path", metavar="STRATEGY")
 @click.option("--top", type=int, default=10, show_default=True, help="Most expensive ops shown.")
@@ -292,7 +205,7 @@ def explain(strategy_path: str, top: int, as_json: bool, report: str | None, tim
     if report:
         write_html_report(data, report)
     if timeline:
-        from meshplan.timeline import draw_timeline
+        from meshplan.cli.timeline import draw_timeline
 
         draw_timeline(load_strategy(strategy_path), timeline)
     if as_json:
@@ -354,14 +267,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
     if as_json:
         click.echo(json.dumps({"from": str(a), "to": str(b), "mesh": list(m.shape), "steps": rows}, indent=1))
         return
-    table = Table(title=f"{a} → {b} on mesh {m} ({prof.name}, {prec.name})")
-    for col in ("op", "axis", "placement", "bytes", "time"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["op"], r["axis"], f"{r['from']} → {r['to']}", fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.1f} µs")
-    if not rows:
-        table.add_row("none", "", "already there", "", "")
-    console.print(table)
+    render_reshard(rows, f"{a} → {b} on mesh {m} ({prof.name}, {prec.name})")
 
 
 @main.command()
@@ -409,16 +315,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
     if as_json:
         click.echo(json.dumps({"mesh": list(m.shape), "nodes": out, "fallback_op_types": fallbacks}, indent=1))
         return
-    for entry in out:
-        table = Table(title=f"{entry['node']} ({entry['op_type']}, {entry['module'] or 'no module'}): "
-                            f"{entry['num_strategies']} strategies{' — FALLBACK' if entry['fallback'] else ''}")
-        for col in ("strategy", "compute", "grad sync", "params+states", "saved act."):
-            table.add_column(col)
-        for r in entry["strategies"]:
-            table.add_row(r["strategy"], f"{r['compute_s'] * 1e6:.1f} µs", f"{r['comm_s'] * 1e6:.1f} µs",
-                          fmt_bytes(r["param_bytes"]), fmt_bytes(r["activation_bytes"]))
-        console.print(table)
-    console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
+    render_strategies(out, fallbacks)
 
 
 @main.command()
@@ -438,7 +335,7 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
     from meshplan.check import as_json as report_json
     from meshplan.check import check as run_check
     from meshplan.check import exit_code, junit, markdown
-    from meshplan.render import render_check
+    from meshplan.cli.render import render_check
 
     with err_console.status("checking") as status:
         results = run_check(config_path, baseline=baseline, run=run_cases, update=update,
@@ -510,18 +407,7 @@ def checkpoint_inspect(path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=1))
         return
-    console.print(f"{path}: {info['model_name']} (fingerprint {info['model_fingerprint']}), saved after "
-                  f"{info['optimizer_steps']} optimizer steps under mesh "
-                  + " × ".join(f"{a}={n}" for a, n in zip(info["axis_names"], info["mesh"], strict=True))
-                  + (f", layout {info['layout']}" if info.get("layout") else ""), markup=False, highlight=False)
-    from rich.table import Table
-
-    t = Table()
-    for col in ("tensor", "shape", "shards"):
-        t.add_column(col)
-    for k, v in info["tensors"].items():
-        t.add_row(k, "×".join(map(str, v["shape"])) or "scalar", str(v["shards"]))
-    console.print(t)
+    render_checkpoint(path, info)
 
 
 @main.group()
@@ -535,13 +421,7 @@ def profile_list() -> None:
     """List the preset profiles shipped with meshplan."""
     from hwprofiles.profile import list_presets, load_profile
 
-    table = Table(title="hardware profile presets")
-    for col in ("name", "origin", "description"):
-        table.add_column(col)
-    for name in list_presets():
-        p = load_profile(name)
-        table.add_row(name, p.origin.get("kind", ""), p.description)
-    console.print(table)
+    render_presets([load_profile(name) for name in list_presets()])
 
 
 @profile.command("show")
@@ -557,20 +437,7 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=1, ensure_ascii=False))
         return
-    table = Table(title=f"{p.name} — {p.description}  (digest {p.digest})")
-    for col in ("field", "value", "unit", "source"):
-        table.add_column(col, overflow="fold", no_wrap=col == "field")
-    for path, q in _quantities(data):
-        table.add_row(path, f"{q['value']:.4g}", q["unit"], q["source"])
-    console.print(table)
-
-
-def _quantities(obj: Any, prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    if isinstance(obj, dict) and {"value", "unit", "source"} <= obj.keys():
-        return [(prefix, obj)]
-    if isinstance(obj, dict):
-        return [x for k, v in obj.items() if k != "table" for x in _quantities(v, f"{prefix}.{k}" if prefix else k)]
-    return []
+    render_profile(p, data)
 
 
 @profile.command("calibrate")

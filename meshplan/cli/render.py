@@ -15,6 +15,7 @@ from rich.table import Table
 from core.levers import Attention
 
 if TYPE_CHECKING:
+    from hwprofiles.profile import HardwareProfile
     from hwprofiles.report import CalibrationReport
     from planner.strategy import Strategy, TrainingSettings
 
@@ -340,3 +341,71 @@ def render_check(results: list[Any]) -> None:
     console.print({0: "no regression", 1: "regression: " + "; ".join(f.line() for r in results for f in r.findings
                                                                        if f.status == "regression"),
                    2: "error: a case could not be checked"}[code], markup=False, highlight=False, soft_wrap=True)
+
+
+def render_reshard(rows: list[dict[str, Any]], title: str) -> None:
+    """`meshplan reshard`: the collectives that move a tensor, one row a step."""
+    table = Table(title=title)
+    for col in ("op", "axis", "placement", "bytes", "time"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["op"], r["axis"], f"{r['from']} → {r['to']}", fmt_bytes(r["bytes"]), f"{r['time_s'] * 1e6:.1f} µs")
+    if not rows:
+        table.add_row("none", "", "already there", "", "")
+    console.print(table)
+
+
+def render_strategies(nodes: list[dict[str, Any]], fallbacks: list[str]) -> None:
+    """`meshplan strategies`: a table per node, its strategies cheapest first."""
+    for entry in nodes:
+        table = Table(title=f"{entry['node']} ({entry['op_type']}, {entry['module'] or 'no module'}): "
+                            f"{entry['num_strategies']} strategies{' — FALLBACK' if entry['fallback'] else ''}")
+        for col in ("strategy", "compute", "grad sync", "params+states", "saved act."):
+            table.add_column(col)
+        for r in entry["strategies"]:
+            table.add_row(r["strategy"], f"{r['compute_s'] * 1e6:.1f} µs", f"{r['comm_s'] * 1e6:.1f} µs",
+                          fmt_bytes(r["param_bytes"]), fmt_bytes(r["activation_bytes"]))
+        console.print(table)
+    console.print(f"fallback (replicated) op types: {', '.join(fallbacks) or 'none'}")
+
+
+def render_checkpoint(path: str, info: dict[str, Any]) -> None:
+    """`meshplan checkpoint inspect`: what a checkpoint holds, under which plan it was saved."""
+    console.print(f"{path}: {info['model_name']} (fingerprint {info['model_fingerprint']}), saved after "
+                  f"{info['optimizer_steps']} optimizer steps under mesh "
+                  + " × ".join(f"{a}={n}" for a, n in zip(info["axis_names"], info["mesh"], strict=True))
+                  + (f", layout {info['layout']}" if info.get("layout") else ""), markup=False, highlight=False)
+    t = Table()
+    for col in ("tensor", "shape", "shards"):
+        t.add_column(col)
+    for k, v in info["tensors"].items():
+        t.add_row(k, "×".join(map(str, v["shape"])) or "scalar", str(v["shards"]))
+    console.print(t)
+
+
+def render_presets(profiles: list[HardwareProfile]) -> None:
+    """`meshplan profile list`."""
+    table = Table(title="hardware profile presets")
+    for col in ("name", "origin", "description"):
+        table.add_column(col)
+    for p in profiles:
+        table.add_row(p.name, p.origin.get("kind", ""), p.description)
+    console.print(table)
+
+
+def render_profile(p: HardwareProfile, data: dict[str, Any]) -> None:
+    """`meshplan profile show`: every value of the profile with its unit and source."""
+    table = Table(title=f"{p.name} — {p.description}  (digest {p.digest})")
+    for col in ("field", "value", "unit", "source"):
+        table.add_column(col, overflow="fold", no_wrap=col == "field")
+    for path, q in _quantities(data):
+        table.add_row(path, f"{q['value']:.4g}", q["unit"], q["source"])
+    console.print(table)
+
+
+def _quantities(obj: Any, prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    if isinstance(obj, dict) and {"value", "unit", "source"} <= obj.keys():
+        return [(prefix, obj)]
+    if isinstance(obj, dict):
+        return [x for k, v in obj.items() if k != "table" for x in _quantities(v, f"{prefix}.{k}" if prefix else k)]
+    return []
