@@ -177,7 +177,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
     if strategy_out:
-        from planner.strategy import save_strategy_checkpoint
+        from planner.strategy_ckpt import save_strategy_checkpoint
 
         save_strategy_checkpoint(strategy, strategy_out, only_trainable_params=only_trainable_params)
     if as_json:
@@ -221,7 +221,7 @@ def explain(strategy_path: str, top: int, as_json: bool, report: str | None, tim
 @_one_line_errors
 def diff(a: str, b: str, as_json: bool) -> None:
     """What changed between two strategies: placements, node strategies, collectives, predicted cost."""
-    from planner.strategy import diff as strategy_diff
+    from planner.explain import diff as strategy_diff
     from planner.strategy import load_strategy
 
     d = strategy_diff(load_strategy(a), load_strategy(b))
@@ -246,7 +246,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
     from core.placement import parse_spec
     from core.reshard import plan_reshard
     from costmodel.comm import collective_time_s
-    from hwprofiles.profile import load_profile
+    from hwprofiles.files import load_profile
 
     prof = load_profile(profile_name)
     m = build_mesh(devices, mesh, axis_names, prof.devices_per_node)
@@ -285,7 +285,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
                strict: bool, as_json: bool) -> None:
     """Each op's sharding strategies on the mesh, priced for one training step (without resharding)."""
     from costmodel.step import CostModel
-    from hwprofiles.profile import load_profile
+    from hwprofiles.files import load_profile
     from planner.graph import load_graph
     from planner.rules import rules_for_graph
 
@@ -306,7 +306,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
             sync = sum(e.time_s for t, spec in params for e in cm.edge_events(t, spec, spec, cm.split_axes(s)))
             c = cm.node_cost(ns.node, s)
             rows.append({"strategy": s.name, "compute_s": c.compute.total_s, "comm_s": sync,
-                         "param_bytes": sum(cm.param_state_bytes(t, spec) for t, spec in params),
+                         "param_bytes": sum(cm.states.param_state_bytes(t, spec) for t, spec in params),
                          "activation_bytes": c.activation_bytes})
         rows.sort(key=lambda r: r["compute_s"] + r["comm_s"])
         out.append({"node": name, "op_type": ns.node.op_type, "module": ns.node.module_path, "fallback": ns.fallback,
@@ -332,9 +332,10 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
           junit_path: str | None, as_json: bool) -> None:
     """Gate CI on regressions: plan every case again (and run it, with --run) and compare with the
     committed baseline. Exit 0: nothing regressed; 1: something did; 2: an error."""
-    from meshplan.check import as_json as report_json
     from meshplan.check import check as run_check
-    from meshplan.check import exit_code, junit, markdown
+    from meshplan.check import exit_code
+    from meshplan.check.report import as_json as report_json
+    from meshplan.check.report import junit, markdown
     from meshplan.cli.render import render_check
 
     with err_console.status("checking") as status:
@@ -419,7 +420,7 @@ def profile() -> None:
 @_one_line_errors
 def profile_list() -> None:
     """List the preset profiles shipped with meshplan."""
-    from hwprofiles.profile import list_presets, load_profile
+    from hwprofiles.files import list_presets, load_profile
 
     render_presets([load_profile(name) for name in list_presets()])
 
@@ -430,7 +431,8 @@ def profile_list() -> None:
 @_one_line_errors
 def profile_show(name_or_path: str, as_json: bool) -> None:
     """Show a profile (a preset name or a JSON path): every value with its unit and source."""
-    from hwprofiles.profile import load_profile, profile_to_json
+    from hwprofiles.files import load_profile
+    from hwprofiles.profile import profile_to_json
 
     p = load_profile(name_or_path)
     data = profile_to_json(p)
@@ -460,7 +462,7 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
 
     from executor.calibrate import calibrate
     from hwprofiles.calibrate import CalibrationConfig
-    from hwprofiles.profile import load_profile, save_profile
+    from hwprofiles.files import load_profile, save_profile
     from hwprofiles.report import dump_report, plot_report
     from planner.search.baselines import data_parallel_strategy
 

@@ -161,7 +161,7 @@ def bench_fidelity(rounds: int, profile: str | None = None, plans: list[str] | N
     from executor.launch import run
     from executor.preflight import RunOptions
     from hwprofiles.calibrate import CalibrationConfig
-    from hwprofiles.profile import load_profile, save_profile
+    from hwprofiles.files import load_profile, save_profile
     from planner.search.baselines import data_parallel_strategy
     from planner.search.plan import make_plan
     from planner.search.request import PlanRequest

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention
+from costmodel.device import matmul_time_s
 
 if TYPE_CHECKING:
     from hwprofiles.profile import DeviceSpec
@@ -178,5 +179,5 @@ def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: f
     total = 0.0
     for k in kernels:
         bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_rate(k.op)
-        total += max(device.matmul_time_s(k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
+        total += max(matmul_time_s(device, k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
     return total

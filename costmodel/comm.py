@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from core.collectives import Collective, LinkLevel
 from core.mesh import DeviceMesh
+from costmodel.device import link_collective_time_s
 from hwprofiles.profile import HardwareProfile
 
 
@@ -22,13 +23,16 @@ def collective_time_s(profile: HardwareProfile, mesh: DeviceMesh, kind: Collecti
         return 0.0
     level = mesh.level(axes)
     if level is LinkLevel.INTRA_NODE:
-        return profile.collective_time_s(kind, size_bytes, n, level)
+        return link_collective_time_s(profile, kind, size_bytes, n, level)
     g = mesh.inner_group_size(axes)
     if g <= 1 or kind not in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
-        return profile.collective_time_s(kind, size_bytes, n, LinkLevel.INTER_NODE)
+        return link_collective_time_s(profile, kind, size_bytes, n, LinkLevel.INTER_NODE)
     inner, outer = LinkLevel.INTRA_NODE, LinkLevel.INTER_NODE
     m = n // g
-    t = profile.collective_time_s
+
+    def t(kind: Collective, size_bytes: float, n: int, level: LinkLevel) -> float:
+        return link_collective_time_s(profile, kind, size_bytes, n, level)
+
     if kind is Collective.ALL_REDUCE:
         return (t(Collective.REDUCE_SCATTER, size_bytes, g, inner) + t(Collective.ALL_REDUCE, size_bytes / g, m, outer)
                 + t(Collective.ALL_GATHER, size_bytes, g, inner))

@@ -26,6 +26,7 @@ import numpy as np
 from core.graph import OpGraph, OpNode, TensorInfo
 from core.mesh import DeviceMesh
 from core.placement import Spec
+from costmodel.device import conv_time_s, matmul_time_s
 from costmodel.flops import conv_channels, matmul_narrow_dim, node_flops
 from costmodel.memory import Precision
 from hwprofiles.profile import DeviceSpec, HardwareProfile
@@ -101,9 +102,9 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
     mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_rate(node.op_type))
     peak = dev.peak_for(dtype)
-    mm_s = dev.conv_time_s(flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
+    mm_s = conv_time_s(dev, flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
         if node.op_type in ("Conv", "ConvTranspose") else \
-        dev.matmul_time_s(flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
+        matmul_time_s(dev, flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
                           if dev.matmul_narrow_efficiency is not None and node.op_type in ("MatMul", "Gemm") else None)
     fwd = max(mm_s + flops.other / peak, mem_s) + launch
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]

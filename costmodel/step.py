@@ -37,11 +37,10 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
-from core.errors import MeshplanError
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Recompute, lever
 from core.mesh import DeviceMesh
-from core.placement import OpStrategy, Partial, Replicate, Shard, Spec, gradient_spec, split_axes
+from core.placement import OpStrategy, Partial, Shard, Spec, gradient_spec, split_axes
 from core.reshard import conjugate, plan_reshard
 from costmodel.attention import (
     AttentionRegion,
@@ -49,7 +48,8 @@ from costmodel.attention import (
     kernels_s,
     materialized_kernels,
 )
-from costmodel.buckets import CommFusion, gather_groups, pack_buckets, zero_split, zero_units
+from costmodel.bucketing import price_buckets
+from costmodel.buckets import CommFusion
 from costmodel.comm import collective_time_s
 from costmodel.compose import StepCost, compose
 from costmodel.compute import (
@@ -67,18 +67,12 @@ from costmodel.memory import (
     attention_score_tensors,
     backward_reads,
     gradient_tensors,
-    model_states,
     read_in_backward,
     saved_tensors,
 )
+from costmodel.states import ModelStates
 from hwprofiles.profile import HardwareProfile
 
-# The optimizer step (AdamW, one tensor at a time): per element it reads the weight, gradient and two
-# moments and writes back the weight and moments, 7 fp32 words (mixed precision updates the fp32
-# master copy: the same traffic); per tensor about a dozen element-wise kernels (torch's
-# single-tensor AdamW: lerp, mul, addcmul, sqrt, div, addcdiv, ...).
-OPTIMIZER_BYTES_PER_PARAM = 7 * 4
-OPTIMIZER_OPS_PER_TENSOR = 12
 # Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
 # recomputed) is what the fused attention this model prices does anyway: priced as none.
 # The policies a cost model prices (AUTO is the search's: it counts the recomputed layers).
@@ -130,6 +124,7 @@ class CostModel:
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         # ZeRO-3 is in the parameters' placements (split, gathered for use): priced by them, not here.
         self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage % 3, recompute
+        self.states = ModelStates(graph, mesh, profile, precision, zero_stage % 3, zero_threshold_bytes, zero_shard_size)
         # Recomputed layers: node → its layer's key; node → the layer inputs it is the first to read.
         self.layer_of: dict[str, tuple[int, int]] = {}
         self.layer_inputs: dict[str, tuple[str, ...]] = {}
@@ -242,82 +237,6 @@ class CostModel:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
         return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
-    def zero_eligible(self, tensor: str) -> bool:
-        """Whether ZeRO-1/2 may shard this parameter: it is not below the threshold."""
-        return self.graph.tensors[tensor].numel * self.precision.weight_bytes >= self.zero_threshold_bytes
-
-    def stage_of(self, tensor: str, zero: Mapping[str, int] | None = None) -> int:
-        """A parameter's ZeRO-1/2 stage: as the plan says (`zero`, parameter → stage), else the model's
-        stage; 0 below the threshold."""
-        stage = self.zero_stage if zero is None else zero.get(tensor, 0)
-        return stage if stage and self.zero_eligible(tensor) else 0
-
-    def zero_degree(self, tensor: str, spec: Spec, stage: int | None = None) -> int:
-        """Ranks sharing a parameter's optimizer states (and, stage 2, gradients) when the exact axes are
-        not known yet (the solver's view): every axis the parameter is stored replicated on, as a ZeRO
-        data-parallel group; 1 without ZeRO. `price_items` uses the axes its gradient is reduced on."""
-        stage = self.stage_of(tensor) if stage is None else stage if self.zero_eligible(tensor) else 0
-        if not stage:
-            return 1
-        group = math.prod(n for n, p in zip(self.mesh.shape, spec.placements, strict=True) if isinstance(p, Replicate))
-        return min(group, self.zero_shard_size or group)
-
-    def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *, stage: int | None = None) -> float:
-        """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
-        (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
-        dp = self.zero_degree(tensor, spec, stage) if zero_degree is None else zero_degree
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
-        dev = self.profile.device
-        if dev.optimizer_step is not None:
-            return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
-        return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
-
-    def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None, *,
-                     stage: int | None = None) -> tuple[float, float, float]:
-        """Bytes per device of a parameter's weights, gradients and optimizer states at `spec`, under
-        its ZeRO stage (`memory.model_states`; ZeRO-3 is already in `spec`)."""
-        stage = self.stage_of(tensor) if stage is None else stage
-        dp = self.zero_degree(tensor, spec, stage) if zero_degree is None else zero_degree
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape)
-        return model_states(local, self.precision, zero_stage=stage if dp > 1 else 0, dp_degree=dp)
-
-    def param_state_bytes(self, tensor: str, spec: Spec, *, stage: int | None = None) -> float:
-        return sum(self.param_states(tensor, spec, stage=stage))
-
-    def zero_events(self, tensor: str, spec: Spec, axes: tuple[int, ...], grad_bytes: float,
-                    stage: int) -> list[PricedCollective]:
-        """ZeRO-1/2 in place of a gradient's all-reduce over `axes`: reduce-scatters over each axis in
-        turn (each on what the previous left: the shard shrinks), once per step at stage 1 and per
-        micro-batch at stage 2 (gradients kept sharded), and after the optimizer step the updated shard
-        all-gathered back over the axes in reverse (ring: the all-reduce's volume in all). `grad_bytes`:
-        the all-reduce's (in fp32 under fp32_communication)."""
-        weights = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) * self.precision.weight_bytes
-        cadence = Cadence.STEP if stage == 1 else Cadence.MICRO_BATCH
-        sharded, rest = self.zero_axes(axes)
-        rs, ag, g, w = [], [], grad_bytes, weights
-        for a in sharded:
-            rs.append(PricedCollective(Collective.REDUCE_SCATTER, (a,), g,
-                                collective_time_s(self.profile, self.mesh, Collective.REDUCE_SCATTER, g, (a,)),
-                                Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER, tensor, cadence))
-            ag.append(PricedCollective(Collective.ALL_GATHER, (a,), w,
-                                collective_time_s(self.profile, self.mesh, Collective.ALL_GATHER, w, (a,)),
-                                Phase.OPTIMIZER, Purpose.PARAM_GATHER, tensor, Cadence.STEP))
-            g, w = g / self.mesh.shape[a], w / self.mesh.shape[a]
-        # A shard group smaller than the data-parallel group (optimizer_weight_shard_size): the other
-        # axes all-reduce the shard, once per reduce-scatter.
-        ar = [PricedCollective(Collective.ALL_REDUCE, (a,), g, collective_time_s(self.profile, self.mesh, Collective.ALL_REDUCE,
-                                                                           g, (a,)),
-                        Phase.BACKWARD, Purpose.GRAD_SYNC, tensor, cadence) for a in rest]
-        return rs + ar + ag[::-1]
-
-    def zero_axes(self, axes: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The axes a gradient reduced over `axes` has its states sharded over, and those that all-reduce
-        the shard (`buckets.zero_split`, by the model's shard size)."""
-        try:
-            return zero_split(axes, self.mesh.shape, self.zero_shard_size)
-        except ValueError as e:
-            raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: {e}") from None
-
     # -- one edge --------------------------------------------------------------------------------
 
     def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
@@ -346,7 +265,7 @@ class CostModel:
         at ZeRO stage 1 or 2 has its gradient all-reduce replaced by `zero_events` (what the solver
         needs, cached by shape and specs)."""
         info = self.graph.tensors[tensor]
-        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.zero_eligible(tensor) else 0
+        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
         key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved, stage)
         t = self._edge_time_cache.get(key)
         if t is None:
@@ -358,7 +277,7 @@ class CostModel:
                 axes = tuple(sorted({a for e in synced for a in e.axes}))
                 events = [e for e in events if e not in synced] + [
                     replace(z, time_s=self._bucket_share(z.kind, z.axes[0], z.size_bytes, z.time_s))
-                    for z in self.zero_events(tensor, src, axes, synced[0].size_bytes, stage)]
+                    for z in self.states.events(tensor, src, axes, synced[0].size_bytes, stage)]
             t = self._edge_time_cache[key] = sum(
                 e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
                                                                             else 1)
@@ -502,19 +421,22 @@ class CostModel:
         degree = self._apply_zero(priced, zero)
         for t in self.param_owner:
             dp, stage = degree.get(t, 1), priced.zero_stages.get(t, 0)
-            priced.optimizer_s[t] = self.optimizer_s(t, placed[t], dp)
-            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.param_states(t, placed[t], dp,
+            priced.optimizer_s[t] = self.states.optimizer_s(t, placed[t], dp)
+            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.states.param_states(t, placed[t], dp,
                                                                                                stage=stage)
         priced.memory = mem
         if buckets:
-            self._price_buckets(priced)
+            price_buckets(priced, self.param_owner, self._bucket_time_s)
         return priced
+
+    def _bucket_time_s(self, kind: Collective, size_bytes: float, axes: tuple[int, ...]) -> float:
+        return collective_time_s(self.profile, self.mesh, kind, size_bytes, axes)
 
     def rebucket(self, priced: PricedStep, fusion: CommFusion) -> StepCost:
         """The same plan's step with its gradient collectives packed by other bucket caps (the items are
-        not priced again: `_price_buckets` prices buckets from the events' sizes)."""
+        not priced again: `bucketing.price_buckets` prices buckets from the events' sizes)."""
         step = replace(priced, fusion=fusion)
-        self._price_buckets(step)
+        price_buckets(step, self.param_owner, self._bucket_time_s)
         return compose(step, self.composer)
 
     def _resharded_params_per_micro_batch(self, priced: PricedStep) -> None:
@@ -532,66 +454,18 @@ class CostModel:
         synced: dict[str, list[PricedCollective]] = {}
         for e in priced.events:
             if (e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE and e.tensor in self.param_owner
-                    and e.tensor not in resharded and self.stage_of(e.tensor, zero)):
+                    and e.tensor not in resharded and self.states.stage_of(e.tensor, zero)):
                 synced.setdefault(e.tensor, []).append(e)
         replaced: dict[int, list[PricedCollective]] = {}
         degree: dict[str, int] = {}
         for t, evs in synced.items():
             axes = tuple(sorted({a for e in evs for a in e.axes}))
-            stage = priced.zero_stages[t] = self.stage_of(t, zero)
-            replaced[id(evs[0])] = self.zero_events(t, priced.placed[t], axes, evs[0].size_bytes, stage)
+            stage = priced.zero_stages[t] = self.states.stage_of(t, zero)
+            replaced[id(evs[0])] = self.states.events(t, priced.placed[t], axes, evs[0].size_bytes, stage)
             replaced.update({id(e): [] for e in evs[1:]})
-            degree[t] = math.prod(self.mesh.shape[a] for a in self.zero_axes(axes)[0])
+            degree[t] = math.prod(self.mesh.shape[a] for a in self.states.shard_axes(axes)[0])
         priced.replace_events(replaced)
         return degree
-
-    def _price_buckets(self, cost: PricedStep) -> None:
-        """Parameter gradients' collectives as they run (`buckets.py`): the all-reduces of parameters
-        used where stored packed by the all-reduce cap; ZeRO's reduce-scatters per fused unit, its
-        gathers per group of units; one collective per bucket and axis, each parameter's event carrying
-        its bytes' share of that collective's time."""
-        resharded = {t for t, *_ in cost.reshards}
-        zeroed = cost.zero_stages
-
-        def of(kind: Collective, purpose: Purpose) -> dict[str, list[PricedCollective]]:
-            out: dict[str, list[PricedCollective]] = {}
-            for e in cost.events:
-                if e.purpose is purpose and e.kind is kind and e.tensor in self.param_owner and e.tensor not in resharded:
-                    out.setdefault(e.tensor, []).append(e)
-            return out
-
-        priced: dict[int, list[PricedCollective]] = {}
-
-        def share(kind: Collective, names: list[str] | tuple[str, ...], syncs: dict[str, list[PricedCollective]]) -> None:
-            evs = [e for t in names for e in syncs[t]]
-            for a in sorted({a for e in evs for a in e.axes}):
-                on_axis = [e for e in evs if e.axes == (a,)]
-                total = sum(e.size_bytes for e in on_axis)
-                bucket_s = collective_time_s(self.profile, self.mesh, kind, total, (a,))
-                priced.update({id(e): [replace(e, time_s=bucket_s * e.size_bytes / total)] for e in on_axis})
-
-        syncs = {t: evs for t, evs in of(Collective.ALL_REDUCE, Purpose.GRAD_SYNC).items() if t not in zeroed}
-        grads = {t: (_axes(evs), evs[0].size_bytes) for t, evs in syncs.items()}
-        fusion = cost.fusion
-        for _, names in pack_buckets(grads, fusion.allreduce):
-            share(Collective.ALL_REDUCE, names, syncs)
-        scatters = of(Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER)
-        gathers = of(Collective.ALL_GATHER, Purpose.PARAM_GATHER)
-        shard_syncs = {t: evs for t, evs in of(Collective.ALL_REDUCE, Purpose.GRAD_SYNC).items() if t in zeroed}
-        units = zero_units({t: (_axes(evs + shard_syncs.get(t, [])), max(e.size_bytes for e in evs))
-                            for t, evs in scatters.items()
-                            if t in zeroed}, zeroed, fusion)
-        for unit in units:
-            share(Collective.REDUCE_SCATTER, unit.names, scatters)
-            share(Collective.ALL_REDUCE, [t for t in unit.names if t in shard_syncs], shard_syncs)
-        weights = {t: max(e.size_bytes for e in gathers[t]) for u in units for t in u.names}
-        for group in gather_groups(units, weights, fusion.allgather):
-            share(Collective.ALL_GATHER, [t for i in group for t in units[i].names], gathers)
-        cost.replace_events(priced)
-
-
-def _axes(events: list[PricedCollective]) -> tuple[int, ...]:
-    return tuple(sorted({a for e in events for a in e.axes}))
 
 
 _REDUCING = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})

@@ -111,3 +111,10 @@ def local_shape(shape: Sequence[int], placements: Sequence[Placement], mesh: Dev
         if isinstance(p, Shard):
             out[p.dim] = chunk(out[p.dim], *mesh_coords(mesh)[a])[1]
     return out
+
+
+def full_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """A parameter's whole gradient (gathered where it is a DTensor)."""
+    if p.grad is None:
+        raise RuntimeError("a parameter received no gradient")
+    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad

@@ -24,10 +24,11 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from core.graph import OpNode
 from core.levers import Attention, Recompute
-from core.placement import Spec, chunk, gradient_spec, split_axes
+from core.placement import Spec, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
 from executor.dtensors import (
     contiguous_stride,
+    full_grad,
     grad_as_partial,
     local_shape,
     local_shard,
@@ -37,10 +38,9 @@ from executor.dtensors import (
     to_dtensor,
 )
 from executor.interpreter import OnnxModule
-from executor.ops import eager_attention, fused_attention, run_op
+from executor.kernels import run_local
+from executor.ops import eager_attention, fused_attention
 from executor.zero import Regather, ZeroBucket, gather_units
-from planner.rules.conv import SPLIT_GROUPS as SPLIT_GROUPS_KERNEL
-from planner.rules.gather import MASKED_GATHER
 from planner.strategy import Strategy
 
 
@@ -465,7 +465,7 @@ class SpmdRunner:
         for b in self.zero_buckets:
             if name in b.names:
                 return b.full_gradient(name, self.params[name])
-        return self.full_parameter(name, _full_grad(self.params[name]))
+        return self.full_parameter(name, full_grad(self.params[name]))
 
     def grad_shard_bytes(self) -> int:
         """Bytes of gradient shards held apart from the parameters' gradients (ZeRO-2)."""
@@ -491,36 +491,4 @@ class SpmdRunner:
     def _run_local(self, node: OpNode, x: list[Any], want_out: list[list[Placement]], kernels: list[str]) -> list[Any]:
         if node.op_type in ("Reshape", "Expand"):  # the shape operand describes the local output
             x = [x[0], self._shape_operand[node.name], *x[2:]]
-        if node.op_type == "SequenceAt":
-            return [x[0][int(x[1])]]
-        if MASKED_GATHER in kernels:
-            return [self._masked_gather(node, x, kernels)]
-        if SPLIT_GROUPS_KERNEL in kernels:
-            groups = x[0].shape[1]
-            local = OpNode(name=node.name, op_type=node.op_type, inputs=node.inputs, outputs=node.outputs,
-                           attrs=tuple((k, groups if k == "group" else v) for k, v in node.attrs))
-            return run_op(local, x)
-        return run_op(node, x)
-
-    def _masked_gather(self, node: OpNode, x: list[Any], kernels: list[str]) -> torch.Tensor:
-        """Vocab-parallel lookup: ids outside this rank's rows read zeros (the output is partial)."""
-        data, idx = x
-        axis = int(node.attr("axis", 0))  # type: ignore[call-overload]
-        full = self.graph.tensors[node.inputs[0]].shape[axis]
-        lo, n = 0, full
-        for a, kernel in enumerate(kernels):
-            if kernel == MASKED_GATHER:
-                start, n = chunk(n, *mesh_coords(self.mesh)[a])
-                lo += start
-        local = idx - lo
-        inside = (local >= 0) & (local < n)
-        out = torch.index_select(data, axis, torch.where(inside, local, 0).reshape(-1))
-        out = out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1:])
-        mask = inside.reshape(*([1] * axis), *idx.shape, *([1] * (data.dim() - axis - 1)))
-        return out * mask.to(out.dtype)
-
-
-def _full_grad(p: torch.nn.Parameter) -> torch.Tensor:
-    if p.grad is None:
-        raise RuntimeError("a parameter received no gradient")
-    return p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        return run_local(node, x, kernels, mesh_coords(self.mesh), self.graph)

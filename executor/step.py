@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from core.graph import OpGraph, TensorKind
 from core.levers import LossKind
+from executor.dtensors import full_grad
 from executor.interpreter import OnnxModule, load_module
 from executor.preflight import RunOptions
 from executor.spmd import SpmdRunner
@@ -128,12 +128,6 @@ def batch_shards(strategy: Strategy) -> int:
     return max((sp.num_shards(0, strategy.mesh.shape) for sp in specs if sp is not None), default=1)
 
 
-def _full(t: torch.Tensor | None) -> torch.Tensor:
-    if t is None:
-        raise RuntimeError("a parameter received no gradient")
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
                                loss_of: Loss, dist_loss: float, grads: dict[str, torch.Tensor],
                                after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
@@ -167,7 +161,7 @@ def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunO
         optim.step()
     loss = step_loss()
     mine = [(n, p) for n, p in ordered_params(ref) if n in grads]
-    grad_diff = max(float((grads[n] - _full(p.grad)).abs().max()) for n, p in mine)
+    grad_diff = max(float((grads[n] - full_grad(p)).abs().max()) for n, p in mine)
     optim.step()
     param_diff = max(float((after[n] - p.detach()).abs().max()) for n, p in mine)
     loss_diff = abs(float(loss) - dist_loss)

@@ -98,3 +98,18 @@ def fit_efficiency(flops: Sequence[float], achieved_flops_per_s: Sequence[float]
     model = peak * f / (f + half)
     return EfficiencyFit(peak_achieved_flops_per_s=peak, half_flops=half,
                          median_rel_error=float(np.median(np.abs(model - a) / a)))
+
+
+def monotone_fit(values: list[float]) -> np.ndarray:
+    """The non-decreasing sequence nearest to `values` in least squares (pool adjacent violators):
+    a run of measured times that falls with size is replaced by its mean. A calibrated table holds
+    mean times, and gloo's heavy tail makes each mean noisy (±30% here); a running maximum would
+    carry one high mean to every larger size, the pooled mean does not."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])

@@ -4,18 +4,8 @@ A profile is a JSON file (schema `profile.schema.json`, version 1) in which ever
 quantity `{"value": …, "unit": …, "source": …}`: datasheet values name their datasheet, fitted values
 say "calibrated …" with the date and the machine. The loader is strict: structure is checked with the
 JSON Schema, then every dataclass validates its own fields in `__post_init__`; the first problem is
-raised as one `ProfileError` naming the field.
-
-Collective times follow the nccl-tests conventions (doc/PERFORMANCE.md): for a message of S bytes on
-n ranks, time = steps(n)·α + factor(n)·S/β_bus, with the ring algorithm's
-  all_reduce      steps 2(n−1), factor 2(n−1)/n     (S = the buffer)
-  all_gather      steps  n−1,   factor  (n−1)/n     (S = the gathered output)
-  reduce_scatter  steps  n−1,   factor  (n−1)/n     (S = the input)
-  all_to_all      steps  n−1,   factor  (n−1)/n     (S = the buffer each rank holds)
-  broadcast       steps  n−1,   factor  1
-  send_recv       steps  1,     factor  1
-A measured table (message size → time at a given n) takes precedence inside its range, interpolated
-log-log through its monotone least-squares fit (a bigger message never takes less time).
+raised as one `ProfileError` naming the field. Data only: the formulas that read these numbers are
+the cost model's (`costmodel/device.py`).
 """
 
 from __future__ import annotations
@@ -26,18 +16,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache
 from importlib import resources
-from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
 import jsonschema
 import numpy as np
 
-from core.collectives import Collective, LinkLevel, alpha_beta_time_s
+from core.collectives import Collective, LinkLevel
 from core.errors import ProfileError
 
 SCHEMA_VERSION = 1
-PRESETS_PACKAGE = "hwprofiles.presets"
 
 
 def _positive(obj: object, field_name: str, *, allow_zero: bool = False) -> None:
@@ -64,50 +52,6 @@ class CollectiveModel:
     def __post_init__(self) -> None:
         _positive(self, "alpha_s", allow_zero=True)
         _positive(self, "bus_bandwidth_bytes_per_s")
-
-    def alpha_beta_time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
-        return alpha_beta_time_s(kind, size_bytes, num_ranks, self.alpha_s, self.bus_bandwidth_bytes_per_s)
-
-    def time_s(self, kind: Collective, size_bytes: float, num_ranks: int) -> float:
-        if num_ranks <= 1 or size_bytes <= 0:
-            return 0.0
-        measured = _interpolate(self.table, num_ranks, size_bytes)
-        return measured if measured is not None else self.alpha_beta_time_s(kind, size_bytes, num_ranks)
-
-
-@cache
-def _table_arrays(table: tuple[TablePoint, ...], num_ranks: int) -> tuple[np.ndarray, np.ndarray] | None:
-    pts = sorted((p.size_bytes, p.time_s) for p in table if p.ranks == num_ranks)
-    if len(pts) < 2:
-        return None
-    sizes = np.log(np.array([s for s, _ in pts]))
-    return sizes, np.log(monotone_fit([t for _, t in pts]))
-
-
-def monotone_fit(values: list[float]) -> np.ndarray:
-    """The non-decreasing sequence nearest to `values` in least squares (pool adjacent violators):
-    a run of measured times that falls with size is replaced by its mean. A calibrated table holds
-    mean times, and gloo's heavy tail makes each mean noisy (±30% here); a running maximum would
-    carry one high mean to every larger size, the pooled mean does not."""
-    blocks: list[list[float]] = []  # [sum, count]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
-            total, count = blocks.pop()
-            blocks[-1][0] += total
-            blocks[-1][1] += count
-    return np.concatenate([np.full(int(c), t / c) for t, c in blocks])
-
-
-def _interpolate(table: tuple[TablePoint, ...], num_ranks: int, size_bytes: float) -> float | None:
-    arrays = _table_arrays(table, num_ranks) if table else None
-    if arrays is None:
-        return None
-    log_sizes, log_times = arrays
-    x = np.log(size_bytes)
-    if x < log_sizes[0] or x > log_sizes[-1]:
-        return None
-    return float(np.exp(np.interp(x, log_sizes, log_times)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,26 +204,6 @@ class DeviceSpec:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
         return self.peak_flops_per_s.get(dtype, self.peak_flops_per_s["fp32"])
 
-    def matmul_time_s(self, flops: float, dtype: str, narrow: float | None = None) -> float:
-        """A matmul of `flops` FLOPs whose GEMMs' narrowest dim is `narrow` (None: unknown): the FLOPs
-        curve, and no faster than the narrow dim allows where the profile has that curve."""
-        if flops <= 0:
-            return 0.0
-        t = flops / (self.peak_for(dtype) * self.matmul_efficiency.fraction(flops))
-        if self.matmul_narrow_efficiency is None or not narrow:
-            return t
-        return max(t, flops / (self.peak_for(dtype) * self.matmul_narrow_efficiency.fraction(narrow)))
-
-    def conv_time_s(self, flops: float, channels: float, dtype: str) -> float:
-        """A convolution: at the rate its channels allow where the profile measured convolutions (a
-        CPU's direct convolution kernels may beat its matmul at many channels, or fall to half of it at
-        few), scaled by the matmul curve's small-size factor F/(F + F½); else as a matmul of its FLOPs."""
-        if self.conv_efficiency is None or flops <= 0 or channels <= 0:
-            return self.matmul_time_s(flops, dtype)
-        size = flops / (flops + self.matmul_efficiency.half_flops)
-        return flops / (self.peak_for(dtype) * self.conv_efficiency.fraction(channels) * size)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LinkSpec:
     name: str
@@ -323,11 +247,6 @@ class HardwareProfile:
         object.__setattr__(self, "origin", MappingProxyType(dict(self.origin)))
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
 
-    def collective_time_s(self, kind: Collective, size_bytes: float, num_ranks: int, level: LinkLevel) -> float:
-        """One call of a collective as a step makes it: the link's α-β model or table, plus the device's
-        collective wait (after compute) where calibrated."""
-        return self.collectives[(level, kind)].time_s(kind, size_bytes, num_ranks) + (self.device.collective_wait_s or 0.0)
-
     @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(profile_to_json(self), sort_keys=True).encode()).hexdigest()[:16]
@@ -343,13 +262,12 @@ def _schema() -> dict[str, Any]:
 
 
 _UNITS = {
-    "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B",
-    "kernel_launch_s": "s", "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s",
-    "fixed_s": "s", "tensor_s": "s", "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP", "half_channels": "1", "devices_per_node": "1",
-    "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1", "alpha_s": "s",
-    "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
-    "rank_skew": "1", "collective_wait_s": "s",
-}
+    "peak_flops_per_s": "FLOP/s", "mem_bandwidth_bytes_per_s": "B/s", "mem_capacity_bytes": "B", "kernel_launch_s": "s",
+    "graph_op_overhead_s": "s", "reshard_overhead_s": "s", "step_overhead_s": "s", "fixed_s": "s", "tensor_s": "s",
+    "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP",
+    "half_channels": "1", "devices_per_node": "1", "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1",
+    "alpha_s": "s", "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
+    "rank_skew": "1", "collective_wait_s": "s"}
 
 
 class _Reader:
@@ -544,38 +462,3 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
         "network": link(p.links[LinkLevel.INTER_NODE], "network"),
         "collectives": collectives,
     }
-
-
-# ---------------------------------------------------------------------------------------------
-# Presets and files
-
-
-def list_presets() -> list[str]:
-    return sorted(f.name.removesuffix(".json") for f in resources.files(PRESETS_PACKAGE).iterdir()
-                  if f.name.endswith(".json"))
-
-
-def load_profile(name_or_path: str | Path) -> HardwareProfile:
-    """A preset by name (`h100-sxm`) or a profile JSON by path."""
-    s = str(name_or_path)
-    if s in list_presets():
-        text = resources.files(PRESETS_PACKAGE).joinpath(f"{s}.json").read_text()
-        return _parse(text, s)
-    p = Path(s)
-    if p.suffix == ".json" or p.exists():
-        if not p.is_file():
-            raise ProfileError(f"{p}: no such profile file; pass a preset name ({', '.join(list_presets())}) or a path")
-        return _parse(p.read_text(), str(p))
-    raise ProfileError(f"unknown profile {s!r}; known presets: {', '.join(list_presets())} (or pass a JSON path)")
-
-
-def _parse(text: str, origin_hint: str) -> HardwareProfile:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ProfileError(f"{origin_hint}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
-    return profile_from_json(data, origin_hint=origin_hint)
-
-
-def save_profile(p: HardwareProfile, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(profile_to_json(p), indent=1) + "\n")

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel, alpha_beta_time_s
 from hwprofiles.calibrate import CalibrationConfig, CalibrationError
+from hwprofiles.files import load_profile
 from hwprofiles.fit import AlphaBetaFit, EfficiencyFit, fit_efficiency
-from hwprofiles.profile import HardwareProfile, load_profile, profile_from_json, profile_to_json
+from hwprofiles.profile import HardwareProfile, profile_from_json, profile_to_json
 from hwprofiles.sweeps import CONV_CHANNELS, ELEMENTWISE_ALIASES, NARROW_DIMS, conv_flops, narrow_flops
 from hwprofiles.timing import Measurement
 
@@ -231,7 +232,7 @@ def plot_report(report: CalibrationReport, profile: HardwareProfile, path: Path)
         model = profile.collectives[(LinkLevel.INTRA_NODE, Collective(kind_name))]
         xs = np.geomspace(sizes.min(), sizes.max(), 100)
         n = next(iter(p.ranks for p in model.table), 2)
-        fit = [model.alpha_beta_time_s(Collective(kind_name), x, n) for x in xs]
+        fit = [alpha_beta_time_s(Collective(kind_name), x, n, model.alpha_s, model.bus_bandwidth_bytes_per_s) for x in xs]
         ax.errorbar(sizes, med, yerr=err, fmt="o", label="measured (mean, IQR/2 bars)")
         ax.plot(xs, fit, "-", label=f"α-β fit ({report.fits[kind_name].median_rel_error:.0%} median error)")
         ax.set(xscale="log", yscale="log", title=f"{kind_name}, {n} ranks", xlabel="message bytes", ylabel="seconds")

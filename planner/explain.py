@@ -22,9 +22,10 @@ from core.mesh import DeviceMesh
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import HardwareProfile, load_profile
+from hwprofiles.files import load_profile
+from hwprofiles.profile import HardwareProfile
 from planner.graph import load_graph
-from planner.strategy import NodePlan, ProfileRef, StrategyError, load_strategy
+from planner.strategy import NodePlan, ProfileRef, Strategy, StrategyError, load_strategy
 
 
 def _planned_profile(path: str, planned: ProfileRef) -> HardwareProfile:
@@ -168,3 +169,34 @@ def _fmt(v: Any) -> str:
     if isinstance(v, list):
         return ",".join(map(str, v))
     return str(v)
+
+
+def diff(a: Strategy, b: Strategy) -> dict[str, Any]:
+    """What changed from `a` to `b`: mesh, placements, node strategies, collectives, predicted cost."""
+    tensors = {t: (str(a.spec_of(t)) if t in a.tensors else None, str(b.spec_of(t)) if t in b.tensors else None)
+               for t in sorted(set(a.tensors) | set(b.tensors))}
+    nodes = {n: (a.nodes[n].strategy if n in a.nodes else None, b.nodes[n].strategy if n in b.nodes else None)
+             for n in sorted(set(a.nodes) | set(b.nodes))}
+
+    def collective_totals(s: Strategy) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for node in s.nodes.values():
+            for c in node.collectives:
+                out[c.kind.value] = out.get(c.kind.value, 0.0) + c.size_bytes
+        return out
+
+    def mesh(s: Strategy) -> dict[str, Any]:
+        return {"shape": list(s.mesh.shape), "axis_names": list(s.mesh.axis_names)}
+
+    ca, cb = collective_totals(a), collective_totals(b)
+    costs = {"step_time_s": lambda s: s.cost.step_time_s, "compute_s": lambda s: s.cost.compute_s,
+             "comm_s": lambda s: s.cost.comm_s, "memory_bytes_per_device": lambda s: s.cost.memory_bytes_per_device}
+    return {
+        "same_model": a.fingerprint == b.fingerprint,
+        "mesh": None if a.mesh == b.mesh else {"from": mesh(a), "to": mesh(b)},
+        "tensors": {t: {"from": x, "to": y} for t, (x, y) in tensors.items() if x != y},
+        "nodes": {n: {"from": x, "to": y} for n, (x, y) in nodes.items() if x != y},
+        "collective_bytes": {k: {"from": ca.get(k, 0.0), "to": cb.get(k, 0.0)} for k in sorted(set(ca) | set(cb))
+                             if ca.get(k, 0.0) != cb.get(k, 0.0)},
+        "cost": {k: {"from": f(a), "to": f(b)} for k, f in costs.items()},
+    }

@@ -146,8 +146,8 @@ def find_parameters(g: onnx.GraphProto) -> ParameterTable:
                      "with do_constant_folding=False or training=torch.onnx.TrainingMode.TRAINING to plan them")
     if static:
         notes.append(f"{len(static)} parameter(s) were folded at the export's static shapes ({', '.join(static)}): "
-                     "planned at their folded shapes; the torch module's tensors are larger — export with "
-                     "dynamic_shapes or optimize=False to plan and train them whole")
+                     "planned and trained as the rows the export read; the torch module's tensors are larger — "
+                     "export with dynamic_shapes or optimize=False to plan and train them whole")
     return ParameterTable(params, renamed, tuple(dropped), tuple(notes))
 
 

@@ -22,13 +22,14 @@ from typing import Any
 
 import jsonschema
 
-from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
-from core.errors import MeshplanError, read_json
+from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose
+from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind, Mode, Recompute, Schedule, Search
 from core.mesh import DeviceMesh
 from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
+from planner.strategy_migrate import MIGRATIONS
 
 SCHEMA_VERSION = 2
 
@@ -377,41 +378,6 @@ def _validate(data: Mapping[str, Any], version: int, origin: str) -> None:
         raise StrategyError(f"{origin}: field {where}: {e.message}; re-plan with meshplan plan") from e
 
 
-def migrate_v1(data: Mapping[str, Any]) -> dict[str, Any]:
-    """A schema-1 document as schema 2: collectives' `reason` becomes `purpose` (same words) and gains
-    its cadence (`cadence_of`: a parameter's gradient all-reduce per step unless the parameter is
-    resharded for use, the rest per micro-batch; one micro-batch ran either way); one micro-batch,
-    no ZeRO stage or recomputation beyond the placements, no pipeline; the profile's source defaults to
-    its name (files of that time named a preset); the cost was the plain sum ("serial")."""
-    d = json.loads(json.dumps(data))  # a deep copy
-    params = {t for t, v in d["tensors"].items() if v["kind"] == "param"} - {r["tensor"] for r in d["reshards"]}
-
-    def collective(c: dict[str, Any]) -> dict[str, Any]:
-        purpose = Purpose(c.pop("reason", Purpose.RESHARD.value))
-        tensor = c.get("tensor", "")
-        return {**c, "time_s": c.get("time_s", 0.0), "phase": c.get("phase", Phase.FORWARD.value),
-                "tensor": tensor, "purpose": purpose.value, "cadence": cadence_of(purpose, tensor in params).value}
-
-    for node in d["nodes"].values():
-        node["collectives"] = [collective(c) for c in node["collectives"]]
-        node.setdefault("compute_s", 0.0)
-    for r in d["reshards"]:
-        r["collectives"] = [collective(c) for c in r["collectives"]]
-    d["schema_version"] = SCHEMA_VERSION
-    d["profile"].setdefault("source", d["profile"]["name"])
-    d["settings"].setdefault("loss", "auto")
-    d["training"] = {"micro_batches": 1, "zero_stage": 0, "recompute": {}, "global_batch_size": d["settings"]["batch"],
-                     "micro_batch_size": None, "layout": None, "zero_threshold_bytes": 0.0}
-    d["pipeline"] = {"stages": []}
-    d["cost"] = {"composer": "serial", "hidden_comm_s": 0.0, "optimizer_s": 0.0, "overhead_s": 0.0, **d["cost"]}
-    d["solver"] = {"num_decisions": 0, "num_edges": 0, **d["solver"]}
-    d["candidates"] = [{"error": "", **c} for c in d.get("candidates", [])]
-    return d
-
-
-MIGRATIONS = {1: migrate_v1}
-
-
 def from_dict(data: Mapping[str, Any], origin: str = "strategy") -> Strategy:
     if not isinstance(data, Mapping):
         raise StrategyError(f"{origin}: not a strategy (a JSON object is expected); write one with meshplan plan -o")
@@ -514,91 +480,6 @@ def from_json(text: str, origin: str = "strategy") -> Strategy:
 # Strategy checkpoints (MindSpore's strategy_ckpt_save_file / load_file): the parameters' layout
 
 
-@dataclass(frozen=True, kw_only=True)
-class ParameterLayout:
-    """What a strategy checkpoint holds: the mesh, and each trainable parameter's shape and placements
-    (MindSpore's `only_trainable_params`). `plan --strategy-in` holds a new plan to it, so that its
-    parameters are laid out as a run's before (its checkpoints, its other jobs) whatever else changed."""
-
-    model_name: str
-    fingerprint: str
-    mesh_shape: tuple[int, ...]
-    axis_names: tuple[str, ...]
-    parameters: Mapping[str, tuple[tuple[int, ...], str]]  # name → (shape, placements as a pin: "S(0),R")
-
-
-_LAYOUT_SCHEMA: dict[str, Any] = {
-    "type": "object", "additionalProperties": False,
-    "required": ["schema_version", "only_trainable_params", "model", "mesh", "parameters"],
-    "properties": {
-        "schema_version": {"const": SCHEMA_VERSION}, "only_trainable_params": {"const": True},
-        "model": {"type": "object", "required": ["name", "fingerprint"],
-                  "properties": {"name": {"type": "string"}, "fingerprint": {"type": "string"}}},
-        "mesh": {"type": "object", "required": ["shape", "axis_names"],
-                 "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
-                                "axis_names": {"type": "array", "items": {"type": "string"}}}},
-        "parameters": {"type": "object", "additionalProperties": {
-            "type": "object", "required": ["shape", "placements"], "additionalProperties": False,
-            "properties": {"shape": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-                           "placements": {"type": "array", "items": {"type": "string"}}}}},
-    },
-}
-
-
-def parameter_layout(s: Strategy) -> ParameterLayout:
-    return ParameterLayout(model_name=s.model.name, fingerprint=s.model.fingerprint, mesh_shape=tuple(s.mesh.shape),
-                           axis_names=tuple(s.mesh.axis_names),
-                           parameters={t: (tuple(v.shape), str(v.spec)) for t, v in sorted(s.tensors.items())
-                                       if v.kind is TensorKind.PARAM})
-
-
-def save_strategy_checkpoint(s: Strategy, path: str | Path, *, only_trainable_params: bool = False) -> None:
-    """The strategy as a strategy checkpoint: the whole file (as `plan -o`), or with
-    `only_trainable_params` the parameters' layout only."""
-    if not only_trainable_params:
-        s.save(path)
-        return
-    layout = parameter_layout(s)
-    doc = {"schema_version": SCHEMA_VERSION, "only_trainable_params": True,
-           "model": {"name": layout.model_name, "fingerprint": layout.fingerprint},
-           "mesh": {"shape": list(layout.mesh_shape), "axis_names": list(layout.axis_names)},
-           "parameters": {n: {"shape": list(shape), "placements": [str(p) for p in s.tensors[n].spec.placements]}
-                          for n, (shape, _) in layout.parameters.items()}}  # as in the strategy file
-    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-
-def load_parameter_layout(path: str | Path) -> ParameterLayout:
-    """A strategy checkpoint: a parameters-only file, or any strategy file (its parameters' layout)."""
-    p = Path(path)
-    data = read_json(p, StrategyError, f"write one with plan --strategy-out {p}")
-    if not (isinstance(data, dict) and data.get("only_trainable_params")):
-        return parameter_layout(from_dict(data, str(p)))
-    try:
-        jsonschema.validate(data, _LAYOUT_SCHEMA)
-    except jsonschema.ValidationError as e:
-        where = "/".join(str(x) for x in e.absolute_path) or "top level"
-        raise StrategyError(f"{p}: not a strategy checkpoint ({where}: {e.message}); write one with plan "
-                            "--strategy-out") from e
-    return ParameterLayout(model_name=data["model"]["name"], fingerprint=data["model"]["fingerprint"],
-                           mesh_shape=tuple(data["mesh"]["shape"]), axis_names=tuple(data["mesh"]["axis_names"]),
-                           parameters={n: (tuple(v["shape"]), ",".join(v["placements"]))
-                                       for n, v in data["parameters"].items()})
-
-
-def held_to_layout(layout: ParameterLayout, graph: OpGraph, origin: str) -> dict[str, str]:
-    """Pins holding a plan of `graph` to a strategy checkpoint's parameter placements; the first
-    parameter that is not the model's (name or shape) refused in one line."""
-    params = {t.name: t.shape for t in graph.params}
-    for name in sorted(set(params) | set(layout.parameters)):
-        mine, theirs = params.get(name), layout.parameters.get(name, (None, ""))[0]
-        if mine != theirs:
-            what = "not in this model" if mine is None else "not in the checkpoint" if theirs is None else \
-                f"{list(theirs)} there, {list(mine)} here"
-            raise StrategyError(f"--strategy-in {origin} is for model {layout.model_name}, whose parameters differ: "
-                                f"{name} ({what}); plan this model without it, or pass its own")
-    return {n: spec for n, (_, spec) in layout.parameters.items()}
-
-
 def load_strategy(path: str | Path) -> Strategy:
     p = Path(path)
     if not p.is_file():
@@ -610,32 +491,3 @@ def load_strategy(path: str | Path) -> Strategy:
     return from_json(text, str(p))
 
 
-def diff(a: Strategy, b: Strategy) -> dict[str, Any]:
-    """What changed from `a` to `b`: mesh, placements, node strategies, collectives, predicted cost."""
-    tensors = {t: (str(a.spec_of(t)) if t in a.tensors else None, str(b.spec_of(t)) if t in b.tensors else None)
-               for t in sorted(set(a.tensors) | set(b.tensors))}
-    nodes = {n: (a.nodes[n].strategy if n in a.nodes else None, b.nodes[n].strategy if n in b.nodes else None)
-             for n in sorted(set(a.nodes) | set(b.nodes))}
-
-    def collective_totals(s: Strategy) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for node in s.nodes.values():
-            for c in node.collectives:
-                out[c.kind.value] = out.get(c.kind.value, 0.0) + c.size_bytes
-        return out
-
-    def mesh(s: Strategy) -> dict[str, Any]:
-        return {"shape": list(s.mesh.shape), "axis_names": list(s.mesh.axis_names)}
-
-    ca, cb = collective_totals(a), collective_totals(b)
-    costs = {"step_time_s": lambda s: s.cost.step_time_s, "compute_s": lambda s: s.cost.compute_s,
-             "comm_s": lambda s: s.cost.comm_s, "memory_bytes_per_device": lambda s: s.cost.memory_bytes_per_device}
-    return {
-        "same_model": a.fingerprint == b.fingerprint,
-        "mesh": None if a.mesh == b.mesh else {"from": mesh(a), "to": mesh(b)},
-        "tensors": {t: {"from": x, "to": y} for t, (x, y) in tensors.items() if x != y},
-        "nodes": {n: {"from": x, "to": y} for n, (x, y) in nodes.items() if x != y},
-        "collective_bytes": {k: {"from": ca.get(k, 0.0), "to": cb.get(k, 0.0)} for k in sorted(set(ca) | set(cb))
-                             if ca.get(k, 0.0) != cb.get(k, 0.0)},
-        "cost": {k: {"from": f(a), "to": f(b)} for k, f in costs.items()},
-    }

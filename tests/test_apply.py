@@ -196,7 +196,7 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
 
 def test_bind_refuses_another_model(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     """A strategy for another model: one line naming the first parameter that does not match."""
-    from executor.apply import ApplyError, bind_parameters
+    from executor.binding import ApplyError, bind_parameters
     from planner.graph import load_graph
     from planner.strategy import load_strategy
 
@@ -228,7 +228,7 @@ def test_bind_refuses_another_model(zoo: Callable[[str], Path], tmp_path: Path) 
 
 def test_apply_needs_process_group(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     import meshplan
-    from executor.apply import ApplyError
+    from executor.binding import ApplyError
 
     path = _plan(zoo, tmp_path, "gpt2-tiny", "dp")
     with pytest.raises(ApplyError, match=r"needs torch\.distributed initialised"):

@@ -12,11 +12,14 @@ from click.testing import CliRunner
 
 from cli import main
 from core.collectives import Collective, LinkLevel
-from hwprofiles.profile import load_profile, monotone_fit
+from costmodel.device import collective_call_s
+from hwprofiles.files import load_profile
+from hwprofiles.fit import monotone_fit
 from hwprofiles.timing import last_level_cache_bytes, time_interleaved
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     out = tmp_path / "here.json"
     r = CliRunner().invoke(main, ["profile", "calibrate", "--nproc", "2", "--quick", "--out", str(out), "--name", "here"])
@@ -59,7 +62,7 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
         fitted = monotone_fit(means)
         for i, pt in enumerate(fit["points"]):
             assert pt["mean_s"] >= pt["median_s"] * 0.5  # a mean, not a stray figure
-            assert model.time_s(kind, pt["bytes"], 2) == pytest.approx(fitted[i])
+            assert collective_call_s(model, kind, pt["bytes"], 2) == pytest.approx(fitted[i])
     assert p.device.peak_for("fp32") > 1e9  # any core does more than a GFLOP/s
     assert report["efficiency_fit_median_rel_error"] < 0.35
 
@@ -82,6 +85,7 @@ def test_shipped_cpu_preset_is_calibrated() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_compute_only_keeps_the_base_links(tmp_path: Path) -> None:
     # Compute re-measured on both ranks at once; every link and collective figure is the base's.
     out = tmp_path / "now.json"

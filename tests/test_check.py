@@ -185,7 +185,7 @@ def test_example_workflow_is_a_github_workflow() -> None:
 
 
 def _measured(step_ms: list[float], ref_ms: float, predicted_ms: float) -> dict:
-    from meshplan.check import _summary
+    from meshplan.check.measure import _summary
 
     return _summary([(x / 1e3, ref_ms / 1e3) for x in step_ms], predicted_ms / 1e3)
 

@@ -78,7 +78,7 @@ def test_explain_with_a_profile_file_and_refusal_after_an_edit(tmp_path: Path, z
     source finds its preset by name: tests/test_strategy.py.)"""
     import json
 
-    from hwprofiles.profile import load_profile, save_profile
+    from hwprofiles.files import load_profile, save_profile
 
     profile = tmp_path / "mycluster.json"
     save_profile(load_profile("cpu"), profile)

@@ -19,9 +19,10 @@ from costmodel.attention import attention_regions, materialized_kernels
 from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.compute import ComputeCost
+from costmodel.device import link_collective_time_s, matmul_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel, Purpose
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.graph import graph_from_proto, load_graph
 from planner.rules import OpContext, replicated_strategy, strategies_for
 
@@ -267,12 +268,12 @@ def test_optimizer_step_and_step_overhead_closed_forms(zoo: Callable[[str], Path
     w = g.tensors["fc1.weight"]
     plain = CostModel(g, mesh, H100, BF16)
     dev = H100.device
-    assert plain.optimizer_s(w.name, Spec.replicated(1)) == pytest.approx(
+    assert plain.states.optimizer_s(w.name, Spec.replicated(1)) == pytest.approx(
         w.numel * 28 / dev.mem_bandwidth_bytes_per_s + 12 * dev.kernel_launch_s)
     opt = OptimizerStep(fixed_s=5e-5, tensor_s=3e-5, param_s=2e-9)
     h = dataclasses.replace(H100, device=dataclasses.replace(dev, optimizer_step=opt, step_overhead_s=2e-4))
     cm = CostModel(g, mesh, h, BF16)
-    assert cm.optimizer_s(w.name, parse_spec("S(0)")) == pytest.approx(3e-5 + 2e-9 * w.numel / 2)
+    assert cm.states.optimizer_s(w.name, parse_spec("S(0)")) == pytest.approx(3e-5 + 2e-9 * w.numel / 2)
     choice = {n.name: replicated_strategy(OpContext.of(n, g), 1) for n in g.compute_nodes}
     cost, base = cm.price(choice), plain.price(choice)
     assert cost.optimizer_s == pytest.approx(5e-5 + sum(3e-5 + 2e-9 * p.numel for p in g.params))
@@ -321,7 +322,7 @@ def test_a_convolution_is_priced_by_its_channels_too(zoo: Callable[[str], Path])
         w = g.tensors[node.inputs[1]].shape
         d = conv_channels(node, shapes.__getitem__)
         assert d == min(w[0], w[1] * w[2] * w[3])  # groups = 1
-        mm = cpu.device.matmul_time_s(f, "fp32")
+        mm = matmul_time_s(cpu.device, f, "fp32")
         size = f / (f + cpu.device.matmul_efficiency.half_flops)
         expected = f / (cpu.device.peak_for("fp32") * 1.2 * d / (d + 32.0) * size)
         a, b = (compute_cost(node, g, shapes, p, fp32) for p in (with_curve, without))
@@ -345,7 +346,7 @@ def test_backward_computes_only_the_gradients_needed(zoo: Callable[[str], Path])
         shapes = local_shapes(node, g, {}, mesh)
         a = compute_cost(node, g, shapes, cpu, PRECISIONS["fp32"], needs_grad=cm.needs_grad)
         b = compute_cost(node, g, shapes, cpu, PRECISIONS["fp32"])
-        mm = cpu.device.matmul_time_s(a.fwd_matmul_flops, "fp32")
+        mm = matmul_time_s(cpu.device, a.fwd_matmul_flops, "fp32")
         assert a.fwd_s == b.fwd_s and a.bwd_matmul_flops == grads * a.fwd_matmul_flops
         assert b.bwd_s - a.bwd_s == pytest.approx((2 - grads) * mm)  # compute-bound at 256 rows
     choice = {n.name: replicated_strategy(OpContext.of(n, g), 1) for n in g.compute_nodes}
@@ -441,7 +442,7 @@ def test_materialized_attention_priced_per_layer(kind: str, dropout: float, save
     dev = H100.device
     fwd, bwd, _ = materialized_kernels(kind, scores=scores, q=b * heads * s * d, kv=b * heads * s * d, head_dim=d,
                                        element_bytes=2, masked=True, dropout=dropout > 0)
-    assert all(dev.matmul_time_s(k.flops, "bf16") < k.bytes / dev.mem_bandwidth_bytes_per_s for k in fwd + bwd)
+    assert all(matmul_time_s(dev, k.flops, "bf16") < k.bytes / dev.mem_bandwidth_bytes_per_s for k in fwd + bwd)
     last = next(iter(attention_regions(g).values())).nodes[-1]
     node = cm.node_cost(g.node_by_name[last], plan[last]).compute
     assert node.fwd_s == pytest.approx(sum(k.bytes for k in fwd) / dev.mem_bandwidth_bytes_per_s
@@ -458,7 +459,7 @@ def test_elementwise_kernels_priced_at_their_op_types_rate(zoo: Callable[[str], 
     # survives a save and a load.
     import dataclasses
 
-    from hwprofiles.profile import save_profile
+    from hwprofiles.files import save_profile
 
     cpu = load_profile("cpu")
     rates = {"Pow": cpu.device.elementwise_bytes_per_s / 3, "Add": cpu.device.elementwise_bytes_per_s * 2}
@@ -487,7 +488,7 @@ def test_elementwise_backwards_priced_at_their_calibrated_rates(zoo: Callable[[s
     import dataclasses
 
     from costmodel.memory import gradient_tensors
-    from hwprofiles.profile import save_profile
+    from hwprofiles.files import save_profile
 
     cpu = load_profile("cpu")
     bw = cpu.device.elementwise_bytes_per_s
@@ -538,11 +539,11 @@ def test_matmuls_priced_by_their_narrowest_dim(zoo: Callable[[str], Path]) -> No
     assert matmul_narrow_dim(scores, shape) == 16 and matmul_narrow_dim(linear, shape) == 64
     for node, d in ((scores, 16), (linear, 64)):
         flops = 2.0 * np.prod(g.tensors[node.outputs[0]].shape) * (16 if node is scores else 64)
-        assert dev.matmul_time_s(flops, "fp32", d) == pytest.approx(
+        assert matmul_time_s(dev, flops, "fp32", d) == pytest.approx(
             max(flops / (peak * dev.matmul_efficiency.fraction(flops)), flops / (peak * curve.fraction(d))))
-        assert cpu.device.matmul_time_s(flops, "fp32", d) == pytest.approx(
+        assert matmul_time_s(cpu.device, flops, "fp32", d) == pytest.approx(
             flops / (peak * cpu.device.matmul_efficiency.fraction(flops)))
-    assert dev.matmul_time_s(1e9, "fp32", 16) > dev.matmul_time_s(1e9, "fp32", 256)
+    assert matmul_time_s(dev, 1e9, "fp32", 16) > matmul_time_s(dev, 1e9, "fp32", 256)
 
 
 def _data_parallel_plan(g: OpGraph, mesh: DeviceMesh) -> dict[str, OpStrategy]:
@@ -586,8 +587,8 @@ def test_each_collective_call_pays_the_profiles_collective_wait(zoo: Callable[[s
     waiting = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, collective_wait_s=w))
     for kind in Collective:
         for size in (4.0, 65536.0, 2.0**24):
-            assert waiting.collective_time_s(kind, size, 2, LinkLevel.INTRA_NODE) == pytest.approx(
-                cpu.collective_time_s(kind, size, 2, LinkLevel.INTRA_NODE) + w)
+            assert link_collective_time_s(waiting, kind, size, 2, LinkLevel.INTRA_NODE) == pytest.approx(
+                link_collective_time_s(cpu, kind, size, 2, LinkLevel.INTRA_NODE) + w)
     h100 = load_profile("h100-sxm")
     nodes = dataclasses.replace(h100, device=dataclasses.replace(h100.device, collective_wait_s=w))
     two_nodes = DeviceMesh.build(16, (16,), devices_per_node=8)

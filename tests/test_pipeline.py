@@ -12,8 +12,10 @@ from click.testing import CliRunner
 
 from cli import main
 from core.collectives import Collective
+from costmodel.device import link_collective_time_s
 from costmodel.pipeline import bubble_fraction, hop_delays, in_flight, p2p_bytes, pipeline_step_s, simulate
-from hwprofiles.profile import LinkLevel, load_profile
+from hwprofiles.files import load_profile
+from hwprofiles.profile import LinkLevel
 from planner.graph import load_graph
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
@@ -63,7 +65,7 @@ def test_pipelined_plan_priced_from_its_stages(zoo: Callable[[str], Path], tmp_p
     times, sends = [st.time_s for st in pl.stages], [st.send_s for st in pl.stages]
     # the first stage's sends: the hidden state forward and its gradient back, a send-receive each
     # within the node; the last stage sends nothing on
-    link = load_profile("h100-sxm").collective_time_s(Collective.SEND_RECV, pl.p2p_bytes / 2, 2, LinkLevel.INTRA_NODE)
+    link = link_collective_time_s(load_profile("h100-sxm"), Collective.SEND_RECV, pl.p2p_bytes / 2, 2, LinkLevel.INTRA_NODE)
     assert sends == [pytest.approx(2 * link), 0.0]
     assert s.cost.step_time_s == pytest.approx(pipeline_step_s("1f1b", times, 4, 1, sends)
                                                + max(st.step_s for st in pl.stages) + s.cost.overhead_s)

@@ -21,12 +21,13 @@ from core.mesh import DeviceMesh
 from core.placement import Shard, Spec
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.graph import graph_from_proto
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
+from planner.search.decisions import InfeasiblePlanError
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
-from planner.search.solve import InfeasiblePlanError, ShardingILP
+from planner.search.solve import ShardingILP
 from planner.strategy import SCHEMA_VERSION, StrategyError, from_json, load_strategy
 
 H100 = load_profile("h100-sxm")

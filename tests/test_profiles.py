@@ -14,16 +14,15 @@ import pytest
 from click.testing import CliRunner
 
 from cli import main
-from core.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel, alpha_beta_time_s
 from core.errors import ProfileError
-from hwprofiles.fit import fit_alpha_beta, fit_efficiency
+from costmodel.device import collective_call_s, link_collective_time_s
+from hwprofiles.files import list_presets, load_profile
+from hwprofiles.fit import fit_alpha_beta, fit_efficiency, monotone_fit
 from hwprofiles.profile import (
     CollectiveModel,
     EfficiencyCurve,
     TablePoint,
-    list_presets,
-    load_profile,
-    monotone_fit,
     profile_from_json,
     profile_to_json,
 )
@@ -36,17 +35,17 @@ AB = CollectiveModel(alpha_s=ALPHA, bus_bandwidth_bytes_per_s=BETA)
 @pytest.mark.parametrize("size", [4096.0, 1 << 20, 1 << 30])
 def test_alpha_beta_closed_forms(n: int, size: float) -> None:
     # Ring all-reduce: reduce-scatter then all-gather, each n−1 steps moving S/n per step.
-    assert AB.time_s(Collective.ALL_REDUCE, size, n) == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * size / BETA)
+    assert collective_call_s(AB, Collective.ALL_REDUCE, size, n) == pytest.approx(2 * (n - 1) * ALPHA + 2 * (n - 1) / n * size / BETA)
     # All-gather (S = output) and reduce-scatter (S = input): n−1 steps of S/n.
     for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
-        assert AB.time_s(kind, size, n) == pytest.approx((n - 1) * ALPHA + (n - 1) / n * size / BETA)
-    assert AB.time_s(Collective.BROADCAST, size, n) == pytest.approx((n - 1) * ALPHA + size / BETA)
-    assert AB.time_s(Collective.SEND_RECV, size, n) == pytest.approx(ALPHA + size / BETA)
+        assert collective_call_s(AB, kind, size, n) == pytest.approx((n - 1) * ALPHA + (n - 1) / n * size / BETA)
+    assert collective_call_s(AB, Collective.BROADCAST, size, n) == pytest.approx((n - 1) * ALPHA + size / BETA)
+    assert collective_call_s(AB, Collective.SEND_RECV, size, n) == pytest.approx(ALPHA + size / BETA)
 
 
 def test_single_rank_and_empty_message_cost_nothing() -> None:
-    assert AB.time_s(Collective.ALL_REDUCE, 1 << 20, 1) == 0.0
-    assert AB.time_s(Collective.ALL_REDUCE, 0, 8) == 0.0
+    assert collective_call_s(AB, Collective.ALL_REDUCE, 1 << 20, 1) == 0.0
+    assert collective_call_s(AB, Collective.ALL_REDUCE, 0, 8) == 0.0
 
 
 def test_table_takes_precedence_interpolated_and_monotonic() -> None:
@@ -55,16 +54,16 @@ def test_table_takes_precedence_interpolated_and_monotonic() -> None:
              TablePoint(ranks=2, size_bytes=16 << 20, time_s=16e-3))
     m = CollectiveModel(alpha_s=ALPHA, bus_bandwidth_bytes_per_s=BETA, table=table)
     # The dip is pooled with the point before it (least squares under monotonicity): both 0.75 ms.
-    assert m.time_s(Collective.ALL_REDUCE, 1 << 20, 2) == pytest.approx(0.75e-3)
-    assert m.time_s(Collective.ALL_REDUCE, 4 << 20, 2) == pytest.approx(0.75e-3)
+    assert collective_call_s(m, Collective.ALL_REDUCE, 1 << 20, 2) == pytest.approx(0.75e-3)
+    assert collective_call_s(m, Collective.ALL_REDUCE, 4 << 20, 2) == pytest.approx(0.75e-3)
     sizes = np.geomspace(1 << 20, 16 << 20, 50)
-    times = [m.time_s(Collective.ALL_REDUCE, s, 2) for s in sizes]
+    times = [collective_call_s(m, Collective.ALL_REDUCE, s, 2) for s in sizes]
     assert all(b >= a for a, b in itertools.pairwise(times))
     # Log-log interpolation between (4 MiB, 0.75 ms) and (16 MiB, 16 ms): at 8 MiB, √(0.75·16) ms.
-    assert m.time_s(Collective.ALL_REDUCE, 8 << 20, 2) == pytest.approx(math.sqrt(0.75 * 16) * 1e-3)
+    assert collective_call_s(m, Collective.ALL_REDUCE, 8 << 20, 2) == pytest.approx(math.sqrt(0.75 * 16) * 1e-3)
     # Outside the table's range, or at another rank count, the α-β model answers.
-    assert m.time_s(Collective.ALL_REDUCE, 64 << 20, 2) == pytest.approx(AB.time_s(Collective.ALL_REDUCE, 64 << 20, 2))
-    assert m.time_s(Collective.ALL_REDUCE, 4 << 20, 4) == pytest.approx(AB.time_s(Collective.ALL_REDUCE, 4 << 20, 4))
+    assert collective_call_s(m, Collective.ALL_REDUCE, 64 << 20, 2) == pytest.approx(collective_call_s(AB, Collective.ALL_REDUCE, 64 << 20, 2))
+    assert collective_call_s(m, Collective.ALL_REDUCE, 4 << 20, 4) == pytest.approx(collective_call_s(AB, Collective.ALL_REDUCE, 4 << 20, 4))
 
 
 def test_monotone_fit_pools_adjacent_violators() -> None:
@@ -98,10 +97,10 @@ def test_h100_numbers() -> None:
     assert p.device.peak_for("bf16") == pytest.approx(989.4e12)
     assert p.device.mem_bandwidth_bytes_per_s == pytest.approx(3.35e12)
     # 1 GiB ring all-reduce on 8 GPUs at 370 GB/s bus bandwidth: 2·7/8·2³⁰/370e9 s plus 14 steps of 1 µs.
-    t = p.collective_time_s(Collective.ALL_REDUCE, 2**30, 8, LinkLevel.INTRA_NODE)
+    t = link_collective_time_s(p, Collective.ALL_REDUCE, 2**30, 8, LinkLevel.INTRA_NODE)
     assert t == pytest.approx(14e-6 + 2 * 7 / 8 * 2**30 / 370e9)
     # Inter-node all-reduce is priced with the InfiniBand figures (46 GB/s), ~8× slower.
-    t_ib = p.collective_time_s(Collective.ALL_REDUCE, 2**30, 8, LinkLevel.INTER_NODE)
+    t_ib = link_collective_time_s(p, Collective.ALL_REDUCE, 2**30, 8, LinkLevel.INTER_NODE)
     assert t_ib / t == pytest.approx(370 / 46, rel=0.02)
 
 
@@ -173,7 +172,7 @@ def test_cli_list_and_show_json() -> None:
 def test_fit_alpha_beta_recovers_parameters() -> None:
     sizes = np.geomspace(4096, 256 << 20, 9)
     for kind in Collective:
-        times = [AB.alpha_beta_time_s(kind, s, 4) for s in sizes]
+        times = [alpha_beta_time_s(kind, s, 4, AB.alpha_s, AB.bus_bandwidth_bytes_per_s) for s in sizes]
         fit = fit_alpha_beta(kind, 4, sizes, times)
         assert fit.alpha_s == pytest.approx(ALPHA, rel=1e-6)
         assert fit.bus_bandwidth_bytes_per_s == pytest.approx(BETA, rel=1e-6)

@@ -8,7 +8,7 @@ import pytest
 
 from bench.published import Run, price, runs
 from bench.zoo import GPT_SHAPES
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 
 ROWS = runs()
 

@@ -12,7 +12,7 @@ from core.collectives import Collective, Purpose
 from core.mesh import DeviceMesh
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest

@@ -4,6 +4,7 @@ reduce-scatter + all-gather instead of all-reduce), and the planner's and CLI's 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from costmodel.buckets import CommFusion, pack_buckets
 from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.rules import OpContext, replicated_strategy, strategies_for
 from planner.search.plan import make_plan
@@ -288,15 +289,16 @@ def test_recomputed_step_equals_one_process(name: str, dims: dict[str, int], glo
 
 
 def test_global_batch_on_a_static_model_from_elsewhere(tmp_path: Path) -> None:
-    # The onnx wheel's SqueezeNet has a static batch of 1: a global batch has no dim to bind.
+    # The onnx wheel's SqueezeNet has a static batch of 1: the traced batch is one micro-step's, so a
+    # global batch of 4 is 4 micro-steps of it.
     import onnx
 
     model = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_squeezenet.onnx"
     r = CliRunner().invoke(main, ["plan", str(model), "--devices", "2", "--global-batch-size", "4",
                                   "-o", str(tmp_path / "s.json")])
-    assert r.exit_code == 2, r.output
-    assert "--global-batch-size binds the model's symbolic dim 'batch'" in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1
+    assert r.exit_code == 0, r.output
+    training = json.loads((tmp_path / "s.json").read_text())["training"]
+    assert training["micro_batches"] == 4 and training["global_batch_size"] == 4
 
 
 def test_layout_holds_the_plan_to_its_degrees(zoo: Callable[[str], Path]) -> None:

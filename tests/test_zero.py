@@ -18,7 +18,7 @@ from costmodel.comm import collective_time_s
 from costmodel.memory import PRECISIONS, model_state_bytes
 from costmodel.step import CostModel
 from executor.preflight import planned_counts
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.rules import strategies_for
 from planner.search.plan import make_plan

@@ -89,7 +89,7 @@ def parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tupl
 def parse_pins(pins: tuple[str, ...], pin_file: str | None) -> dict[str, str]:
     from pathlib import Path
 
-    from planner.search.solve import PinError
+    from planner.search.decisions import PinError
 
     out: dict[str, str] = {}
     if pin_file:
@@ -243,7 +243,7 @@ def parse_strategy_in(path: str, model: str, dims: dict[str, int], shape: tuple[
                  names: tuple[str, ...] | None, devices: int) -> tuple[tuple[int, ...], tuple[str, ...], dict[str, str]]:
     """A strategy checkpoint's mesh and parameter placements, checked against the model and the flags."""
     from planner.graph import load_graph
-    from planner.strategy import held_to_layout, load_parameter_layout
+    from planner.strategy_ckpt import held_to_layout, load_parameter_layout
 
     layout = load_parameter_layout(path)
     pins = held_to_layout(layout, load_graph(model, dims), path)

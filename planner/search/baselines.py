@@ -15,7 +15,7 @@ from core.placement import OpStrategy, Shard, Spec
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
-from hwprofiles.profile import load_profile
+from hwprofiles.files import load_profile
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
 from planner.search.build import build_strategy
 from planner.search.propagate import data_parallel_pins, propagate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from core.collectives import Phase
 from core.graph import OpGraph, TensorKind
@@ -16,9 +17,12 @@ from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
 from costmodel.step import CostModel
-from hwprofiles.profile import HardwareProfile, list_presets
+from hwprofiles.files import list_presets
+from hwprofiles.profile import HardwareProfile
 from planner.rules import RuleSet
+from planner.search.decisions import SolverOptions
 from planner.search.request import PlanRequest
+from planner.search.solve import ShardingILP
 from planner.strategy import (
     CandidateRecord,
     Fallback,
@@ -130,3 +134,15 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         global_batch_size=micro * steps if micro is not None else None,
         micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
         layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes)
+
+
+def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel, mesh: DeviceMesh,
+                 layout: Layout | None, *, pins: Mapping[str, Spec], memory_limit_bytes: float | None,
+                 time_limit_s: float | None = None, **shape: Any) -> ShardingILP:
+    """The ILP as the request asks for it: its solver and limits, the parameter placements its layout
+    (and ZeRO-3) allow, the ZeRO stages it allows; `shape`: the search's own (pipeline stages,
+    recomputation counts, parameters held at stage 0)."""
+    return ShardingILP(graph, rules, cm, memory_limit_bytes=memory_limit_bytes, pins=pins, follow=req.follow,
+                       options=SolverOptions(time_limit_s=time_limit_s or req.time_limit_s, backend=req.solver,
+                                             num_workers=req.workers),
+                       param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(), **shape)

@@ -32,6 +32,7 @@ from core.mesh import DeviceMesh
 from costmodel.comm import collective_time_s
 from costmodel.compose import compose
 from costmodel.compute import tensor_bytes
+from costmodel.device import link_collective_time_s
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
 from costmodel.pipeline import bubble_fraction, in_flight, pipeline_step_s
@@ -41,14 +42,13 @@ from planner.rules import rules_for_graph
 from planner.search.build import (
     build_strategy,
     cost_model_for,
-    param_layout_for,
     plan_settings,
     profile_source,
+    sharding_ilp,
     training_settings,
 )
 from planner.search.propagate import resolve_pins
 from planner.search.request import Candidate, PlanRequest
-from planner.search.solve import ShardingILP, SolverOptions
 from planner.stagecut import Cut, crossings, cut, param_stages
 from planner.strategy import (
     CandidateRecord,
@@ -106,7 +106,7 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
         if len(readers) > 1:
             grad = priced.memory["parameters"].get(param, 0.0) / cm.precision.weight_bytes * cm.precision.grad_bytes
             for s in readers:
-                per_step[s] += cm.profile.collective_time_s(Collective.ALL_REDUCE, grad, len(readers), level)
+                per_step[s] += link_collective_time_s(cm.profile, Collective.ALL_REDUCE, grad, len(readers), level)
     # Sends: every tensor a later chunk reads crosses each chunk boundary on its way (Megatron passes it
     # along), forward; a float one's gradient comes back.
     sends = [0.0] * p
@@ -280,13 +280,10 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
     held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
     say(f"pipeline {p} stages × {sub}: solving")
-    sol = ShardingILP(graph, rules, cm, memory_limit_bytes=limit if enforce_limit else None, pins=pins, follow=req.follow,
-                      # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
-                      options=SolverOptions(time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S)
-                                            if enforce_limit else req.time_limit_s, backend=req.solver,
-                                            num_workers=req.workers),
-                      param_layout=param_layout_for(req, layout, graph, sub), zero_stages=req.zero_options(),
-                      stages=the_cut.node_stage, in_flight=held).solve()
+    # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
+    sol = sharding_ilp(req, graph, rules, cm, sub, layout, pins=pins, memory_limit_bytes=limit if enforce_limit else None,
+                       time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S) if enforce_limit else None,
+                       stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
     stages = price_stages(cm, priced, graph, the_cut, full, schedule, steps)
     counts = balanced_counts(stages, the_cut)

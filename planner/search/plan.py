@@ -30,23 +30,24 @@ from core.placement import OpStrategy, Spec
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import CostModel
-from hwprofiles.profile import HardwareProfile, load_profile
+from hwprofiles.files import load_profile
+from hwprofiles.profile import HardwareProfile
 from planner.graph import load_graph
 from planner.rules import RuleSet, rules_for_graph
 from planner.search.build import (
     batch_of,
     build_strategy,
     cost_model_for,
-    param_layout_for,
     plan_settings,
     profile_source,
+    sharding_ilp,
     training_settings,
 )
+from planner.search.decisions import PinError
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
 from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
 from planner.search.request import FUSION_CANDIDATES, Candidate, PlanRequest, Progress, mesh_candidates
-from planner.search.solve import PinError, ShardingILP, SolverOptions
 from planner.strategy import (
     CandidateRecord,
     ProfileRef,
@@ -300,14 +301,10 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
                     # stored: where a parameter the solver sharded is not, and the plan does not fit without
                     # its saving, it is held at stage 0 and the ILP solved again
-                    ilp = ShardingILP(graph, rules, base, memory_limit_bytes=None if layout is not None else limit,
-                                      pins=pins, follow=req.follow,
-                                      options=SolverOptions(time_limit_s=req.time_limit_s, backend=req.solver,
-                                                            num_workers=req.workers),
-                                      param_layout=param_layout_for(req, layout, graph, mesh),
-                                      zero_stages=req.zero_options(), no_zero=no_zero,
-                                      recompute_model=model(Recompute.FULL) if counted else None,
-                                      recompute_layers=req.recompute_layers)
+                    ilp = sharding_ilp(req, graph, rules, base, mesh, layout, pins=pins,
+                                       memory_limit_bytes=None if layout is not None else limit, no_zero=no_zero,
+                                       recompute_model=model(Recompute.FULL) if counted else None,
+                                       recompute_layers=req.recompute_layers)
                     sol = ilp.solve()
                     choice, param_specs, stats = sol.choice, sol.param_specs, sol.stats
                     if sol.recompute:  # priced with the layers the solver recomputes

@@ -13,7 +13,7 @@ from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Shard, Spec, parse_spec
 from costmodel.step import CostModel
 from planner.rules import RuleSet
-from planner.search.solve import PinError
+from planner.search.decisions import PinError
 from planner.strategy import (
     SolverStats,
 )

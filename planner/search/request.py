@@ -91,6 +91,9 @@ class PlanRequest:
             if not self.decides:
                 raise MeshplanError(f"--layout is priced by the ILP: use --mode auto or semi, not {self.mode}")
         pp = self.layout
+        if pp is not None and pp.pipeline > 1 and self.global_batch_size is None and "batch" in self.dims:
+            raise MeshplanError("--layout pp: a pipeline runs micro-batches of a global batch; give "
+                                "--global-batch-size (and --micro-batch-size, default 1 per data-parallel rank)")
         if self.schedule is not None:
             if pp is None or pp.pipeline == 1:
                 raise MeshplanError(f"--schedule {self.schedule} schedules pipeline stages: give --layout with pp=N")
