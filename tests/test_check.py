@@ -149,8 +149,7 @@ def test_plans_are_identical_run_after_run(zoo: Callable[[str], Path], tmp_path:
     # processes (other hash seeds: nothing may depend on set order) and with 1 or 2 solver threads —
     # for CBC, and for CP-SAT (seeded, its deterministic parallel search).
     texts: dict[str, set[str]] = {"cbc": set(), "cpsat": set()}
-    for i, (seed, workers, solver) in enumerate([(0, 1, "cbc"), (1, 2, "cbc"), (2, 1, "cbc"), (3, 1, "cpsat"),
-                                                 (4, 2, "cpsat")]):
+    for i, (seed, workers, solver) in enumerate([(0, 1, "cbc"), (1, 2, "cbc"), (3, 1, "cpsat"), (4, 2, "cpsat")]):
         out = tmp_path / f"s{i}.json"
         subprocess.run([sys.executable, "-m", "cli", "plan", str(zoo("llama-tiny")), "--devices", "4", "--profile",
                         "h100-sxm", "--dim", "seq=32", "--global-batch-size", "16", "--workers", str(workers),
