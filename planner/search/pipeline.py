@@ -39,14 +39,7 @@ from costmodel.pipeline import bubble_fraction, in_flight, pipeline_step_s
 from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile
 from planner.rules import rules_for_graph
-from planner.search.build import (
-    build_strategy,
-    cost_model_for,
-    plan_settings,
-    profile_source,
-    sharding_ilp,
-    training_settings,
-)
+from planner.search import build
 from planner.search.propagate import resolve_pins
 from planner.search.request import Candidate, PlanRequest
 from planner.stagecut import Cut, crossings, cut, param_stages
@@ -276,12 +269,12 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     say(f"pipeline {p} stages × {sub}: rules")
     rules = rules_for_graph(graph, sub, strict=req.strict)
     policy = Recompute.FULL if recompute is Recompute.FULL else Recompute.NONE
-    cm = cost_model_for(req, graph, sub, profile, precision, steps, policy)
+    cm = build.cost_model_for(req, graph, sub, profile, precision, steps, policy)
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}
     held = [in_flight(schedule, p, steps, s, v) for s in range(p)]
     say(f"pipeline {p} stages × {sub}: solving")
     # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
-    sol = sharding_ilp(req, graph, rules, cm, sub, layout, pins=pins, memory_limit_bytes=limit if enforce_limit else None,
+    sol = build.sharding_ilp(req, graph, rules, cm, sub, layout, pins=pins, memory_limit_bytes=limit if enforce_limit else None,
                        time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S) if enforce_limit else None,
                        stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
@@ -301,13 +294,13 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     cost = pipelined_cost(stages, schedule, steps, v, overhead, priced.flops_matmul, cm.composer)
     say(f"pipeline {p} stages × {sub}: step {cost.step_time_s * 1e3:.1f} ms, {cost.memory_bytes_per_device / 2**30:.1f} "
         "GiB per device")
-    settings = plan_settings(req, graph, search=req.search, dtype=precision.name, limit=limit, loss=cm.loss)
-    training = training_settings(req, graph, steps, priced, data_parallel=layout.data_parallel, layout=layout,
+    settings = build.plan_settings(req, graph, search=req.search, dtype=precision.name, limit=limit, loss=cm.loss)
+    training = build.training_settings(req, graph, steps, priced, data_parallel=layout.data_parallel, layout=layout,
                                  recompute={g.prefix: Recompute.FULL for g in graph.layers} if policy is Recompute.FULL else {})
-    ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
+    ref = ProfileRef(name=profile.name, digest=profile.digest, source=build.profile_source(req.profile))
     record = CandidateRecord(mesh=full.shape, axis_names=full.axis_names, step_time_s=cost.step_time_s,
                              memory_bytes_per_device=cost.memory_bytes_per_device, solver_status=sol.stats.status)
-    strategy = build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
+    strategy = build.build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
                               settings, (record,), training)
     strategy = replace(strategy, pipeline=replace(pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),
                                                   result_broadcast=req.pipeline_result_broadcast), cost=cost)
