@@ -18,6 +18,7 @@ from core.errors import MeshplanError
 from core.layout import parse_layout
 from core.levers import Attention, Composer, LeverError, LossKind, Mode, Recompute, Schedule, Search, lever
 from meshplan.cli.options import (
+    FLAGS,
     build_mesh,
     dim_option,
     mesh_options,
@@ -30,6 +31,7 @@ from meshplan.cli.options import (
     parse_zero,
     plan_options,
     precision_for,
+    worded,
 )
 from meshplan.cli.render import (
     console,
@@ -54,8 +56,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 def _worded(e: MeshplanError) -> str:
     """The core names a lever by its API name; the CLI by its flag."""
     if isinstance(e, LeverError):
-        return f"--{e.lever.replace('_', '-')} {e.value}: choose one of {', '.join(e.choices)}"
-    return str(e)
+        return f"{FLAGS.get(e.lever, '--' + e.lever.replace('_', '-'))} {e.value}: choose one of {', '.join(e.choices)}"
+    return worded(str(e))
 
 
 def _one_line_errors(fn: F) -> F:
@@ -353,7 +355,7 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
         render_check(results)
     for r in results:
         if r.error:
-            err_console.print(f"meshplan: error: {r.error}", markup=False, highlight=False, soft_wrap=True)
+            err_console.print(f"meshplan: error: {worded(r.error)}", markup=False, highlight=False, soft_wrap=True)
     sys.exit(exit_code(results))
 
 

@@ -74,7 +74,7 @@ class Layout:
         for t in graph.inputs:
             shape = graph.tensors[t].shape
             if dp_axes and (not shape or shape[0] < self.data_parallel):
-                raise MeshplanError(f"--layout {self}: input {t} has batch {shape[0] if shape else 0} per micro-step, "
+                raise MeshplanError(f"`layout` {self}: input {t} has batch {shape[0] if shape else 0} per micro-step, "
                                     f"fewer than the {self.data_parallel} data-parallel ranks; raise the batch or "
                                     "lower dp_replicate × dp_shard")
             pins[t] = Spec(tuple(Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)))
@@ -106,21 +106,21 @@ def parse_layout(text: str, devices: int) -> Layout:
         key, eq, value = part.partition("=")
         key = key.strip()
         if key in NOT_YET:
-            raise MeshplanError(f"--layout {key}: context and expert parallelism are not planned yet; use "
+            raise MeshplanError(f"`layout` {key}: context and expert parallelism are not planned yet; use "
                                 f"{', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))}")
         if key not in (*LAYOUT_KEYS, *PIPELINE_KEYS):
-            raise MeshplanError(f"--layout {key}: unknown key; use {', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))} "
+            raise MeshplanError(f"`layout` {key}: unknown key; use {', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))} "
                                 "(torchtitan's names, Megatron's pp and vpp)")
         if not eq or not value.strip().isdigit() or int(value) < 1:
-            raise MeshplanError(f"--layout {part}: give KEY=N with N a positive integer, e.g. dp_shard=8,tp=8")
+            raise MeshplanError(f"`layout` {part}: give KEY=N with N a positive integer, e.g. dp_shard=8,tp=8")
         if key in sizes:
-            raise MeshplanError(f"--layout {key} given twice; give each degree once")
+            raise MeshplanError(f"`layout` {key} given twice; give each degree once")
         sizes[key] = int(value)
     layout = Layout(tuple((k, sizes[k]) for k in LAYOUT_KEYS if k in sizes), pipeline=sizes.get("pp", 1),
                     virtual=sizes.get("vpp", 1))
     if layout.virtual > 1 and layout.pipeline == 1:
-        raise MeshplanError(f"--layout vpp={layout.virtual}: virtual stages interleave a pipeline; give pp too")
+        raise MeshplanError(f"`layout` vpp={layout.virtual}: virtual stages interleave a pipeline; give pp too")
     if layout.devices != devices:
-        raise MeshplanError(f"--layout {layout} multiplies to {layout.devices} devices, not --devices {devices}; "
+        raise MeshplanError(f"`layout` {layout} multiplies to {layout.devices} devices, not `devices` {devices}; "
                             f"make the degrees multiply to {devices}")
     return layout

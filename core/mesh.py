@@ -49,12 +49,12 @@ class DeviceMesh:
               *, devices_per_node: int = 1) -> DeviceMesh:
         """The mesh over devices 0..N−1; `shape` defaults to 1-d, names to dp, tp (2-d) or axis0, axis1, …"""
         if num_devices < 1:
-            raise MeshError(f"--devices {num_devices}: needs at least 1 device")
+            raise MeshError(f"`devices` {num_devices}: needs at least 1 device")
         shape = shape or (num_devices,)
         if any(s < 1 for s in shape):
             raise MeshError(f"mesh {'x'.join(map(str, shape))}: every axis needs at least 1 device")
         if math.prod(shape) != num_devices:
-            raise MeshError(f"mesh {'x'.join(map(str, shape))} multiplies to {math.prod(shape)}, not --devices "
+            raise MeshError(f"mesh {'x'.join(map(str, shape))} multiplies to {math.prod(shape)}, not `devices` "
                             f"{num_devices}; pick a shape whose sizes multiply to {num_devices}")
         if axis_names is None:
             axis_names = {1: ("dp",), 2: ("dp", "tp")}.get(len(shape), tuple(f"axis{i}" for i in range(len(shape))))

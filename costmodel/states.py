@@ -112,4 +112,4 @@ class ModelStates:
         try:
             return zero_split(axes, self.mesh.shape, self.zero_shard_size)
         except ValueError as e:
-            raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: {e}") from None
+            raise MeshplanError(f"`zero_shard_size` {self.zero_shard_size}: {e}") from None

@@ -293,7 +293,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     since (default: the path the strategy names)."""
     s = strategy if isinstance(strategy, Strategy) else load_strategy(strategy)
     if s.pipeline is not None:
-        raise ApplyError("apply runs plans without pipeline stages; plan with --pp 1 (or run the pipelined "
+        raise ApplyError("apply runs plans without pipeline stages; plan without pp in its `layout` (or run the pipelined "
                          "plan with `meshplan run`)")
     path = Path(model) if model is not None else Path(s.model.path)
     if not path.exists():
@@ -322,7 +322,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     dp_big = [i for i in big if i in dp_axes]
     if len(tp_axes) > 1 or len(dp_big) > 1 or (tp_axes and dp_big):
         raise ApplyError(f"apply runs one data-parallel or one tensor-parallel axis; this plan's mesh "
-                         f"{list(shape)} {list(s.mesh.axis_names)} has more; plan with --mesh N (or run it with "
+                         f"{list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run it with "
                          "`meshplan run`)")
     names = s.mesh.axis_names
     report = ApplyReport(data_parallel="", dp_axis=names[dp_big[0]] if dp_big else None,

@@ -120,7 +120,7 @@ def measure_on_ranks(cfg: CalibrationConfig, report: CalibrationReport, progress
 
     try:
         run_ranks(_rank, cfg.nproc, lambda r, port, out: (r, cfg.nproc, port, cfg, plan_data_parallel, out), handle,
-                  timeout_s=cfg.timeout_s, error=CalibrationError, what="the benchmarks (try --quick)")
+                  timeout_s=cfg.timeout_s, error=CalibrationError, what="the benchmarks (try `quick`)")
     finally:
         if env_threads is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -50,9 +50,9 @@ def check_plan(strategy: Strategy) -> None:
     tr = strategy.training
     zero = set((tr.zero_stages or {}).values()) if tr.zero_stages is not None else {tr.zero_stage % 3}
     if zero & {1, 2} and tr.zero_shard_size is not None:
-        raise CheckpointError("--save/--load: ZeRO-1/2 with a shard group smaller than the data-parallel group "
+        raise CheckpointError("`save`/`load`: ZeRO-1/2 with a shard group smaller than the data-parallel group "
                               "(optimizer_weight_shard_size) keeps copies of each shard; checkpoint it without "
-                              "--zero-shard-size")
+                              "`zero_shard_size`")
 
 
 def flat_boxes(shape: tuple[int, ...], lo: int, hi: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -178,7 +178,7 @@ def _fused(runner: SpmdRunner, name: str, flat_state: torch.Tensor, *, saving: b
 def read_meta(path: str | Path) -> dict[str, Any]:
     p = Path(path) / META
     if not p.is_file():
-        raise CheckpointError(f"{path}: no meshplan checkpoint there ({META} missing); write one with run --save")
+        raise CheckpointError(f"{path}: no meshplan checkpoint there ({META} missing); write one with run `save`")
     meta: dict[str, Any] = json.loads(p.read_text())
     return meta
 
@@ -278,7 +278,7 @@ def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> No
 
 def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, strategy: Strategy, steps: int) -> None:
     if not isinstance(optim, torch.optim.AdamW):
-        raise CheckpointError("--save: checkpoints hold AdamW's states; run with --optimizer adamw")
+        raise CheckpointError("`save`: checkpoints hold AdamW's states; run with `optimizer` adamw")
     dcp.save(_state(runner, optim, saving=True), checkpoint_id=str(path), planner=_save_planner())
     if dist.get_rank() == 0:
         (Path(path) / META).write_text(json.dumps({
@@ -343,7 +343,7 @@ def load_model(path: str | Path, runner: SpmdRunner) -> None:
 
 def load_optimizer(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
     if not isinstance(optim, torch.optim.AdamW):
-        raise CheckpointError("--load: checkpoints hold AdamW's states; run with --optimizer adamw")
+        raise CheckpointError("`load`: checkpoints hold AdamW's states; run with `optimizer` adamw")
     init_optimizer_state(runner, optim)
     state = _state(runner, optim)
     del state["model"]

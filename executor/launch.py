@@ -51,7 +51,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     if nproc != mesh_size:
         where = f"mesh {strategy.mesh.describe_shape()}" if strategy.pipeline is None else \
             f"{len(strategy.pipeline.stages)} pipeline stages of mesh {strategy.mesh.describe_shape()}"
-        raise RunError(f"--nproc {nproc} but the strategy's {where} has {mesh_size} devices; run with --nproc {mesh_size}")
+        raise RunError(f"`nproc` {nproc} but the strategy's {where} has {mesh_size} devices; run with `nproc` {mesh_size}")
     reports: dict[int, dict[str, Any]] = {}
 
     def handle(msg: tuple[Any, ...]) -> bool:

@@ -120,7 +120,7 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         raise RunError(f"the executor runs attention as FlashAttention (torch's SDPA) or torch's eager ops, without "
                        f"dropout; this plan prices {tr.attention} attention"
                        + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")
-                       + ": plan with --attention flash or eager and --attention-dropout 0 to run it")
+                       + ": plan with `attention` flash or eager and `attention_dropout` 0 to run it")
     k = strategy.training.micro_batches
     # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()
@@ -129,7 +129,7 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
     if k > 1 and (batch is None or odd):
         raise RunError(f"{k} micro-batches split every input along dim 0, the batch, but input(s) "
                        f"{', '.join(odd) or graph.inputs[0]} do not start with the batch dim; plan with "
-                       "--accumulation-steps 1")
+                       "`accumulation_steps` 1")
 
 
 class PipelineRunError(MeshplanError):
@@ -144,13 +144,13 @@ def check_pipeline(strategy: Strategy, graph: OpGraph) -> None:
     for s, st in enumerate(pipe.stages):
         if tuple(st.devices) != tuple(range(s * n, (s + 1) * n)):
             raise PipelineRunError(f"pipeline stage {s} runs on devices {list(st.devices)}; the executor lays stage s "
-                                   f"on ranks {s * n}…{(s + 1) * n - 1} (plan with --layout pp=…)")
+                                   f"on ranks {s * n}…{(s + 1) * n - 1} (plan with `layout` pp=…)")
     tr = strategy.training
     stages = set(tr.zero_stages.values()) if tr.zero_stages is not None else {tr.zero_stage}
     p, v, m = len(pipe.stages), pipe.virtual_stages, tr.micro_batches
     if 2 in stages and v > 1:
         raise PipelineRunError("ZeRO-2 reduce-scatters each micro-batch's gradients, and interleaved stages finish a "
-                               "micro-batch's backward chunk by chunk; plan with --zero 1 or --zero 3, or without vpp")
+                               "micro-batch's backward chunk by chunk; plan with `zero_stage` 1 or `zero_stage` 3, or without vpp")
     held = param_stages(graph, strategy_chunks(graph, pipe), p)
     zero = tr.zero_stages or {}
     tied = sorted(t for t, s in held.items() if len(s) > 1 and zero.get(t, 0) in (1, 2))
@@ -158,10 +158,10 @@ def check_pipeline(strategy: Strategy, graph: OpGraph) -> None:
         raise PipelineRunError(f"{tied[0]} is read by pipeline stages {', '.join(map(str, held[tied[0]]))} (a tied weight) "
                                f"and its optimizer states are ZeRO-{zero[tied[0]]} sharded: the executor sums "
                                "the copies' gradients after each stage's reduction, which ZeRO-1/2 leave scattered; "
-                               "plan with --zero 0 or --zero 3")
+                               "plan with `zero_stage` 0 or `zero_stage` 3")
     if v > 1 and m % p:
         raise PipelineRunError(f"interleaved 1F1B runs micro-batches in rounds of {p} (the stages); {m} micro-batches "
-                               f"are not a multiple: plan with --global-batch-size a multiple of {p} micro-batches")
+                               f"are not a multiple: plan with `global_batch_size` a multiple of {p} micro-batches")
 
 
 def planned_sends(strategy: Strategy, graph: OpGraph, stage: int) -> int:

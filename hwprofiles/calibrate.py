@@ -45,15 +45,15 @@ class CalibrationConfig:
 
     def __post_init__(self) -> None:
         if self.compute_only and self.base is None:
-            raise CalibrationError("--compute-only keeps another profile's links: pass --base NAME (a preset or a "
+            raise CalibrationError("`compute_only` keeps another profile's links: pass `base` NAME (a preset or a "
                                    "profile JSON calibrated on this machine)")
         if self.nproc < 1:
-            raise CalibrationError(f"--nproc {self.nproc}: needs at least 1 rank (2 or more to measure collectives)")
+            raise CalibrationError(f"`nproc` {self.nproc}: needs at least 1 rank (2 or more to measure collectives)")
         if self.nproc < 2 and self.base is None:
-            raise CalibrationError(f"--nproc {self.nproc} measures no link; calibrate with --nproc 2 or more, or pass "
-                                   "--base NAME to keep a preset's links")
+            raise CalibrationError(f"`nproc` {self.nproc} measures no link; calibrate with `nproc` 2 or more, or pass "
+                                   "`base` NAME to keep a preset's links")
         if self.backend not in ("gloo", "nccl"):
-            raise CalibrationError(f"--backend {self.backend}: use gloo (CPU) or nccl (GPUs)")
+            raise CalibrationError(f"`backend` {self.backend}: use gloo (CPU) or nccl (GPUs)")
 
     @property
     def message_sizes(self) -> list[int]:

@@ -134,7 +134,7 @@ def build_profile(cfg: CalibrationConfig, report: CalibrationReport) -> Hardware
             data["node"]["link"] = link
     else:
         if link is None:
-            raise CalibrationError("--nproc 1 measures no link; calibrate with --nproc 2 or more, or pass --base")
+            raise CalibrationError("`nproc` 1 measures no link; calibrate with `nproc` 2 or more, or pass `base`")
         peak = eff.peak_achieved_flops_per_s
         assumed = "assumed: one machine, no inter-node link measured; equal to the loopback link"
         data = {

@@ -39,7 +39,7 @@ def _planned_profile(path: str, planned: ProfileRef) -> HardwareProfile:
                             "meshplan plan") from e
     if profile.digest != planned.digest:
         raise StrategyError(f"{path}: the profile {source} changed since planning (digest {planned.digest}, now "
-                            f"{profile.digest}); re-plan with meshplan plan --profile {source}")
+                            f"{profile.digest}); re-plan with meshplan plan `profile` {source}")
     return profile
 
 

@@ -161,7 +161,7 @@ def load_hf_config(path: str | Path) -> Any:
     try:
         import transformers
     except ImportError as e:
-        raise ModelError("--hf-config needs transformers: pip install 'meshplan[hf]'") from e
+        raise ModelError("`hf_config` needs transformers: pip install 'meshplan[hf]'") from e
     raw = dict(raw)
     model_type = raw.pop("model_type")
     try:
@@ -267,7 +267,7 @@ def _input_dims(config: Any, key: str, dims: Mapping[str, int | None]) -> tuple[
     known = {n for n, _ in base}
     unknown = sorted(set(dims) - known)
     if unknown:
-        raise ExportError(f"--dim {', '.join(unknown)}: this model's input dims are {', '.join(n for n, _ in base)}")
+        raise ExportError(f"`dims` {', '.join(unknown)}: this model's input dims are {', '.join(n for n, _ in base)}")
     names: list[str | None] = []
     sizes: list[int] = []
     for n, static in base:

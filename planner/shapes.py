@@ -33,16 +33,16 @@ def bind_dims(user_inputs: list[onnx.ValueInfoProto], dims: Mapping[str, int]) -
     unknown = sorted(set(dims) - set(needed))
     if unknown:
         hint = ", ".join(needed) if needed else "none: every input shape is static"
-        raise DimBindingError(f"--dim names {', '.join(unknown)} not in the model; its symbolic dims: {hint}",
+        raise DimBindingError(f"`dims` names {', '.join(unknown)} not in the model; its symbolic dims: {hint}",
                               unknown=tuple(unknown))
     unbound = [d for d in needed if d not in dims]
     if unbound:
-        flags = " ".join(f"--dim {d}=N" for d in unbound)
+        flags = " ".join(f"`dims` {d}=N" for d in unbound)
         raise DimBindingError(f"unbound symbolic dims: {', '.join(unbound)}; bind them with {flags}",
                               unbound=tuple(unbound))
     for k, size in dims.items():
         if size <= 0:
-            raise DimBindingError(f"--dim {k}={size}: a dimension must be a positive integer")
+            raise DimBindingError(f"`dims` {k}={size}: a dimension must be a positive integer")
     return {d: int(dims[d]) for d in needed}
 
 
@@ -99,7 +99,7 @@ def with_static_shapes(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx
             return onnx.load(dst, load_external_data=False)
     except (onnx.shape_inference.InferenceError, ValueError) as e:
         raise ModelError(
-            f"ONNX shape inference failed: {str(e).splitlines()[0]}; check the --dim values"
+            f"ONNX shape inference failed: {str(e).splitlines()[0]}; check the `dims` values"
         ) from e
 
 

@@ -36,16 +36,16 @@ class Cut:
 def cut(graph: OpGraph, p: int, v: int = 1, counts: list[int] | None = None) -> Cut:
     """`counts`: layers per chunk (default: even, the extra layers to the middle chunks)."""
     if not graph.layers:
-        raise MeshplanError(f"--layout pp={p}: pipeline stages cut the repeated layers, and {graph.name} has none "
+        raise MeshplanError(f"`layout` pp={p}: pipeline stages cut the repeated layers, and {graph.name} has none "
                             "meshplan recognises; plan without pp")
     group = max(graph.layers, key=lambda g: g.num_layers)
     n_layers = group.num_layers
     if p > n_layers:
-        raise MeshplanError(f"--layout pp={p}: more stages than the {n_layers} repeated layers of {group.prefix}; "
+        raise MeshplanError(f"`layout` pp={p}: more stages than the {n_layers} repeated layers of {group.prefix}; "
                             f"use pp ≤ {n_layers}")
     chunks = p * v
     if v > 1 and n_layers % chunks:
-        raise MeshplanError(f"--layout vpp={v}: {n_layers} layers over {p} stages × {v} chunks do not divide evenly "
+        raise MeshplanError(f"`layout` vpp={v}: {n_layers} layers over {p} stages × {v} chunks do not divide evenly "
                             f"(each chunk needs the same layers); pick vpp dividing {n_layers // p if n_layers % p == 0 else n_layers}/pp")
     if counts is None:
         base, extra = divmod(n_layers, chunks)

@@ -472,7 +472,7 @@ def from_json(text: str, origin: str = "strategy") -> Strategy:
         raise StrategyError(f"{origin}: not JSON ({e}); write a strategy with meshplan plan -o") from e
     if isinstance(data, dict) and data.get("only_trainable_params"):
         raise StrategyError(f"{origin} holds only the trainable parameters' placements (only_trainable_params); "
-                            f"plan with --strategy-in {origin} for a strategy to run")
+                            f"plan with `strategy_in` {origin} for a strategy to run")
     return from_dict(data, origin)
 
 

@@ -73,7 +73,7 @@ def save_strategy_checkpoint(s: Strategy, path: str | Path, *, only_trainable_pa
 def load_parameter_layout(path: str | Path) -> ParameterLayout:
     """A strategy checkpoint: a parameters-only file, or any strategy file (its parameters' layout)."""
     p = Path(path)
-    data = read_json(p, StrategyError, f"write one with plan --strategy-out {p}")
+    data = read_json(p, StrategyError, f"write one with plan `strategy_out` {p}")
     if not (isinstance(data, dict) and data.get("only_trainable_params")):
         return parameter_layout(from_dict(data, str(p)))
     try:
@@ -81,7 +81,7 @@ def load_parameter_layout(path: str | Path) -> ParameterLayout:
     except jsonschema.ValidationError as e:
         where = "/".join(str(x) for x in e.absolute_path) or "top level"
         raise StrategyError(f"{p}: not a strategy checkpoint ({where}: {e.message}); write one with plan "
-                            "--strategy-out") from e
+                            "`strategy_out`") from e
     return ParameterLayout(model_name=data["model"]["name"], fingerprint=data["model"]["fingerprint"],
                            mesh_shape=tuple(data["mesh"]["shape"]), axis_names=tuple(data["mesh"]["axis_names"]),
                            parameters={n: (tuple(v["shape"]), ",".join(v["placements"]))
@@ -97,6 +97,6 @@ def held_to_layout(layout: ParameterLayout, graph: OpGraph, origin: str) -> dict
         if mine != theirs:
             what = "not in this model" if mine is None else "not in the checkpoint" if theirs is None else \
                 f"{list(theirs)} there, {list(mine)} here"
-            raise StrategyError(f"--strategy-in {origin} is for model {layout.model_name}, whose parameters differ: "
+            raise StrategyError(f"`strategy_in` {origin} is for model {layout.model_name}, whose parameters differ: "
                                 f"{name} ({what}); plan this model without it, or pass its own")
     return {n: spec for n, (_, spec) in layout.parameters.items()}

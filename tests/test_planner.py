@@ -113,7 +113,7 @@ def test_memory_limit_shards_parameters() -> None:
 
 
 def test_infeasible_memory_names_the_floor() -> None:
-    with pytest.raises(InfeasiblePlanError, match=r"needs at least [0-9.]+ GiB per device .* raise --memory-limit"):
+    with pytest.raises(InfeasiblePlanError, match=r"needs at least [0-9.]+ GiB per device .* raise `memory_limit_gib`"):
         _solve(_mlp_blocks(tokens=4096, h=4096), devices=2, memory_gib=0.01)
 
 

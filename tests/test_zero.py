@@ -204,7 +204,7 @@ def test_zero_shard_group_smaller_than_data_parallel(zoo: Callable[[str], Path])
         volume[e.kind, e.axes] += e.size_bytes
     assert volume == {(Collective.REDUCE_SCATTER, (1,)): 2 * psi, (Collective.ALL_REDUCE, (0,)): 2 * psi / 4,
                       (Collective.ALL_GATHER, (1,)): 2 * psi}
-    with pytest.raises(MeshplanError, match=r"--zero-shard-size 3: .* pick a shard size among 4, 8"):
+    with pytest.raises(MeshplanError, match=r"`zero_shard_size` 3: .* pick a shard size among 4, 8"):
         CostModel(g, mesh, H100, BF16, zero_stage=1, zero_shard_size=3).price(_batch_split_everywhere(g, mesh))
 
 

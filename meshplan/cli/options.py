@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -260,3 +261,26 @@ def parse_strategy_in(path: str, model: str, dims: dict[str, int], shape: tuple[
         raise MeshplanError(f"--axis-names {','.join(names)} differ from --strategy-in {path}'s "
                             f"{','.join(layout.axis_names)}; drop --axis-names")
     return layout.mesh_shape, layout.axis_names, pins
+
+
+# The CLI's flag for each option the core names in its messages (as `name`: the PlanRequest field, the
+# RunOptions field, the calibration's or the export's argument). The core never names a flag.
+FLAGS = {
+    "layout": "--layout", "global_batch_size": "--global-batch-size", "dims": "--dim", "memory_limit_gib": "--memory-limit",
+    "pins": "--pin", "zero_stage": "--zero", "nproc": "--nproc", "mode": "--mode", "micro_batch_size": "--micro-batch-size",
+    "accumulation_steps": "--accumulation-steps", "devices": "--devices", "base": "--base", "verify": "--verify",
+    "strategy_in": "--strategy-in", "recompute_layers": "--recompute-layers", "mesh_shape": "--mesh",
+    "zero_shard_size": "--zero-shard-size", "time_limit_s": "--time-limit", "strategy_out": "--strategy-out",
+    "search": "--search", "save": "--save", "recompute": "--recompute", "strict": "--strict", "steps": "--steps",
+    "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
+    "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
+    "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",
+    "axis_names": "--axis-names", "dtype": "--dtype", "loss": "--loss", "zero_threshold_bytes": "--zero-threshold",
+    "backend": "--backend",
+}
+_OPTION = re.compile(r"`(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")`")
+
+
+def worded(message: str) -> str:
+    """A core message as the CLI says it: each option it names (`name`) as its flag."""
+    return _OPTION.sub(lambda m: FLAGS[m.group(1)], message)

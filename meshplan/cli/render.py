@@ -324,6 +324,7 @@ def stages_table(title: str, stages: list[dict[str, Any]]) -> Table:
 def render_check(results: list[Any]) -> None:
     """`meshplan check`'s report: per case, what regressed, improved or changed (old → new)."""
     from meshplan.check import exit_code, show
+    from meshplan.cli.options import worded
 
     t = Table(title="meshplan check")
     for col in ("case", "metric", "old", "new", "status", "note"):
@@ -331,7 +332,7 @@ def render_check(results: list[Any]) -> None:
     style = {"regression": "bold red", "improvement": "green", "changed": "yellow", "ok": ""}
     for r in results:
         if r.error:
-            t.add_row(r.case, "—", "—", "—", "[bold red]error[/]", r.error)
+            t.add_row(r.case, "—", "—", "—", "[bold red]error[/]", worded(r.error))
         for f in r.findings:
             cell = [show(f.old), show(f.new)]
             t.add_row(f.case, f.metric, *cell, f"[{style[f.status]}]{f.status}[/]" if style[f.status] else f.status,

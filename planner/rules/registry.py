@@ -186,7 +186,7 @@ def _arity_ok(s: AxisStrategy, ctx: OpContext) -> bool:
 def rules_for_graph(graph: OpGraph, mesh: DeviceMesh, *, strict: bool = False) -> RuleSet:
     missing = sorted({n.op_type for n in graph.compute_nodes if not has_rule(n.op_type)})
     if strict and missing:
-        raise MissingRuleError(f"no sharding rule for op types {', '.join(missing)}; drop --strict to run them "
+        raise MissingRuleError(f"no sharding rule for op types {', '.join(missing)}; drop `strict` to run them "
                                "replicated (the fallback) or add rules in planner/rules/")
     rs = RuleSet(mesh=mesh)
     # Repeated layers repeat signatures: expand each distinct (op, attrs, shapes, constants) once.

@@ -38,7 +38,7 @@ class SolverOptions:
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:
-            raise MeshplanError(f"--time-limit {self.time_limit_s}: must be positive seconds")
+            raise MeshplanError(f"`time_limit_s` {self.time_limit_s}: must be positive seconds")
 
 
 @dataclass
@@ -150,7 +150,7 @@ class DecisionGraph:
                                     if fsdp is not None:
                                         opts[fsdp] = None
             if p not in self.pins and not opts:
-                raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change --layout")
+                raise PinError(f"the layout leaves parameter {p} no placement its consumers can use; change `layout`")
             choices = [(spec, stage) for spec in ([self.pins[p]] if p in self.pins else list(opts))
                        for stage in (self._stages(p, spec) if spec in used else [0])]
             self.param_specs[p] = [spec for spec, _ in choices]

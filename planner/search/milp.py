@@ -64,7 +64,7 @@ class LinearModel:
 
     def solve(self, backend: str, *, time_limit_s: float, num_workers: int = 2, log: bool = False) -> MilpResult:
         if backend not in BACKENDS:
-            raise MeshplanError(f"--solver {backend}: choose one of {', '.join(BACKENDS)}")
+            raise MeshplanError(f"`solver` {backend}: choose one of {', '.join(BACKENDS)}")
         t0 = time.perf_counter()
         result = self._cpsat(time_limit_s, num_workers, log) if backend == "cpsat" else \
             self._mip(backend, time_limit_s, log)
@@ -104,7 +104,7 @@ class LinearModel:
 
         solver = pywraplp.Solver.CreateSolver(backend.upper())
         if solver is None:
-            raise MeshplanError(f"--solver {backend}: not available in this OR-Tools build; use cbc or cpsat")
+            raise MeshplanError(f"`solver` {backend}: not available in this OR-Tools build; use cbc or cpsat")
         if log:
             solver.EnableOutput()
         xs = [solver.IntVar(*self.bounds[i], n) if i in self.bounds else solver.BoolVar(n)

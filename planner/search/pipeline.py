@@ -220,8 +220,8 @@ def stage_limit_check(stages: list[StageCost], limit: float, say: Callable[[str]
     worst = max(range(len(stages)), key=lambda s: sum(stages[s].memory.values()))
     need = sum(stages[worst].memory.values())
     if need > limit:
-        raise MeshplanError(f"memory: pipeline stage {worst} needs {need / 2**30:.2f} GiB per device but --memory-limit "
-                            f"is {limit / 2**30:.2f} GiB; raise --memory-limit, add stages or devices, or recompute")
+        raise MeshplanError(f"memory: pipeline stage {worst} needs {need / 2**30:.2f} GiB per device but `memory_limit_gib` "
+                            f"is {limit / 2**30:.2f} GiB; raise `memory_limit_gib`, add stages or devices, or recompute")
     say(f"pipeline: {len(stages)} stages, peak {need / 2**30:.1f} GiB on stage {worst}")
 
 

@@ -82,7 +82,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
             except DimBindingError as e:
                 if req.global_batch_size is None or "batch" not in e.unknown:
                     raise
-                raise DimBindingError(f"--global-batch-size binds the model's dim 'batch' per micro-step: {e}") from e
+                raise DimBindingError(f"`global_batch_size` binds the model's dim 'batch' per micro-step: {e}") from e
         try:
             plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say)
         except PinError:
@@ -161,9 +161,9 @@ def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:
     except DimBindingError as e:
         if "batch" not in e.unbound:
             raise
-        what = "a pipeline runs micro-batches" if pipelined else f"--accumulation-steps {req.accumulation_steps} runs micro-steps"
+        what = "a pipeline runs micro-batches" if pipelined else f"`accumulation_steps` {req.accumulation_steps} runs micro-steps"
         raise DimBindingError(f"{what} of a global batch, and the model's batch is a symbolic dim: give "
-                              "--global-batch-size (the batch per optimizer step, bound per micro-step)",
+                              "`global_batch_size` (the batch per optimizer step, bound per micro-step)",
                               unbound=("batch",)) from None
 
 
@@ -328,9 +328,9 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
             if cost.memory_bytes > limit and layout is None:  # the solver's memory row is its own estimate:
                 # a plan priced over the limit is refused, never returned
                 raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.2f} GiB per device "
-                                    f"but --memory-limit is {limit / 2**30:.2f} GiB; raise --memory-limit, add devices, "
+                                    f"but `memory_limit_gib` is {limit / 2**30:.2f} GiB; raise `memory_limit_gib`, add devices, "
                                     "or use more micro-steps or recomputation" +
-                                    (" or --mode auto" if req.mode is not Mode.AUTO else ""))
+                                    (" or `mode` auto" if req.mode is not Mode.AUTO else ""))
         except PinError:
             raise
         except MeshplanError as e:

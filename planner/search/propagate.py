@@ -25,12 +25,12 @@ def resolve_pins(graph: OpGraph, mesh: DeviceMesh, raw: Mapping[str, str]) -> di
         if name not in graph.tensors or graph.tensors[name].kind is TensorKind.CONSTANT:
             close = sorted(t for t in graph.tensors if name.lower() in t.lower())[:3]
             hint = f" (did you mean {', '.join(close)}?)" if close else " (see meshplan inspect for tensor names)"
-            raise PinError(f"--pin {name}: no input, parameter or activation of that name in the model{hint}")
+            raise PinError(f"`pins` {name}: no input, parameter or activation of that name in the model{hint}")
         info = graph.tensors[name]
         spec = parse_spec(text, len(info.shape))
-        spec.validate(info.shape, mesh.shape, f"--pin {name}")
+        spec.validate(info.shape, mesh.shape, f"`pins` {name}")
         if info.kind is TensorKind.PARAM and spec.has_partial:
-            raise PinError(f"--pin {name}={spec}: a parameter is stored whole or split, never as partial sums; "
+            raise PinError(f"`pins` {name}={spec}: a parameter is stored whole or split, never as partial sums; "
                            "use S(dim) or R")
         pins[name] = spec
     return pins
@@ -42,8 +42,8 @@ def data_parallel_pins(graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
     for t in graph.inputs:
         shape = graph.tensors[t].shape
         if not shape or shape[0] < mesh.num_devices:
-            raise MeshplanError(f"--mode data-parallel: input {t} has batch {shape[0] if shape else 0} < "
-                                f"{mesh.num_devices} devices; raise the batch (--dim) or use fewer devices")
+            raise MeshplanError(f"`mode` data-parallel: input {t} has batch {shape[0] if shape else 0} < "
+                                f"{mesh.num_devices} devices; raise the batch (`dims`) or use fewer devices")
         pins[t] = Spec((Shard(0),) * mesh.ndim)
     for p in graph.params:
         pins[p.name] = Spec.replicated(mesh.ndim)

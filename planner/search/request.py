@@ -75,73 +75,73 @@ class PlanRequest:
         if isinstance(self.layout, str):
             object.__setattr__(self, "layout", parse_layout(self.layout, self.devices))
         if self.devices < 1:
-            raise MeshplanError(f"--devices {self.devices}: needs at least 1 device")
+            raise MeshplanError(f"`devices` {self.devices}: needs at least 1 device")
         if self.workers < 1:
-            raise MeshplanError(f"--workers {self.workers}: needs at least 1 solver thread")
+            raise MeshplanError(f"`workers` {self.workers}: needs at least 1 solver thread")
         if self.mode is Mode.SEMI and not self.pins:
-            raise MeshplanError("--mode semi plans around pins: give at least one --pin TENSOR=PLACEMENTS")
+            raise MeshplanError("`mode` semi plans around pins: give at least one `pins` TENSOR=PLACEMENTS")
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
-            raise MeshplanError(f"--memory-limit {self.memory_limit_gib}: must be a positive number of GiB")
+            raise MeshplanError(f"`memory_limit_gib` {self.memory_limit_gib}: must be a positive number of GiB")
         if self.layout is not None:
             if self.layout.devices != self.devices:
-                raise MeshplanError(f"--layout {self.layout} covers {self.layout.devices} devices, not --devices "
+                raise MeshplanError(f"`layout` {self.layout} covers {self.layout.devices} devices, not `devices` "
                                     f"{self.devices}; make its degrees multiply to {self.devices}")
             if self.mesh_shape is not None:
-                raise MeshplanError("--layout and --mesh both fix the mesh; give one")
+                raise MeshplanError("`layout` and `mesh_shape` both fix the mesh; give one")
             if not self.decides:
-                raise MeshplanError(f"--layout is priced by the ILP: use --mode auto or semi, not {self.mode}")
+                raise MeshplanError(f"`layout` is priced by the ILP: use `mode` auto or semi, not {self.mode}")
         pp = self.layout
         if pp is not None and pp.pipeline > 1 and self.global_batch_size is None and "batch" in self.dims:
-            raise MeshplanError("--layout pp: a pipeline runs micro-batches of a global batch; give "
-                                "--global-batch-size (and --micro-batch-size, default 1 per data-parallel rank)")
+            raise MeshplanError("`layout` pp: a pipeline runs micro-batches of a global batch; give "
+                                "`global_batch_size` (and `micro_batch_size`, default 1 per data-parallel rank)")
         if self.schedule is not None:
             if pp is None or pp.pipeline == 1:
-                raise MeshplanError(f"--schedule {self.schedule} schedules pipeline stages: give --layout with pp=N")
+                raise MeshplanError(f"`schedule` {self.schedule} schedules pipeline stages: give `layout` with pp=N")
             if (pp.virtual > 1) != (self.schedule is Schedule.INTERLEAVED):
-                raise MeshplanError(f"--schedule {self.schedule} with vpp={pp.virtual}: the interleaved schedule is the "
+                raise MeshplanError(f"`schedule` {self.schedule} with vpp={pp.virtual}: the interleaved schedule is the "
                                     "one with virtual stages (vpp > 1), and it needs them")
         if self.micro_batch_size is not None:
             if self.micro_batch_size < 1:
-                raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: needs at least 1 sequence")
+                raise MeshplanError(f"`micro_batch_size` {self.micro_batch_size}: needs at least 1 sequence")
             if self.global_batch_size is None:
-                raise MeshplanError("--micro-batch-size counts sequences per data-parallel rank per micro-step of a "
-                                    "global batch: give --global-batch-size too")
+                raise MeshplanError("`micro_batch_size` counts sequences per data-parallel rank per micro-step of a "
+                                    "global batch: give `global_batch_size` too")
             if self.accumulation_steps is not None:
-                raise MeshplanError("--micro-batch-size and --accumulation-steps both fix the micro-steps; give one")
+                raise MeshplanError("`micro_batch_size` and `accumulation_steps` both fix the micro-steps; give one")
             dp = self.data_parallel_degree()
             if self.global_batch_size % (self.micro_batch_size * dp):
-                raise MeshplanError(f"--global-batch-size {self.global_batch_size} is not divisible by micro-batch "
+                raise MeshplanError(f"`global_batch_size` {self.global_batch_size} is not divisible by micro-batch "
                                     f"{self.micro_batch_size} × {dp} data-parallel ranks; pick sizes whose product "
                                     f"divides it")
         if self.recompute_layers is not None and (self.recompute is not Recompute.FULL or self.recompute_layers < 0):
-            raise MeshplanError(f"--recompute-layers {self.recompute_layers}: counts the layers of each group that "
-                                "full recomputation covers; give --recompute full and a count of 0 or more")
+            raise MeshplanError(f"`recompute_layers` {self.recompute_layers}: counts the layers of each group that "
+                                "full recomputation covers; give `recompute` full and a count of 0 or more")
         if self.recompute_layers is not None and not self.decides:
-            raise MeshplanError("--recompute-layers is decided with the sharding by the ILP: use --mode auto or semi")
+            raise MeshplanError("`recompute_layers` is decided with the sharding by the ILP: use `mode` auto or semi")
         if not 0.0 <= self.attention_dropout < 1.0:
-            raise MeshplanError(f"--attention-dropout {self.attention_dropout}: a probability in [0, 1)")
+            raise MeshplanError(f"`attention_dropout` {self.attention_dropout}: a probability in [0, 1)")
         if self.zero_shard_size is not None and self.zero_shard_size < 1:
-            raise MeshplanError(f"--zero-shard-size {self.zero_shard_size}: a ZeRO shard group needs at least 1 rank")
+            raise MeshplanError(f"`zero_shard_size` {self.zero_shard_size}: a ZeRO shard group needs at least 1 rank")
         if self.zero_stage not in (None, 0, 1, 2, 3):
-            raise MeshplanError(f"--zero {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
+            raise MeshplanError(f"`zero_stage` {self.zero_stage}: choose 0, 1, 2, 3 (ZeRO's stages) or auto")
         if self.zero_stage == 3 and not self.decides:
-            raise MeshplanError(f"--zero 3 places the parameters through the ILP: use --mode auto or semi (for data "
-                                f"parallelism with FSDP, --layout dp_shard=N), not {self.mode}")
+            raise MeshplanError(f"`zero_stage` 3 places the parameters through the ILP: use `mode` auto or semi (for data "
+                                f"parallelism with FSDP, `layout` dp_shard=N), not {self.mode}")
         k, g = self.accumulation_steps, self.global_batch_size
         if k is not None and k < 1:
-            raise MeshplanError(f"--accumulation-steps {k}: needs at least 1 micro-step")
+            raise MeshplanError(f"`accumulation_steps` {k}: needs at least 1 micro-step")
         if g is not None:
             if g < 1:
-                raise MeshplanError(f"--global-batch-size {g}: needs at least 1 sequence")
+                raise MeshplanError(f"`global_batch_size` {g}: needs at least 1 sequence")
             if "batch" in self.dims:
-                raise MeshplanError("--global-batch-size and --dim batch both set the batch; give one "
+                raise MeshplanError("`global_batch_size` and `dims` batch both set the batch; give one "
                                     "(the global batch is bound per micro-step as batch = global / steps)")
             if k is not None and g % k:
-                raise MeshplanError(f"--global-batch-size {g} is not divisible by --accumulation-steps {k}; "
+                raise MeshplanError(f"`global_batch_size` {g} is not divisible by `accumulation_steps` {k}; "
                                     f"pick steps among {', '.join(map(str, _divisors(g)))}")
         elif k is not None and k > 1 and "batch" in self.dims:
-            raise MeshplanError(f"--accumulation-steps {k} splits a global batch: give --global-batch-size "
-                                "(the batch per optimizer step) instead of --dim batch")
+            raise MeshplanError(f"`accumulation_steps` {k} splits a global batch: give `global_batch_size` "
+                                "(the batch per optimizer step) instead of `dims` batch")
 
     @property
     def decides(self) -> bool:
@@ -155,8 +155,8 @@ class PlanRequest:
             return self.layout.data_parallel
         if self.mode is Mode.DATA_PARALLEL:
             return self.devices
-        raise MeshplanError("--micro-batch-size needs the data-parallel degree: give --layout (e.g. "
-                            "dp_shard=8,tp=8) or --mode data-parallel, or use --accumulation-steps")
+        raise MeshplanError("`micro_batch_size` needs the data-parallel degree: give `layout` (e.g. "
+                            "dp_shard=8,tp=8) or `mode` data-parallel, or use `accumulation_steps`")
 
     def step_candidates(self) -> list[int]:
         """Accumulation steps to try, fewest first (a larger micro-batch runs at least as efficiently)."""
@@ -173,17 +173,17 @@ class PlanRequest:
         over it, or the accumulation steps asked for, or 1."""
         g, k = self.global_batch_size, self.accumulation_steps
         if self.micro_batch_size is not None and self.micro_batch_size * self.data_parallel_degree() != batch:
-            raise MeshplanError(f"--micro-batch-size {self.micro_batch_size}: the model's static batch {batch} is one "
+            raise MeshplanError(f"`micro_batch_size` {self.micro_batch_size}: the model's static batch {batch} is one "
                                 f"micro-step's, {batch // self.data_parallel_degree()} per data-parallel rank; drop "
-                                "--micro-batch-size, or re-export with a dynamic batch dim")
+                                "`micro_batch_size`, or re-export with a dynamic batch dim")
         if g is None:
             return k or 1
         if g % batch:
-            raise MeshplanError(f"--global-batch-size {g} is not a multiple of the model's static batch {batch} (the "
+            raise MeshplanError(f"`global_batch_size` {g} is not a multiple of the model's static batch {batch} (the "
                                 f"traced batch: one micro-step's); give a multiple of {batch}, or re-export with a "
                                 "dynamic batch dim")
         if k is not None and k != g // batch:
-            raise MeshplanError(f"--accumulation-steps {k}: --global-batch-size {g} over the model's static batch "
+            raise MeshplanError(f"`accumulation_steps` {k}: `global_batch_size` {g} over the model's static batch "
                                 f"{batch} is {g // batch} micro-steps; give one of the two")
         return g // batch
 

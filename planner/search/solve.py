@@ -284,8 +284,8 @@ class ShardingILP(DecisionGraph):
         if floor > self.memory_limit_bytes:
             raise InfeasiblePlanError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
-                f"as its rules allow) but --memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
-                "--memory-limit or add devices")
+                f"as its rules allow) but `memory_limit_gib` is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
+                "`memory_limit_gib` or add devices")
 
     def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
         """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation counts."""
@@ -300,7 +300,7 @@ class ShardingILP(DecisionGraph):
                 if floor > self.memory_limit_bytes:
                     raise InfeasiblePlanError(
                         f"memory: pipeline stage {i} needs at least {floor / 2**30:.1f} GiB per device but "
-                        f"--memory-limit is {self.memory_limit_bytes / 2**30:.1f} GiB; raise --memory-limit, add "
+                        f"`memory_limit_gib` is {self.memory_limit_bytes / 2**30:.1f} GiB; raise `memory_limit_gib`, add "
                         "stages or devices, or recompute")
             terms = [(x, math.ceil(b / KIB)) for v, bs in row.items() for b, x in zip(bs, self.x[v], strict=True) if b]
             self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra], -BIG,
@@ -338,10 +338,10 @@ class ShardingILP(DecisionGraph):
         g = self.graph
         for t, spec in self.pins.items():
             if t not in g.tensors:
-                raise PinError(f"--pin {t}: no tensor of that name in the model; pins name inputs, parameters or "
+                raise PinError(f"`pins` {t}: no tensor of that name in the model; pins name inputs, parameters or "
                                "activations (see meshplan inspect)")
             info = g.tensors[t]
-            spec.validate(info.shape, self.rules.mesh.shape, f"--pin {t}")
+            spec.validate(info.shape, self.rules.mesh.shape, f"`pins` {t}")
             if info.kind is TensorKind.PARAM:
                 continue  # its decision has the pinned spec as its only choice
             matched = False
@@ -355,7 +355,7 @@ class ShardingILP(DecisionGraph):
                 idx = g.node_by_name[src].outputs.index(t)
                 matched = self._forbid(src, makes(idx, spec), f"pin[{t}]")
             if not matched:
-                raise PinError(f"--pin {t}={spec}: no strategy of its op can produce or take that placement; "
+                raise PinError(f"`pins` {t}={spec}: no strategy of its op can produce or take that placement; "
                                "choose another (see meshplan strategies)")
 
     def _forbid(self, node: str, keep: Callable[[OpStrategy], bool], name: str) -> bool:
@@ -403,10 +403,10 @@ class ShardingILP(DecisionGraph):
         if result.status == "INFEASIBLE":
             families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
-                                      "raise --memory-limit, drop a pin, or add devices")
+                                      "raise `memory_limit_gib`, drop a pin, or add devices")
         if result.status not in ("OPTIMAL", "FEASIBLE"):
-            raise InfeasiblePlanError(f"the solver found no plan within --time-limit {o.time_limit_s:.0f} s "
-                                      f"(status {result.status}); raise --time-limit")
+            raise InfeasiblePlanError(f"the solver found no plan within `time_limit_s` {o.time_limit_s:.0f} s "
+                                      f"(status {result.status}); raise `time_limit_s`")
         picked = {d: next(i for i, x in enumerate(xs) if result.values[x]) for d, xs in self.x.items()}
         choice: dict[str, OpStrategy] = {}
         for n in self.graph.compute_nodes:
