@@ -110,9 +110,9 @@ def test_fingerprint_tracks_shapes_not_names() -> None:
 @pytest.mark.parametrize(
     ("dims", "message"),
     [
-        ({}, "unbound symbolic dims: batch, seq; bind them with --dim batch=N --dim seq=N"),
+        ({}, "unbound symbolic dims: batch, seq; bind them with `dims` batch=N `dims` seq=N"),
         ({"batch": 2}, "unbound symbolic dims: seq"),
-        ({"batch": 2, "seq": 5, "heads": 4}, "--dim names heads not in the model"),
+        ({"batch": 2, "seq": 5, "heads": 4}, "`dims` names heads not in the model"),
         ({"batch": 0, "seq": 5}, "must be a positive integer"),
     ],
 )
