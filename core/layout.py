@@ -62,6 +62,12 @@ class Layout:
     def axis_names(self) -> tuple[str, ...]:
         return tuple(k for k, n in self.sizes if n > 1) or ("dp_shard",)
 
+    def check_devices(self, devices: int) -> None:
+        """The layout's degrees cover exactly `devices`."""
+        if self.devices != devices:
+            raise MeshplanError(f"`layout` {self} multiplies to {self.devices} devices, not `devices` {devices}; "
+                                f"make the degrees multiply to {devices}")
+
     def __str__(self) -> str:
         extra: tuple[tuple[str, int], ...] = (("pp", self.pipeline),) if self.pipeline > 1 else ()
         extra += (("vpp", self.virtual),) if self.virtual > 1 else ()
@@ -120,7 +126,5 @@ def parse_layout(text: str, devices: int) -> Layout:
                     virtual=sizes.get("vpp", 1))
     if layout.virtual > 1 and layout.pipeline == 1:
         raise MeshplanError(f"`layout` vpp={layout.virtual}: virtual stages interleave a pipeline; give pp too")
-    if layout.devices != devices:
-        raise MeshplanError(f"`layout` {layout} multiplies to {layout.devices} devices, not `devices` {devices}; "
-                            f"make the degrees multiply to {devices}")
+    layout.check_devices(devices)
     return layout

@@ -83,9 +83,7 @@ class PlanRequest:
         if self.memory_limit_gib is not None and self.memory_limit_gib <= 0:
             raise MeshplanError(f"`memory_limit_gib` {self.memory_limit_gib}: must be a positive number of GiB")
         if self.layout is not None:
-            if self.layout.devices != self.devices:
-                raise MeshplanError(f"`layout` {self.layout} covers {self.layout.devices} devices, not `devices` "
-                                    f"{self.devices}; make its degrees multiply to {self.devices}")
+            self.layout.check_devices(self.devices)
             if self.mesh_shape is not None:
                 raise MeshplanError("`layout` and `mesh_shape` both fix the mesh; give one")
             if not self.decides:
