@@ -34,6 +34,8 @@ def static_gpt2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, (ids,), str(path), dynamo=True)
+        # The module's own logits beside the file: what the executor's reading of it must give.
+        torch.save({"ids": ids, "logits": model(ids).logits.detach()}, path.with_suffix(".pt"))
     return path
 
 
@@ -49,6 +51,20 @@ def test_the_default_export_is_static_with_a_folded_position_table(static_gpt2: 
     folded = [p for p in graph.parameters.values() if p.fold is Fold.STATIC]
     assert [p.origin for p in folded] == ["transformer.wpe.weight"]
     assert graph.tensors[folded[0].name].shape[-2:] == (SEQ, 32)  # the traced positions' rows of 64
+
+
+def test_the_interpreter_reads_the_folded_table_as_the_module_holds_it(static_gpt2: Path) -> None:
+    """The file's model equals the torch module it came from (the table's first SEQ rows, no others):
+    the one-process reference `--verify` compares with cannot share a misreading of it."""
+    import torch
+
+    from executor.interpreter import load_module
+
+    saved = torch.load(static_gpt2.with_suffix(".pt"))
+    with torch.no_grad():
+        logits = load_module(static_gpt2, {})(saved["ids"])
+    out = logits[0] if isinstance(logits, (list, tuple)) else logits
+    assert torch.allclose(out, saved["logits"], atol=1e-5)
 
 
 def test_accumulation_on_a_static_export(static_gpt2: Path, tmp_path: Path) -> None:
