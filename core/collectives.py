@@ -107,3 +107,26 @@ class PricedCollective:
     purpose: Purpose
     tensor: str
     cadence: Cadence = Cadence.MICRO_BATCH
+
+
+# A parameter's collectives that run packed into buckets with other parameters' when it is used where
+# it is stored (`costmodel.bucketing`): its gradient all-reduce, ZeRO's reduce-scatter and gather.
+BUCKETED = frozenset({(Collective.ALL_REDUCE, Purpose.GRAD_SYNC), (Collective.REDUCE_SCATTER, Purpose.GRAD_REDUCE_SCATTER),
+                      (Collective.ALL_GATHER, Purpose.PARAM_GATHER)})
+
+
+@dataclass(frozen=True, slots=True)
+class PricedBucket:
+    """One bucketed gradient collective as a rank runs it: parameters' gradient all-reduces (or ZeRO's
+    reduce-scatters and gathers) packed together, on one mesh axis, with the time the cost model gave
+    it. The strategy file records them (`cost.buckets`); the executor's expected counts read them.
+    `stage`: the pipeline stage whose ranks run it (0 without a pipeline)."""
+
+    kind: Collective
+    axes: tuple[int, ...]
+    size_bytes: float
+    time_s: float
+    cadence: Cadence
+    tensors: tuple[str, ...]
+    stage: int = 0
+

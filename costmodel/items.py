@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from core.collectives import PricedCollective
+from core.collectives import PricedBucket, PricedCollective
 from core.placement import Spec
 from costmodel.buckets import CommFusion
 from costmodel.compute import ComputeCost
@@ -61,6 +61,7 @@ class PricedStep:
     placed: dict[str, Spec] = field(default_factory=dict)  # every tensor's spec as produced (or stored)
     reshards: list[tuple[str, str, Spec, Spec, tuple[PricedCollective, ...]]] = field(default_factory=list)
     zero_stages: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where applied
+    buckets: list[PricedBucket] = field(default_factory=list)  # the packed gradient collectives (`bucketing.py`)
 
     def replace_events(self, by_id: Mapping[int, Sequence[PricedCollective]]) -> None:
         """Each event whose id is a key replaced by its events, in the step's list and its node's."""

@@ -426,17 +426,17 @@ class CostModel:
                                                                                                stage=stage)
         priced.memory = mem
         if buckets:
-            price_buckets(priced, self.param_owner, self._bucket_time_s)
+            price_buckets(priced, self.param_owner, self.bucket_time_s)
         return priced
 
-    def _bucket_time_s(self, kind: Collective, size_bytes: float, axes: tuple[int, ...]) -> float:
+    def bucket_time_s(self, kind: Collective, size_bytes: float, axes: tuple[int, ...]) -> float:
         return collective_time_s(self.profile, self.mesh, kind, size_bytes, axes)
 
     def rebucket(self, priced: PricedStep, fusion: CommFusion) -> StepCost:
         """The same plan's step with its gradient collectives packed by other bucket caps (the items are
         not priced again: `bucketing.price_buckets` prices buckets from the events' sizes)."""
         step = replace(priced, fusion=fusion)
-        price_buckets(step, self.param_owner, self._bucket_time_s)
+        price_buckets(step, self.param_owner, self.bucket_time_s)
         return compose(step, self.composer)
 
     def _resharded_params_per_micro_batch(self, priced: PricedStep) -> None:

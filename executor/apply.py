@@ -57,6 +57,7 @@ from torch.distributed.tensor import (
 from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, parallelize_module
 
 from core import placement as mp
+from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
 from core.levers import Recompute
 from executor.binding import ApplyError, Binding, best_match, bind_parameters, name_key
@@ -393,17 +394,14 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
     else:
         from torch.distributed._composable.replicate import replicate
 
-        from costmodel.buckets import pack_buckets
-
         cap = s.training.comm_fusion.allreduce
         replicate(module, process_group=sub.get_group(), bucket_cap_mb=cap / 2**20, broadcast_buffers=False)
         # DDP's set-up now rather than in the first forward: rank 0's parameters broadcast to every
         # rank (the seeds' parameter_broadcast), once, not inside the first step.
         replicate.state(module).lazy_init()
         report.data_parallel = "replicate"
-        sizes: dict[str, tuple[tuple[int, ...], float]] = {
-            b.onnx: ((axis,), float(graph.tensors[b.onnx].size_bytes)) for b in bindings}
-        report.expected["all_reduce"] = len(pack_buckets(sizes, cap))
+        if s.buckets is not None:  # DDP's buckets, as the plan priced them
+            report.expected["all_reduce"] = sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))
 
 
 def _spec(s: Strategy, tensor: str) -> mp.Spec:

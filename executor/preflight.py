@@ -1,7 +1,7 @@
 """What is known of a run before any rank starts, without torch: the options a run is asked for, the
 checks that refuse a plan the executor cannot run as planned, and the collectives each rank should
-run in a step, as the strategy file records them (its nodes' priced collectives and the buckets its
-training settings say).
+run in a step, as the strategy file records them (its nodes' priced collectives and its priced
+gradient buckets).
 
 `meshplan run` checks before spawning the ranks; a rank started by torchrun checks again."""
 
@@ -10,11 +10,10 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from core.collectives import Cadence, Collective, Purpose
+from core.collectives import BUCKETED, Cadence, Collective
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind
-from costmodel.buckets import gather_groups, pack_buckets, zero_split, zero_units
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
 
@@ -44,71 +43,43 @@ class RunError(MeshplanError):
 
 
 def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph | None = None,
-                   stage: int = 0) -> dict[str, int]:
-    """The plan's collectives by kind in one optimizer step, as the executor runs them: those of each
-    micro-batch as many times as there are micro-batches; a parameter's gradient all-reduces (when it
-    is used where it is stored; ZeRO: its reduce-scatters and gathers) packed into buckets like DDP
-    (`costmodel.buckets`), once per step or (ZeRO-2's reduce-scatter) per micro-batch; DTensor on
-    CPU performs an all_to_all as all_gather + local chunk. A pipelined plan's (`graph` needed): those
-    of a rank of `stage`, its nodes' and its parameters' only, with its sends to the neighbouring
-    stages (`send`) and one all-reduce per tied parameter it holds a copy of."""
+                   stage: int = 0) -> dict[str, int] | None:
+    """The plan's collectives by kind in one optimizer step, as the strategy file records them: its
+    nodes' collectives, those of each micro-batch as many times as there are micro-batches, and its
+    gradient buckets (`cost.buckets`: the parameters' all-reduces, or ZeRO's reduce-scatters and
+    gathers, packed as the cost model priced them), each once per step or (ZeRO-2's reduce-scatter)
+    per micro-batch; DTensor on CPU performs an all_to_all as all_gather + local chunk. A pipelined
+    plan's (`graph` needed): those of a rank of `stage`, its nodes' and its buckets only, with its
+    sends to the neighbouring stages (`send`) and one all-reduce per tied parameter it holds a copy of.
+    None: a file written before strategies recorded their buckets (it runs; its counts are not known)."""
+    if strategy.buckets is None:
+        return None
     params = {t for t, v in strategy.tensors.items() if v.kind is TensorKind.PARAM}
     mine: set[str] | None = None
     out: Counter[str] = Counter()
     if strategy.pipeline is not None:
         assert graph is not None, "a pipelined plan's counts need its graph"
         mine = stage_nodes(strategy, graph, stage)
-        params &= {t for n in mine for t in graph.node_by_name[n].inputs}
         out["send"] = planned_sends(strategy, graph, stage)
         out[Collective.ALL_REDUCE.value] += len(shared_parameters(strategy, graph, stage))
         if strategy.pipeline.result_broadcast:
             out[Collective.BROADCAST.value] += 1
     resharded = {r.tensor for r in strategy.reshards}
     k = strategy.training.micro_batches
-    fusion = strategy.training.comm_fusion
-    # A parameter's gradient all-reduce (ZeRO: its reduce-scatters and the updated shard's gathers) when
-    # it is used where stored: bucketed (`costmodel.buckets`) — tensor → (axes, bytes) per purpose.
-    bucketed: dict[Purpose, dict[str, tuple[set[int], float]]] = {p: {} for p in _BUCKETED}
-    stages: dict[str, int] = {}
     for name, node in strategy.nodes.items():
+        if mine is not None and name not in mine:  # another pipeline stage's
+            continue
         for c in node.collectives:
-            if c.purpose in _BUCKETED and c.tensor in params and c.tensor not in resharded:
-                axes, nbytes = bucketed[c.purpose].get(c.tensor, (set(), 0.0))
-                bucketed[c.purpose][c.tensor] = (axes | set(c.axes), max(nbytes, c.size_bytes))
-                if c.purpose is Purpose.GRAD_REDUCE_SCATTER:
-                    stages[c.tensor] = 2 if c.cadence is Cadence.MICRO_BATCH else 1
-                continue
-            if mine is not None and name not in mine:  # another pipeline stage's
-                continue
+            if (c.kind, c.purpose) in BUCKETED and c.tensor in params and c.tensor not in resharded:
+                continue  # its share of a bucket, counted below
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":
                 kind = Collective.ALL_GATHER
             out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
-
-    def grads(purpose: Purpose) -> dict[str, tuple[tuple[int, ...], float]]:
-        return {t: (tuple(sorted(axes)), b) for t, (axes, b) in bucketed[purpose].items()}
-
-    syncs = grads(Purpose.GRAD_SYNC)  # a ZeRO parameter's: the all-reduce of its shard (a shard group
-    # smaller than the data-parallel group), per unit
-    for bucket_axes, _ in pack_buckets({t: g for t, g in syncs.items() if t not in stages}, fusion.allreduce):
-        out[Collective.ALL_REDUCE.value] += len(bucket_axes)
-    units = zero_units({t: (tuple(sorted({*axes, *syncs.get(t, ((), 0.0))[0]})), b)
-                        for t, (axes, b) in grads(Purpose.GRAD_REDUCE_SCATTER).items()}, stages, fusion)
-    shape = tuple(strategy.mesh.shape)
-    for unit in units:
-        sharded, rest = zero_split(unit.axes, shape, strategy.training.zero_shard_size)
-        per = k if unit.stage == 2 else 1
-        out[Collective.REDUCE_SCATTER.value] += len(sharded) * per
-        if rest:
-            out[Collective.ALL_REDUCE.value] += len(rest) * per
-    weights = {t: b for t, (_, b) in bucketed[Purpose.PARAM_GATHER].items()}
-    for group in gather_groups(units, weights, fusion.allgather):
-        out[Collective.ALL_GATHER.value] += len(zero_split(units[group[0]].axes, shape,
-                                                           strategy.training.zero_shard_size)[0])
+    for b in strategy.buckets:
+        if strategy.pipeline is None or b.stage == stage:
+            out[b.kind.value] += k if b.cadence is Cadence.MICRO_BATCH else 1
     return {kind: n for kind, n in out.items() if n}
-
-
-_BUCKETED = (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER, Purpose.PARAM_GATHER)
 
 
 def check_step(strategy: Strategy, graph: OpGraph) -> None:

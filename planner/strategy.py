@@ -22,7 +22,7 @@ from typing import Any
 
 import jsonschema
 
-from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose
+from core.collectives import Cadence, Collective, Phase, PricedBucket, PricedCollective, Purpose
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind, Mode, Recompute, Schedule, Search
@@ -241,6 +241,9 @@ class Strategy:
     solver: SolverStats
     pipeline: Pipeline | None = None  # pipelined: `mesh` is one stage's sub-mesh
     candidates: tuple[CandidateRecord, ...] = ()
+    # The gradient collectives as the ranks run them, packed (the nodes' bucketed collectives carry
+    # their shares of these); None: a file written before meshplan recorded them.
+    buckets: tuple[PricedBucket, ...] | None = ()
 
     @property
     def fingerprint(self) -> str:
@@ -284,6 +287,21 @@ def _collective_doc(c: PricedCollective, mesh: DeviceMesh) -> dict[str, Any]:
     return {"kind": c.kind.value, "axes": [mesh.axis_names[a] for a in c.axes], "bytes": c.size_bytes,
             "time_s": c.time_s, "phase": c.phase.value,
             "purpose": c.purpose.value, "tensor": c.tensor, "cadence": c.cadence.value}
+
+
+def _bucket_doc(b: PricedBucket, mesh: DeviceMesh) -> dict[str, Any]:
+    return {"kind": b.kind.value, "axes": [mesh.axis_names[a] for a in b.axes], "bytes": b.size_bytes,
+            "time_s": b.time_s, "cadence": b.cadence.value, "stage": b.stage, "tensors": list(b.tensors)}
+
+
+def _bucket(b: Mapping[str, Any], mesh: DeviceMesh) -> PricedBucket:
+    axes = [a for a in b["axes"] if a not in mesh.axis_names]
+    if axes:
+        raise StrategyError(f"a gradient bucket spans mesh axis {axes[0]!r}, which the strategy's mesh "
+                            f"{list(mesh.axis_names)} lacks; plan again")
+    return PricedBucket(kind=Collective(b["kind"]), axes=tuple(mesh.axis_names.index(a) for a in b["axes"]),
+                        size_bytes=float(b["bytes"]), time_s=float(b["time_s"]), cadence=Cadence(b["cadence"]),
+                        tensors=tuple(b["tensors"]), stage=b["stage"])
 
 
 def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
@@ -349,7 +367,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                  "step_time_s": s.cost.step_time_s, "compute_s": s.cost.compute_s,
                  "optimizer_s": s.cost.optimizer_s, "overhead_s": s.cost.overhead_s, "comm_s": s.cost.comm_s,
                  "memory_bytes_per_device": s.cost.memory_bytes_per_device, "memory": dict(s.cost.memory),
-                 "flops_per_device": s.cost.flops_per_device, "bubble_s": s.cost.bubble_s},
+                 "flops_per_device": s.cost.flops_per_device, "bubble_s": s.cost.bubble_s,
+                 **({"buckets": [_bucket_doc(b, s.mesh) for b in s.buckets]} if s.buckets is not None else {})},
         "solver": {"status": s.solver.status, "objective": s.solver.objective, "bound": s.solver.bound,
                    "gap": s.solver.gap, "time_s": s.solver.time_s, "num_variables": s.solver.num_variables,
                    "num_constraints": s.solver.num_constraints, "num_decisions": s.solver.num_decision_nodes,
@@ -462,6 +481,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                          memory_bytes_per_device=x["memory_bytes_per_device"],
                                          solver_status=x["solver_status"], error=x["error"])
                          for x in d["candidates"]),
+        buckets=tuple(_bucket(b, mesh) for b in c["buckets"]) if "buckets" in c else None,
     )
 
 

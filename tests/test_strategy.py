@@ -79,7 +79,8 @@ def test_v1_file_runs(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     r = run(str(_v1_here(zoo, tmp_path)), str(zoo("mlp")), nproc=4,
             opts=RunOptions(steps=1, warmup=0, verify=True, optimizer="sgd"), timeout_s=240)
     assert r["max_abs_diff"] < 1e-5
-    assert r["collectives_executed"] == r["collectives_planned"]
+    # A schema-1 file records no gradient buckets: what it plans to run is not known, and not guessed.
+    assert r["collectives_planned"] is None and r["collectives_executed"]
 
 
 def test_round_trip_and_refusals(zoo: Callable[[str], Path], tmp_path: Path) -> None:

@@ -238,7 +238,7 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     t.add_row("memory per rank", f"measured {fmt_bytes(mm)} (model states + saved activations), "
               f"predicted {fmt_bytes(pm)}")
     if "stages" not in result:
-        t.add_row("collectives planned", json.dumps(result["collectives_planned"], sort_keys=True))
+        t.add_row("collectives planned", _planned(result["collectives_planned"]))
         t.add_row("collectives executed", json.dumps(result["collectives_executed"], sort_keys=True))
     console.print(t)
     if "stages" in result:  # pipelined: ranks differ by stage
@@ -252,9 +252,15 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
             st.add_row(str(row["stage"]), str(row["rank"]), f"{row['measured_step_s'] * 1e3:.2f} ms",
                        f"{(ph['forward'] + ph['backward']) / m * 1e3:.2f} / {row['predicted_micro_batch_s'] * 1e3:.2f} ms",
                        f"{fmt_bytes(row['measured_memory_bytes'])} / {fmt_bytes(row['predicted_memory_bytes'])}",
-                       json.dumps(row["collectives_planned"], sort_keys=True),
+                       _planned(row["collectives_planned"]),
                        json.dumps(row["collectives_executed"], sort_keys=True))
         console.print(st)
+
+
+def _planned(counts: dict[str, int] | None) -> str:
+    if counts is None:
+        return "not recorded (a strategy written before its gradient buckets were; plan again to compare)"
+    return json.dumps(counts, sort_keys=True)
 
 
 def render_layout_comparison(held: Strategy, best: Strategy) -> None:

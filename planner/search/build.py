@@ -105,7 +105,7 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
                            overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
                            flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s),
-        solver=stats, candidates=candidates,
+        solver=stats, candidates=candidates, buckets=tuple(cost.priced.buckets),
     )
 
 

@@ -23,12 +23,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from core.collectives import Cadence, Collective
+from core.collectives import Cadence, Collective, PricedBucket
 from core.errors import MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
 from core.levers import Recompute, Schedule
 from core.mesh import DeviceMesh
+from costmodel.bucketing import is_bucketed, stage_buckets
 from costmodel.comm import collective_time_s
 from costmodel.compose import compose
 from costmodel.compute import tensor_bytes
@@ -63,6 +64,7 @@ class StageCost:
     in_flight: float
     send_bytes: float  # per micro-batch, forward and backward, to and from the next stage
     send_s: float = 0.0  # their transfer times (`pipeline_step_s` counts them where the schedule waits)
+    buckets: tuple[PricedBucket, ...] = ()  # its ranks' packed gradient collectives (in `time_s` or `step_s`)
 
     @property
     def busy_s(self) -> float:
@@ -81,14 +83,25 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
     optimizer = [0.0] * p
     for name, secs in priced.node_compute_s.items():
         compute[the_cut.stage_of(name)] += secs
+    holders = param_stages(graph, the_cut.chunk_of, p)
+    resharded = {t for t, *_ in priced.reshards}
     for name, events in priced.node_events.items():
         s = the_cut.stage_of(name)
         for e in events:
+            if is_bucketed(e, cm.param_owner, resharded):  # packed per stage, below
+                continue
             if e.cadence is Cadence.MICRO_BATCH:
                 micro[s] += e.time_s
             else:
                 per_step[s] += e.time_s
-    holders = param_stages(graph, the_cut.chunk_of, p)
+    # Each stage's ranks pack the gradients of the parameters they hold, apart from the other stages'.
+    holding = {t: holders.get(t, (the_cut.stage_of(owner),)) for t, owner in cm.param_owner.items()}
+    buckets = stage_buckets(priced, holding, p, cm.bucket_time_s)
+    for bucket in buckets:
+        if bucket.cadence is Cadence.MICRO_BATCH:
+            micro[bucket.stage] += bucket.time_s
+        else:
+            per_step[bucket.stage] += bucket.time_s
     for param, secs in priced.optimizer_s.items():
         for s in holders.get(param, (the_cut.stage_of(cm.param_owner[param]),)):  # a shared one: every copy
             optimizer[s] += secs
@@ -137,7 +150,8 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
         memory = {**states[s], "activations": (acts[s] + (inputs if s == 0 else 0.0)) * held + transient}
         out.append(StageCost(time_s=compute[s] + micro[s], compute_s=compute[s],
                              step_s=per_step[s] + optimizer[s], optimizer_s=optimizer[s], memory=memory,
-                             in_flight=held, send_bytes=sends[s], send_s=send_s[s]))
+                             in_flight=held, send_bytes=sends[s], send_s=send_s[s],
+                             buckets=tuple(x for x in buckets if x.stage == s)))
     return out
 
 
@@ -303,5 +317,6 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     strategy = build.build_strategy(graph, req.model, ref, sub, rules, sol.choice, compose(priced, cm.composer), sol.stats,
                               settings, (record,), training)
     strategy = replace(strategy, pipeline=replace(pipeline_of(the_cut, stages, graph, schedule, steps, sub.num_devices),
-                                                  result_broadcast=req.pipeline_result_broadcast), cost=cost)
+                                                  result_broadcast=req.pipeline_result_broadcast), cost=cost,
+                       buckets=tuple(b for st in stages for b in st.buckets))
     return strategy, [Candidate(mesh=full, cost=None, stats=sol.stats)]
