@@ -40,6 +40,7 @@ from meshplan.cli.render import (
     render_checkpoint,
     render_diff,
     render_explain,
+    render_fits,
     render_layout_comparison,
     render_plan,
     render_presets,
@@ -454,11 +455,26 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
 @click.option("--compute-only", is_flag=True,
               help="Measure compute only (all ranks at once) and keep --base's links: seconds, not minutes.")
 @click.option("--name", default=None, help="Name of the new profile.")
+@click.option("--from", "from_path", type=click.Path(dir_okay=False), default=None,
+              help="Fit the profile from this measurement file (the format of measure_micro.py's micro.json: "
+                   "GEMMs, element-wise ops, launch, AdamW) instead of measuring here.")
 @_one_line_errors
 def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base: str | None,
-                      compute_only: bool, name: str | None) -> None:
-    """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON."""
+                      compute_only: bool, name: str | None, from_path: str | None) -> None:
+    """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON; or, with
+    --from, fit one from measurements taken elsewhere (a GPU's)."""
     from pathlib import Path
+
+    if from_path is not None:
+        from hwprofiles.files import save_profile
+        from hwprofiles.measured import fit_measurements, load_measurements
+        from hwprofiles.profile import profile_from_json
+
+        fitted, lines = fit_measurements(load_measurements(from_path), base=base, name=name, origin=from_path)
+        save_profile(profile_from_json(fitted, origin_hint=from_path), out_path)
+        render_fits(lines, from_path)
+        console.print(f"wrote {out_path}")
+        return
 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -5,7 +5,9 @@ matmul size (a convolution also no faster than its channel count allows, where t
 every op also moves its inputs and outputs through memory; time = max(FLOP time, byte time) + the
 per-op overhead (the profile's graph-op overhead: the kernel launch, plus on a CPU the executor's
 interpreter and autograd work). Backward: a matmul is two matmuls (input and weight gradients), 2×
-the forward FLOPs, or one where an operand needs no gradient (a graph input); a memory-bound op runs
+the forward FLOPs, or one where an operand needs no gradient (a graph input); on a device the host
+launches ahead of (a GPU: the profile's `async_launch`), an op costs the longer of its work and its
+launches and a view nothing. A memory-bound op runs
 torch's gradient kernels for it, at its op type's calibrated backward rate where the profile has one
 (a tanh's backward is a multiply-add on its output, a fifth of the forward's time on a CPU core; a
 pow's a pow and two multiplies, 5×), else ≈ 2× the forward bytes (they read the output gradient and
@@ -27,7 +29,7 @@ from core.graph import OpGraph, OpNode, TensorInfo
 from core.mesh import DeviceMesh
 from core.placement import Spec
 from costmodel.device import conv_time_s, matmul_time_s
-from costmodel.flops import conv_channels, matmul_narrow_dim, node_flops
+from costmodel.flops import conv_channels, matmul_alignment_bytes, matmul_narrow_dim, node_flops
 from costmodel.memory import Precision
 from hwprofiles.profile import DeviceSpec, HardwareProfile
 
@@ -50,6 +52,12 @@ def _backward_memory_s(node: OpNode, dev: DeviceSpec, nbytes: float, fwd_mem_s: 
     if rate is None:
         return BACKWARD_BYTES_FACTOR * fwd_mem_s
     return nbytes / rate * min(1.0, needed / CALIBRATED_GRAD_INPUTS.get(node.op_type, 1))
+
+
+def _with_launch(work_s: float, launch_s: float, overlapped: bool) -> float:
+    """An op's time from its kernels' work and their launches: the longer of the two where the host
+    launches ahead of the device (a GPU), their sum where the host runs the kernels (a CPU)."""
+    return max(work_s, launch_s) if overlapped else work_s + launch_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,19 +106,25 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
     launch = 0.0 if fused else dev.graph_op_s
     if node.op_type in VIEW_OPS:
         nbytes = 0.0
+        if dev.async_launch:  # no kernel: host work the device does not wait for
+            launch = 0.0
     dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
     mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_rate(node.op_type))
     peak = dev.peak_for(dtype)
+    gemm = node.op_type in ("MatMul", "Gemm")
     mm_s = conv_time_s(dev, flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
         if node.op_type in ("Conv", "ConvTranspose") else \
         matmul_time_s(dev, flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
-                          if dev.matmul_narrow_efficiency is not None and node.op_type in ("MatMul", "Gemm") else None)
-    fwd = max(mm_s + flops.other / peak, mem_s) + launch
+                          if dev.matmul_narrow_efficiency is not None and gemm else None,
+                      matmul_alignment_bytes(node, lambda t: shapes[t], precision.activation_bytes)
+                      if dev.matmul_alignment and gemm else 16)
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
-    bwd = max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
-              _backward_memory_s(node, dev, nbytes, mem_s, sum(grads)) if not flops.matmul else
-              BACKWARD_BYTES_FACTOR * mem_s) + BACKWARD_FLOPS_FACTOR * launch if any(grads) else 0.0
+    fwd = _with_launch(max(mm_s + flops.other / peak, mem_s), launch, dev.async_launch)
+    bwd = _with_launch(max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+                           _backward_memory_s(node, dev, nbytes, mem_s, sum(grads)) if not flops.matmul else
+                           BACKWARD_BYTES_FACTOR * mem_s),
+                       BACKWARD_FLOPS_FACTOR * launch, dev.async_launch) if any(grads) else 0.0
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,
                        fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

@@ -25,15 +25,17 @@ from hwprofiles.fit import monotone_fit
 from hwprofiles.profile import CollectiveModel, DeviceSpec, HardwareProfile, TablePoint
 
 
-def matmul_time_s(device: DeviceSpec, flops: float, dtype: str, narrow: float | None = None) -> float:
+def matmul_time_s(device: DeviceSpec, flops: float, dtype: str, narrow: float | None = None,
+                  align_bytes: int = 16) -> float:
     """A matmul of `flops` FLOPs whose GEMMs' narrowest dim is `narrow` (None: unknown): the FLOPs
-    curve, and no faster than the narrow dim allows where the profile has that curve."""
+    curve, and no faster than the narrow dim allows where the profile has that curve; at the profile's
+    fraction for GEMMs whose k or n is aligned to only `align_bytes` bytes."""
     if flops <= 0:
         return 0.0
     t = flops / (device.peak_for(dtype) * device.matmul_efficiency.fraction(flops))
-    if device.matmul_narrow_efficiency is None or not narrow:
-        return t
-    return max(t, flops / (device.peak_for(dtype) * device.matmul_narrow_efficiency.fraction(narrow)))
+    if device.matmul_narrow_efficiency is not None and narrow:
+        t = max(t, flops / (device.peak_for(dtype) * device.matmul_narrow_efficiency.fraction(narrow)))
+    return t / device.alignment_fraction(align_bytes)
 
 
 def conv_time_s(device: DeviceSpec, flops: float, channels: float, dtype: str) -> float:

@@ -72,19 +72,35 @@ def conv_channels(node: OpNode, shape: ShapeOf) -> int:
     return min(w[1], w[0] // max(groups, 1) * kernel)
 
 
+def matmul_dims(node: OpNode, shape: ShapeOf) -> tuple[int, int, int]:
+    """A MatMul's or Gemm's m, k, n per GEMM (batch dims apart)."""
+    a, b = shape(node.inputs[0]), shape(node.inputs[1])
+    if node.op_type == "Gemm":
+        m, k = (a[1], a[0]) if node.attr("transA", 0) else (a[0], a[1])
+        return m, k, b[0] if node.attr("transB", 0) else b[1]
+    return (a[-2] if len(a) >= 2 else 1), (a[-1] if a else 1), (b[-1] if len(b) >= 2 else 1)
+
+
 def matmul_narrow_dim(node: OpNode, shape: ShapeOf) -> int:
     """The narrowest of a MatMul's or Gemm's m, k, n per GEMM (batch dims apart): what bounds its
     efficiency beside its FLOPs (`DeviceSpec.matmul_narrow_efficiency`) — a 64-wide hidden size or a
     16-wide attention head."""
-    a, b = shape(node.inputs[0]), shape(node.inputs[1])
+    dims = matmul_dims(node, shape)
     if node.op_type == "Gemm":
-        m, k = (a[1], a[0]) if node.attr("transA", 0) else (a[0], a[1])
-        n = b[0] if node.attr("transB", 0) else b[1]
-        return min(m, k, n)
-    m = a[-2] if len(a) >= 2 else 1
-    k = a[-1] if a else 1
-    n = b[-1] if len(b) >= 2 else 1
-    return min(d for d in (m, k, n) if d > 1) if max(m, k, n) > 1 else 1
+        return min(dims)
+    return min(d for d in dims if d > 1) if max(dims) > 1 else 1
+
+
+def matmul_alignment_bytes(node: OpNode, shape: ShapeOf, element_bytes: int) -> int:
+    """The bytes a MatMul's or Gemm's k and n are both multiples of (at most 16): what its GEMMs' rows
+    are aligned to, forward and backward alike (dX reads the output's n as its k, dW the weight's k and
+    n as its m and n). A vocabulary of 50257 in bf16: 2 bytes."""
+    _, k, n = matmul_dims(node, shape)
+    out = 16
+    for d in (k, n):
+        if d > 1:
+            out = min(out, (d * element_bytes) & -(d * element_bytes))
+    return out
 
 
 @register_flops("Einsum")

@@ -138,6 +138,15 @@ class DeviceSpec:
     # What element-wise kernels achieve by ONNX op type (bytes in + out per second), calibrated: on a
     # CPU core an erf or a pow runs at a fraction of an add's rate. Op types not listed: the mix's.
     elementwise_by_op: Mapping[str, float] | None = None
+    # A GEMM whose k or n (the dims its operands and result are laid out along) is a multiple of only
+    # this many bytes runs at this fraction of the aligned rate (tensor cores load 16-byte rows: on an
+    # H100 a bf16 LM head with vocab 50257, 2-byte aligned, runs at 0.17 of vocab 50304's). By
+    # alignment in bytes (2, 4, 8); a dim aligned to 16 bytes or more, and alignments not listed, at 1.
+    matmul_alignment: Mapping[int, float] | None = None
+    # The host issues kernels ahead of the device (CUDA streams): an op costs the longer of its kernel
+    # and its launch, not their sum, and a view (no kernel) costs the device nothing. False (a CPU
+    # rank): the host runs the kernels, so an op costs its launch plus its work.
+    async_launch: bool = False
     # What their backwards achieve, by op type (bytes the forward moved per second of backward, every
     # float input needing a gradient), calibrated: torch's gradient kernels are not the forward's — a
     # tanh's is a multiply-add on its output (0.2× the forward's time here), a pow's a pow and two
@@ -199,6 +208,11 @@ class DeviceSpec:
     @property
     def graph_op_s(self) -> float:
         return self.kernel_launch_s if self.graph_op_overhead_s is None else self.graph_op_overhead_s
+
+    def alignment_fraction(self, align_bytes: int) -> float:
+        """The fraction of the aligned GEMM rate at a k or n aligned to `align_bytes` bytes."""
+        table = self.matmul_alignment
+        return table.get(align_bytes, 1.0) if table and align_bytes < 16 else 1.0
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
@@ -267,7 +281,7 @@ _UNITS = {
     "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP",
     "half_channels": "1", "devices_per_node": "1", "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1",
     "alpha_s": "s", "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
-    "rank_skew": "1", "collective_wait_s": "s"}
+    "rank_skew": "1", "collective_wait_s": "s", "matmul_alignment": "1"}
 
 
 class _Reader:
@@ -279,7 +293,8 @@ class _Reader:
     def q(self, obj: Mapping[str, Any], key: str, path: str) -> float:
         quantity = obj[key]
         parent = path.split(".")[-2]
-        unit_key = parent if parent in ("peak_flops_per_s", "elementwise_by_op", "elementwise_backward_by_op") else key
+        unit_key = parent if parent in ("peak_flops_per_s", "elementwise_by_op", "elementwise_backward_by_op",
+                                          "matmul_alignment") else key
         expected = _UNITS[unit_key]
         if quantity["unit"] != expected:
             raise ProfileError(f"field {path}: unit must be {expected!r}, got {quantity['unit']!r}")
@@ -323,6 +338,9 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                                 f"device.elementwise_backward_by_op.{k}")
                                          for k in dev["elementwise_backward_by_op"]}
                                         if "elementwise_backward_by_op" in dev else None),
+            async_launch=bool(dev.get("async_launch", False)),
+            matmul_alignment=({int(k): r.q(dev["matmul_alignment"], k, f"device.matmul_alignment.{k}")
+                               for k in dev["matmul_alignment"]} if "matmul_alignment" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
                                              for k in ("fixed_s", "tensor_s", "param_s")})
                             if "optimizer_step" in dev else None),
@@ -442,6 +460,10 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **({"optimizer_step": {k: q(getattr(d.optimizer_step, k), "s", f"device.optimizer_step.{k}")
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),
+            **({"async_launch": True} if d.async_launch else {}),
+            **({"matmul_alignment": {str(k): q(v, "1", f"device.matmul_alignment.{k}")
+                                     for k, v in sorted(d.matmul_alignment.items())}}
+               if d.matmul_alignment else {}),
             **({"matmul_narrow_efficiency": {
                 "max_fraction": q(d.matmul_narrow_efficiency.max_fraction, "1",
                                   "device.matmul_narrow_efficiency.max_fraction"),

@@ -15,6 +15,7 @@ from rich.table import Table
 from core.levers import Attention
 
 if TYPE_CHECKING:
+    from hwprofiles.measured import FitLine
     from hwprofiles.profile import HardwareProfile
     from hwprofiles.report import CalibrationReport
     from planner.strategy import Strategy, TrainingSettings
@@ -215,6 +216,16 @@ def render_calibration(report: CalibrationReport, nproc: int, backend: str) -> N
     for k, fit in report.fits.items():
         table.add_row(k, f"α = {fit.alpha_s * 1e6:.1f} µs, β = {fit.bus_bandwidth_bytes_per_s / 1e9:.2f} GB/s",
                       f"{fit.median_rel_error:.1%}")
+    console.print(table)
+
+
+def render_fits(lines: list[FitLine], origin: str) -> None:
+    table = Table(title=f"profile fitted from {origin}")
+    for col in ("fit", "model", "points", "median / largest |fit − measured| / measured", "written"):
+        table.add_column(col)
+    for f in lines:
+        err = "" if f.median_error != f.median_error or f.points < 2 else f"{f.median_error:.1%} / {f.max_error:.1%}"
+        table.add_row(f.what, f.model, str(f.points), err, "yes" if f.accepted else f"no: {f.note}")
     console.print(table)
 
 

@@ -1,0 +1,357 @@
+"""A profile fitted from a measurement file instead of from sweeps run here: `meshplan profile
+calibrate --from FILE`. The file is what a GPU's microbenchmarks write (the format of
+shared/gpu/h100/micro.json, by its measure_micro.py): GEMMs by shape and dtype, element-wise ops by
+type, size and dtype, a kernel launch, and optionally AdamW steps. This is how a profile is fitted
+from someone else's measurements, and how the GPU fits are tested on a machine without one.
+
+What is fitted (numpy only, relative errors, as `fit.py`):
+- `kernel_launch_s`: the file's tiny kernel, wall time per call — every op's floor (`async_launch`:
+  the host issues kernels ahead of the device, so an op costs the longer of its kernel and its
+  launch);
+- the GEMM curve: t = launch + F/P · max((F + F½)/F, (d + d½)/d) over the GEMMs whose k and n are
+  16-byte aligned, in the training dtype (bf16): P the achieved peak (the profile's
+  `matmul_efficiency.max_fraction` = P / the base's datasheet peak, and the narrow curve's), F½ the
+  FLOPs at half of it, d½ the narrowest dim at half of it (Levenberg–Marquardt on log times);
+- `matmul_alignment`: for GEMMs whose k or n is aligned to only 2, 4 or 8 bytes, the median fraction
+  of the aligned curve's rate they reach;
+- element-wise rates by ONNX op type, forward (bytes in + out per second) and backward (forward bytes
+  per second of backward), in the training dtype (`_fit_elementwise`);
+- `mem_bandwidth_bytes_per_s`: the fastest element-wise rate, where below the base's (a matmul's
+  operands stream at it);
+- `optimizer_step` from the fused AdamW rows (what fused=True runs): t = fixed + tensors·per tensor +
+  params·per parameter, non-negative least squares.
+
+Each fit's median and largest relative error over its points is reported (`FitLine`). A fit whose
+median error exceeds `REFUSE_MEDIAN_ERROR` is refused: the base profile's value stays, and the line
+says why."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hwprofiles.calibrate import CalibrationError
+from hwprofiles.files import load_profile
+from hwprofiles.profile import profile_to_json
+
+REFUSE_MEDIAN_ERROR = 0.15  # a fit predicting its own points worse than this is not written
+TRAINING_DTYPE = "bf16"
+ELEMENT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+# The file's element-wise ops → the ONNX op types priced at their rates (the decomposed forms of
+# GELU and SiLU are priced op by op: an Erf, a Sigmoid at the unary ops' rate).
+ELEMENTWISE_OPS = {
+    "add": ("Add", "Sub"), "mul": ("Mul", "Div", "Where"), "gelu_tanh": ("Gelu", "FastGelu"), "gelu_erf": ("Erf",),
+    "silu": ("Sigmoid",), "exp": ("Exp", "Log", "Pow", "Sqrt", "Reciprocal", "Neg"), "tanh": ("Tanh",),
+    "softmax": ("Softmax", "LogSoftmax"), "layer_norm": ("LayerNormalization",),
+    "rms_norm_fused": ("RMSNormalization", "SimplifiedLayerNormalization"), "dropout": ("Dropout",),
+    "cast_to_fp32": ("Cast",),
+}
+# The base a file's device name implies, where `base` is not given.
+BASES = {"H100": "h100-sxm", "A100": "a100-sxm"}
+
+
+class MeasurementError(CalibrationError):
+    """A file that is not a measurement file, or one a profile cannot be fitted from."""
+
+
+@dataclass(frozen=True, slots=True)
+class FitLine:
+    what: str
+    model: str  # the fitted parameters, in words
+    points: int
+    median_error: float  # |model − measured| / measured over the points
+    max_error: float
+    accepted: bool
+    note: str = ""
+
+
+_REQUIRED = {"matmul": ("m", "n", "k", "dtype", "s"), "elementwise": ("op", "dtype", "numel", "fwd_s", "fwd_bwd_s")}
+
+
+def load_measurements(path: str | Path) -> dict[str, Any]:
+    """The measurement file at `path`, checked for what the fits read."""
+    what = "give a file written by measure_micro.py (the format of shared/gpu/h100/micro.json)"
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MeasurementError(f"measurement file {path} does not exist; {what}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise MeasurementError(f"{path} is not JSON ({e}); {what}") from None
+    if not isinstance(data, dict):
+        raise MeasurementError(f"{path} is not a measurement file (a JSON object is expected); {what}")
+    for key, fields in _REQUIRED.items():
+        rows = data.get(key)
+        if not isinstance(rows, list) or not rows:
+            raise MeasurementError(f"{path} is not a measurement file (no `{key}` list); {what}")
+        for i, row in enumerate(rows):
+            missing = [f for f in fields if not isinstance(row, dict) or f not in row]
+            if missing:
+                raise MeasurementError(f"{path}: {key}[{i}] lacks {', '.join(missing)}; {what}")
+            if any(isinstance(row[f], (int, float)) and row[f] <= 0 for f in fields if f not in ("op", "dtype")):
+                raise MeasurementError(f"{path}: {key}[{i}] has a size or time that is not positive; {what}")
+    launch = data.get("launch_s")
+    if not isinstance(launch, (int, float)) or launch <= 0:
+        raise MeasurementError(f"{path} is not a measurement file (no positive `launch_s`); {what}")
+    return data
+
+
+def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: str | None = None,
+                     origin: str = "measurements") -> tuple[dict[str, Any], list[FitLine]]:
+    """A profile (JSON, the base's with every accepted fit replacing its value) and the fits' lines."""
+    base = base or next((b for key, b in BASES.items() if key in str(data.get("device", ""))), None)
+    if base is None:
+        raise MeasurementError(f"{origin}: device {data.get('device')!r} has no preset to start from; pass `base` "
+                               "(a preset or a profile JSON with the device's datasheet peaks)")
+    profile = profile_to_json(load_profile(base))
+    dev = profile["device"]
+    if TRAINING_DTYPE not in dev["peak_flops_per_s"]:
+        raise MeasurementError(f"{origin}: base {base} has no {TRAINING_DTYPE} peak; pass a GPU preset as `base`")
+    now = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    tag = (f"fitted {now} from {origin} ({data.get('device', 'device unnamed')}, torch {data.get('torch', '?')}, "
+           f"{data.get('notes', 'times as measured')})")
+    launch = float(data["launch_s"])
+    lines: list[FitLine] = []
+
+    def q(value: float, unit: str, what: str) -> dict[str, Any]:
+        return {"value": value, "unit": unit, "source": f"{tag}: {what}"}
+
+    dev["kernel_launch_s"] = q(launch, "s", "a tiny kernel's wall time per call")
+    lines.append(FitLine("kernel launch", f"{launch * 1e6:.1f} µs", 1, 0.0, 0.0, True))
+    dev.pop("graph_op_overhead_s", None)  # an op of the graph costs the kernel's launch on a GPU
+    dev["async_launch"] = True  # which the host issues ahead of the device
+
+    peak = float(dev["peak_flops_per_s"][TRAINING_DTYPE]["value"])
+    gemm = _fit_gemm(data["matmul"], launch, peak)
+    lines += gemm.lines
+    if gemm.accepted:
+        dev["matmul_efficiency"] = {"max_fraction": q(gemm.fraction, "1", "GEMM curve fit: achieved peak / datasheet"),
+                                    "half_flops": q(gemm.half_flops, "FLOP", "GEMM curve fit")}
+        dev["matmul_narrow_efficiency"] = {
+            "max_fraction": q(gemm.fraction, "1", "GEMM curve fit: achieved peak / datasheet"),
+            "half_channels": q(gemm.half_dim, "1", "GEMM curve fit: the narrowest dim at half the rate")}
+        if gemm.alignment:
+            dev["matmul_alignment"] = {str(b): q(f, "1", f"GEMMs with k or n aligned to {b} bytes: median fraction "
+                                                         "of the aligned curve's rate")
+                                       for b, f in sorted(gemm.alignment.items())}
+    fwd, bwd, ew_lines = _fit_elementwise(data["elementwise"], launch)
+    lines += ew_lines
+    if fwd:
+        dev["elementwise_by_op"] = {op: q(r, "B/s", f"{src}: t = launch + bytes / rate")
+                                    for op, (r, src) in sorted(fwd.items())}
+        dev["elementwise_backward_by_op"] = {op: q(r, "B/s", f"{src} backward: forward bytes per second of backward")
+                                             for op, (r, src) in sorted(bwd.items())}
+        mix = float(np.median([r for r, _ in fwd.values()]))
+        dev["elementwise_bandwidth_bytes_per_s"] = q(mix, "B/s", "median of the element-wise ops' fitted rates")
+        best = max(r for r, _ in fwd.values())
+        if best < float(dev["mem_bandwidth_bytes_per_s"]["value"]):  # the datasheet's stays where no op falls short
+            dev["mem_bandwidth_bytes_per_s"] = q(best, "B/s", "the fastest element-wise op's fitted rate (bytes in + out)")
+    if data.get("adamw"):
+        opt = _fit_adamw(data["adamw"])
+        lines.append(opt.line)
+        if opt.line.accepted:
+            dev["optimizer_step"] = {k: q(v, "s", f"fused AdamW fit: {k}") for k, v in opt.terms.items()}
+    profile["name"] = name or f"{base}-measured"
+    profile["origin"] = {"kind": "calibrated", "date": now, "host": str(data.get("device", "")), "base": base}
+    profile["description"] = f"{data.get('device', base)}: {tag}"
+    return profile, lines
+
+
+# ---------------------------------------------------------------------------------------------------
+# GEMMs
+
+
+@dataclass(frozen=True)
+class _GemmFit:
+    accepted: bool
+    fraction: float
+    half_flops: float
+    half_dim: float
+    alignment: dict[int, float]
+    lines: list[FitLine]
+
+
+def align_bytes(dim: int, element_bytes: int) -> int:
+    """The largest power of two (at most 16) dividing `dim` elements' bytes."""
+    b = dim * element_bytes
+    return min(16, b & -b)
+
+
+def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float) -> _GemmFit:
+    eb = ELEMENT_BYTES[TRAINING_DTYPE]
+    mine = [r for r in rows if r["dtype"] == TRAINING_DTYPE]
+    aligned = [r for r in mine if min(align_bytes(r["k"], eb), align_bytes(r["n"], eb)) == 16]
+    if len(aligned) < 4:
+        line = FitLine(f"GEMM curve ({TRAINING_DTYPE})", "", len(aligned), 1.0, 1.0, False,
+                       f"needs 4 or more {TRAINING_DTYPE} GEMMs with k and n multiples of 8; the base's curve kept")
+        return _GemmFit(False, 0.0, 0.0, 0.0, {}, [line])
+    flops = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in aligned])
+    narrow = np.array([float(min(r["m"], r["n"], r["k"])) for r in aligned])
+    times = np.array([float(r["s"]) for r in aligned])
+
+    def curve(x: np.ndarray, f: np.ndarray = flops, d: np.ndarray = narrow) -> np.ndarray:
+        p, half, dhalf = np.exp(x)
+        return launch + f / p * np.maximum((f + half) / f, (d + dhalf) / d)
+
+    x = _levenberg_marquardt(lambda v: np.log(curve(v)) - np.log(times),
+                             [float(np.log(0.75 * peak)), float(np.log(1e9)), float(np.log(64.0))])
+    p, half, dhalf = (float(v) for v in np.exp(x))
+    err = np.abs(curve(x) / times - 1)
+    fraction = min(p / peak, 1.0)
+    ok = float(np.median(err)) <= REFUSE_MEDIAN_ERROR
+    lines = [FitLine(f"GEMM curve ({TRAINING_DTYPE}, k and n 16-byte aligned)",
+                     f"{p / 1e12:.0f} TFLOP/s ({fraction:.0%} of the datasheet's {peak / 1e12:.0f}), half at "
+                     f"{half / 1e9:.2f} GFLOP or a narrowest dim of {dhalf:.0f}", len(aligned),
+                     float(np.median(err)), float(np.max(err)), ok,
+                     "" if ok else f"median error above {REFUSE_MEDIAN_ERROR:.0%}: the base's curve kept")]
+    alignment: dict[int, float] = {}
+    if ok:
+        groups: dict[int, list[float]] = {}
+        for r in mine:
+            b = min(align_bytes(r["k"], eb), align_bytes(r["n"], eb))
+            if b < 16:
+                f = np.array([2.0 * r["m"] * r["n"] * r["k"]])
+                d = np.array([float(min(r["m"], r["n"], r["k"]))])
+                ideal = float(curve(x, f, d)[0]) - launch
+                groups.setdefault(b, []).append(ideal / max(float(r["s"]) - launch, 1e-12))
+        alignment = {b: min(1.0, float(np.median(v))) for b, v in groups.items()}
+        if alignment:
+            errs = [abs(alignment[b] / v - 1) for b, vs in groups.items() for v in vs]
+            lines.append(FitLine("GEMM alignment (k or n not a multiple of 16 bytes)",
+                                 ", ".join(f"{b}-byte aligned at {f:.2f}" for b, f in sorted(alignment.items())),
+                                 len(errs), float(np.median(errs)), float(np.max(errs)), True))
+    other = [r for r in rows if r["dtype"] != TRAINING_DTYPE]
+    if other and ok:
+        lines.append(FitLine(f"GEMMs in {', '.join(sorted({r['dtype'] for r in other}))}",
+                             "not fitted: priced on the same curve at their dtype's datasheet peak",
+                             len(other), float("nan"), float("nan"), True))
+    return _GemmFit(ok, fraction, half, dhalf, alignment, lines)
+
+
+def _levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: Sequence[float],
+                         iterations: int = 200) -> np.ndarray:
+    """Least squares of `residuals` from x0 (a numeric Jacobian; few parameters)."""
+    x = np.asarray(x0, dtype=np.float64)
+    r = residuals(x)
+    lam = 1e-3
+    for _ in range(iterations):
+        jac = np.empty((len(r), len(x)))
+        for j in range(len(x)):
+            step = np.zeros_like(x)
+            step[j] = 1e-6
+            jac[:, j] = (residuals(x + step) - r) / 1e-6
+        a, g = jac.T @ jac, jac.T @ r
+        delta = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-12), -g)
+        trial = residuals(x + delta)
+        if trial @ trial < r @ r:
+            x, r, lam = x + delta, trial, lam / 3
+            if np.max(np.abs(delta)) < 1e-10:
+                break
+        else:
+            lam *= 4
+            if lam > 1e12:
+                break
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# Element-wise ops and the optimizer
+
+
+def _rate(nbytes: np.ndarray, times: np.ndarray) -> float:
+    """The rate r of t = bytes/r minimising Σ((bytes/r − t)/t)²."""
+    w = nbytes / times
+    return float(np.sum(w * w) / np.sum(w))
+
+
+def _fit_elementwise(rows: Sequence[Mapping[str, Any]], launch: float
+                     ) -> tuple[dict[str, tuple[float, str]], dict[str, tuple[float, str]], list[FitLine]]:
+    """Forward: t = launch + bytes/rate, the rate from the sizes whose time is at least twice the launch,
+    the error over every size. Backward (the file's forward + backward less the forward): a standalone
+    backward call carries autograd's start-up (its smallest sizes' time, about 70 µs on an H100),
+    which a training step's backward pays once, not per op: t = that floor + bytes/rate, from and
+    over the sizes at least twice the floor."""
+    fwd: dict[str, tuple[float, str]] = {}
+    bwd: dict[str, tuple[float, str]] = {}
+    lines = []
+    eb = ELEMENT_BYTES[TRAINING_DTYPE]
+    for op in sorted({r["op"] for r in rows}):
+        mine = sorted((r for r in rows if r["op"] == op and r["dtype"] == TRAINING_DTYPE), key=lambda r: r["numel"])
+        if op not in ELEMENTWISE_OPS or len(mine) < 2:
+            continue
+        # Bytes in + out of the forward: the file's rate × time where it gives one, else in + out once.
+        nbytes = np.array([float(r["fwd_GBps_min_traffic"]) * 1e9 * float(r["fwd_s"]) if "fwd_GBps_min_traffic" in r
+                           else 2.0 * eb * float(r["numel"]) for r in mine])
+        f_t = np.array([float(r["fwd_s"]) for r in mine])
+        b_t = np.array([float(r["fwd_bwd_s"]) - float(r["fwd_s"]) for r in mine])
+        big = f_t >= 2 * launch
+        floor = float(np.min(b_t))
+        big_b = b_t >= 2 * floor
+        if not big.any() or not big_b.any():
+            lines.append(FitLine(f"element-wise {op} ({TRAINING_DTYPE})", "", len(mine), 1.0, 1.0, False,
+                                 "no size runs long enough past the launch to show a rate; not written"))
+            continue
+        rate_f = _rate(nbytes[big], f_t[big] - launch)
+        rate_b = _rate(nbytes[big_b], b_t[big_b] - floor)
+        err = np.abs((launch + nbytes / rate_f) / f_t - 1)
+        err_b = np.abs((floor + nbytes[big_b] / rate_b) / b_t[big_b] - 1)
+        both = np.concatenate([err, err_b])
+        ok = float(np.median(both)) <= REFUSE_MEDIAN_ERROR
+        lines.append(FitLine(f"element-wise {op} ({TRAINING_DTYPE}) → {', '.join(ELEMENTWISE_OPS[op])}",
+                             f"forward {rate_f / 1e9:.0f} GB/s, backward {rate_b / 1e9:.0f} GB/s of forward bytes",
+                             len(both), float(np.median(both)), float(np.max(both)), ok,
+                             "" if ok else f"median error above {REFUSE_MEDIAN_ERROR:.0%}: not written"))
+        if ok:
+            for onnx_op in ELEMENTWISE_OPS[op]:
+                fwd[onnx_op] = (rate_f, f"{op} fit")
+                bwd[onnx_op] = (rate_b, f"{op} fit")
+    return fwd, bwd, lines
+
+
+@dataclass(frozen=True)
+class _OptimizerFit:
+    terms: dict[str, float]
+    line: FitLine
+
+
+def _fit_adamw(rows: Sequence[Mapping[str, Any]]) -> _OptimizerFit:
+    fused = [r for r in rows if r.get("impl") == "fused" and {"params", "tensors", "step_s"} <= set(r)]
+    if len(fused) < 3:
+        return _OptimizerFit({}, FitLine("AdamW (fused)", "", len(fused), 1.0, 1.0, False,
+                                         "needs 3 or more fused AdamW rows; the base's kept"))
+    t = np.array([float(r["step_s"]) for r in fused])
+    design = np.stack([np.ones_like(t), [float(r["tensors"]) for r in fused], [float(r["params"]) for r in fused]],
+                      axis=1) / t[:, None]
+    coef = _nonnegative(design, np.ones_like(t))
+    model = design @ coef * t
+    err = np.abs(model / t - 1)
+    ok = float(np.median(err)) <= REFUSE_MEDIAN_ERROR
+    terms = {"fixed_s": float(coef[0]), "tensor_s": float(coef[1]), "param_s": float(coef[2])}
+    return _OptimizerFit(terms, FitLine(
+        "AdamW (fused)", f"{terms['fixed_s'] * 1e6:.0f} µs + {terms['tensor_s'] * 1e6:.2f} µs per tensor + "
+        f"{terms['param_s'] * 1e12:.2f} ps per parameter ({16 / max(terms['param_s'], 1e-30) / 1e12:.2f} TB/s of its "
+        "16 bytes each)", len(fused), float(np.median(err)), float(np.max(err)), ok,
+        "" if ok else f"median error above {REFUSE_MEDIAN_ERROR:.0%}: the base's kept"))
+
+
+def _nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: the free fit, else the best fit on each subset of
+    the columns (few columns)."""
+    best, best_err = np.zeros(a.shape[1]), float(b @ b)
+    n = a.shape[1]
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(n)
+        full[cols] = coef
+        err = float(np.sum((a @ full - b) ** 2))
+        if err < best_err:
+            best, best_err = full, err
+    return best

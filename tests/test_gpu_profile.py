@@ -1,0 +1,126 @@
+"""A GPU profile fitted from an H100's measurements (`calibrate --from bench/gpu/h100/micro.json`),
+checked against those measurements: every GEMM, element-wise op and AdamW step the file holds, the
+alignment cliff of an LM head, and the refusals of files that are not measurement files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from cli import main
+from costmodel.device import matmul_time_s
+from hwprofiles.files import load_profile
+from hwprofiles.measured import MeasurementError, align_bytes, fit_measurements, load_measurements
+from hwprofiles.profile import HardwareProfile, profile_from_json
+
+MICRO = Path(__file__).parents[1] / "bench" / "gpu" / "h100" / "micro.json"
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict:
+    return load_measurements(MICRO)
+
+
+@pytest.fixture(scope="module")
+def h100(measured: dict) -> HardwareProfile:
+    fitted, _ = fit_measurements(measured, origin=str(MICRO))
+    return profile_from_json(fitted)
+
+
+def _gemm_s(p: HardwareProfile, m: int, n: int, k: int) -> float:
+    """One GEMM called alone, as the file timed it: its launch, then its kernel."""
+    return p.device.kernel_launch_s + matmul_time_s(p.device, 2.0 * m * n * k, "bf16", min(m, n, k),
+                                                    min(align_bytes(k, 2), align_bytes(n, 2)))
+
+
+def test_calibrate_from_writes_a_gpu_profile(tmp_path: Path) -> None:
+    out = tmp_path / "h100.json"
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--from", str(MICRO), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p = load_profile(out)
+    dev = p.device
+    assert p.origin["base"] == "h100-sxm" and dev.async_launch
+    # 755 TFLOP/s of the datasheet's 989: the fitted asymptote of the aligned bf16 GEMMs.
+    assert 0.70 < dev.matmul_efficiency.max_fraction < 0.82
+    assert dev.kernel_launch_s == pytest.approx(json.loads(MICRO.read_text())["launch_s"])
+    assert dev.optimizer_step is not None and dev.elementwise_by_op is not None
+    assert {"Add", "Mul", "Softmax", "LayerNormalization", "Tanh", "Cast"} <= set(dev.elementwise_by_op)
+    assert "GEMM curve" in r.output and "AdamW (fused)" in r.output
+
+
+def test_fitted_curve_prices_the_measured_gemms(h100: HardwareProfile, measured: dict) -> None:
+    rows = [r for r in measured["matmul"] if r["dtype"] == "bf16"]
+    err = np.array([_gemm_s(h100, r["m"], r["n"], r["k"]) / r["s"] - 1 for r in rows])
+    assert np.median(np.abs(err)) < 0.08, np.median(np.abs(err))
+    assert np.mean(np.abs(err) < 0.25) > 0.9
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "odd", "even"), [(4096, 768, 50257, 50304), (16384, 768, 50257, 50304),
+                                                              (4096, 4096, 32001, 32000), (16384, 4096, 32001, 32000)])
+def test_lm_head_alignment_cliff(h100: HardwareProfile, measured: dict, tokens: int, hidden: int, odd: int,
+                                 even: int) -> None:
+    """A vocabulary that is not a multiple of 8 (2-byte aligned rows in bf16) runs the LM head's GEMM
+    4.7–6.2× slower on the H100; the fitted profile prices the ratio within 25%."""
+    t = {(r["m"], r["n"], r["k"]): r["s"] for r in measured["matmul"] if r["dtype"] == "bf16" and "layout" not in r}
+    want = t[tokens, odd, hidden] / t[tokens, even, hidden]
+    got = _gemm_s(h100, tokens, odd, hidden) / _gemm_s(h100, tokens, even, hidden)
+    assert want > 4
+    assert got == pytest.approx(want, rel=0.25)
+
+
+def test_fitted_elementwise_and_optimizer_rates(h100: HardwareProfile, measured: dict) -> None:
+    """The largest bf16 element-wise ops and every fused AdamW step, priced from the profile, within
+    15% of the file's times."""
+    names = {"add": "Add", "mul": "Mul", "tanh": "Tanh", "softmax": "Softmax", "layer_norm": "LayerNormalization"}
+    dev = h100.device
+    for r in measured["elementwise"]:
+        if r["dtype"] == "bf16" and r["numel"] == 1 << 27 and r["op"] in names:
+            nbytes = r["fwd_GBps_min_traffic"] * 1e9 * r["fwd_s"]
+            assert dev.kernel_launch_s + nbytes / dev.elementwise_rate(names[r["op"]]) == \
+                pytest.approx(r["fwd_s"], rel=0.15), r["op"]
+    opt = dev.optimizer_step
+    assert opt is not None
+    for r in measured["adamw"]:
+        if r["impl"] == "fused":
+            assert opt.fixed_s + r["tensors"] * opt.tensor_s + r["params"] * opt.param_s == \
+                pytest.approx(r["step_s"], rel=0.15)
+
+
+def test_a_fit_far_off_is_refused(measured: dict) -> None:
+    """GEMM times that no curve of the model can follow (each shape's time shuffled among the
+    others) are refused with the reason, and the base's curve stays."""
+    rng = np.random.default_rng(0)
+    shuffled = json.loads(json.dumps(measured))
+    times = [r["s"] for r in shuffled["matmul"]]
+    for r, t in zip(shuffled["matmul"], rng.permutation(times), strict=True):
+        r["s"] = float(t)
+    fitted, lines = fit_measurements(shuffled, origin="shuffled")
+    gemm = next(f for f in lines if f.what.startswith("GEMM curve"))
+    assert not gemm.accepted and "base's curve kept" in gemm.note
+    assert fitted["device"]["matmul_efficiency"]["max_fraction"]["value"] == 0.8  # h100-sxm's
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    ('{"matmul": []}', "no `matmul` list"),
+    ("[1, 2]", "a JSON object is expected"),
+    ("not json", "is not JSON"),
+    ('{"matmul": [{"m": 1, "n": 1, "k": 1, "dtype": "bf16", "s": -1}], "elementwise": '
+     '[{"op": "add", "dtype": "bf16", "numel": 1, "fwd_s": 1, "fwd_bwd_s": 1}], "launch_s": 1e-5}', "not positive"),
+])
+def test_not_a_measurement_file(tmp_path: Path, content: str, says: str) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(content)
+    with pytest.raises(MeasurementError, match=says):
+        load_measurements(bad)
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--from", str(bad), "--out", str(tmp_path / "x.json")])
+    assert r.exit_code == 2 and says in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_a_device_without_a_preset_needs_a_base(measured: dict) -> None:
+    with pytest.raises(MeasurementError, match="pass `base`"):
+        fit_measurements({**measured, "device": "Some Accelerator"}, origin="f.json")
