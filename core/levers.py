@@ -31,6 +31,15 @@ class Mode(enum.StrEnum):
     STAND_ALONE = "stand-alone"  # one device
 
 
+class Dtype(enum.StrEnum):
+    """The training step's precision (`costmodel.memory.PRECISIONS`)."""
+
+    AMP = "amp"  # torch.autocast bf16 over fp32 weights, gradients and AdamW states; fp32 reductions
+    BF16 = "bf16"  # Megatron's: bf16 weights and gradients, fp32 master weights in the optimizer
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
 class Search(enum.StrEnum):
     ILP = "ilp"
     PROPAGATION = "propagation"  # greedy, in topological order: no ILP

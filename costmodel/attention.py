@@ -181,3 +181,4 @@ def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: f
         bw = device.mem_bandwidth_bytes_per_s if k.flops else device.elementwise_rate(k.op)
         total += max(matmul_time_s(device, k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
     return total
+

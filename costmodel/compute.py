@@ -54,6 +54,13 @@ def _backward_memory_s(node: OpNode, dev: DeviceSpec, nbytes: float, fwd_mem_s: 
     return nbytes / rate * min(1.0, needed / CALIBRATED_GRAD_INPUTS.get(node.op_type, 1))
 
 
+def cast_s(dev: DeviceSpec, numel: float) -> tuple[float, float]:
+    """Autocast's cast of `numel` fp32 elements to bf16 (4 bytes read, 2 written), one kernel, and its
+    gradient's back in backward."""
+    t = _with_launch(numel * 6.0 / dev.elementwise_rate("Cast"), dev.kernel_launch_s, dev.async_launch)
+    return t, t
+
+
 def _with_launch(work_s: float, launch_s: float, overlapped: bool) -> float:
     """An op's time from its kernels' work and their launches: the longer of the two where the host
     launches ahead of the device (a GPU), their sum where the host runs the kernels (a CPU)."""
@@ -75,8 +82,7 @@ class ComputeCost:
 
 
 def tensor_bytes(info: TensorInfo, shape: tuple[int, ...], precision: Precision) -> float:
-    itemsize = precision.activation_bytes if info.is_float else info.itemsize_bytes
-    return float(np.prod(shape, dtype=np.float64)) * itemsize
+    return float(np.prod(shape, dtype=np.float64)) * precision.bytes_of(info)
 
 
 def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None], mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
@@ -108,7 +114,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
         nbytes = 0.0
         if dev.async_launch:  # no kernel: host work the device does not wait for
             launch = 0.0
-    dtype = precision.name if precision.name in dev.peak_flops_per_s else "fp32"
+    dtype = precision.compute_dtype if precision.compute_dtype in dev.peak_flops_per_s else "fp32"
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
     mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_rate(node.op_type))
     peak = dev.peak_for(dtype)
@@ -117,7 +123,8 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
         if node.op_type in ("Conv", "ConvTranspose") else \
         matmul_time_s(dev, flops.matmul, dtype, matmul_narrow_dim(node, lambda t: shapes[t])
                           if dev.matmul_narrow_efficiency is not None and gemm else None,
-                      matmul_alignment_bytes(node, lambda t: shapes[t], precision.activation_bytes)
+                      matmul_alignment_bytes(node, lambda t: shapes[t], 2 if precision.autocast else
+                                             precision.activation_bytes)
                       if dev.matmul_alignment and gemm else 16)
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
@@ -126,5 +133,12 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
                            _backward_memory_s(node, dev, nbytes, mem_s, sum(grads)) if not flops.matmul else
                            BACKWARD_BYTES_FACTOR * mem_s),
                        BACKWARD_FLOPS_FACTOR * launch, dev.async_launch) if any(grads) else 0.0
+    if precision.cast_inputs and node.name in precision.cast_inputs:
+        for t in precision.cast_inputs[node.name]:  # autocast's casts to bf16, and back in backward
+            if t not in shapes:  # an attention chain's q or k: priced with the chain (`attention.flash_cost`)
+                continue
+            c_fwd, c_bwd = cast_s(dev, float(np.prod(shapes[t], dtype=np.float64)))
+            fwd += c_fwd
+            bwd += c_bwd if needs_grad is None or t in needs_grad else 0.0
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,
                        fwd_bytes=nbytes, fwd_s=fwd, bwd_s=bwd)

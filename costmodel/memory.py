@@ -17,26 +17,52 @@ probability tensors are not kept.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
-from core.graph import OpGraph, OpNode, TensorKind
+from core.graph import OpGraph, OpNode, TensorInfo, TensorKind
 from costmodel.attention import attention_regions
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True)
 class Precision:
+    """The training step's dtypes. `amp` is torch.autocast's (HF Trainer bf16=True): fp32 weights,
+    gradients and AdamW states, bf16 matmuls, each other op in the dtype autocast gives it
+    (`autocast.py`), fp32 gradient reduction; `bf16` is Megatron's (bf16 weights and gradients, fp32
+    master weights in the optimizer); `fp32` all fp32."""
+
     name: str
     weight_bytes: int
     grad_bytes: int
     optimizer_bytes: int  # per parameter: fp32 master + Adam moments (mixed), or the moments (fp32)
     activation_bytes: int
+    compute: str = ""  # the dtype matmuls run in ("": `name`)
+    autocast: bool = False  # torch.autocast over fp32 weights: each op's dtype by autocast's lists
+    # Under autocast, for one graph (`autocast.for_graph`): each float tensor's bytes, and each node's
+    # fp32 inputs cast to bf16 before it runs.
+    float_bytes: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
+    cast_inputs: Mapping[str, tuple[str, ...]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def model_state_bytes(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
+    @property
+    def compute_dtype(self) -> str:
+        return self.compute or self.name
+
+    def bytes_of(self, info: TensorInfo) -> int:
+        """A tensor's bytes per element as the step holds it."""
+        if not info.is_float:
+            return info.itemsize_bytes
+        if self.float_bytes is not None:
+            return self.float_bytes.get(info.name, self.activation_bytes)
+        return self.activation_bytes
+
 
 PRECISIONS = {
+    "amp": Precision(name="amp", weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2, compute="bf16",
+                     autocast=True),
     "bf16": Precision(name="bf16", weight_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2),
     "fp16": Precision(name="fp16", weight_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2),
     "fp32": Precision(name="fp32", weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4),

@@ -42,6 +42,7 @@ from core.levers import Attention, Composer, LossKind, Recompute, lever
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Shard, Spec, gradient_spec, split_axes
 from core.reshard import conjugate, plan_reshard
+from costmodel import autocast
 from costmodel.attention import (
     AttentionRegion,
     attention_regions,
@@ -59,6 +60,7 @@ from costmodel.compute import (
     local_shapes,
     tensor_bytes,
 )
+from costmodel.flash import flash_cost
 from costmodel.items import LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import (
@@ -121,6 +123,7 @@ class CostModel:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+        precision = autocast.for_graph(precision, graph)
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         # ZeRO-3 is in the parameters' placements (split, gathered for use): priced by them, not here.
         self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage % 3, recompute
@@ -152,6 +155,10 @@ class CostModel:
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
         self.materialized: dict[str, AttentionRegion] = {} if attention is Attention.FLASH else {
             n: r for r in attention_regions(graph).values() for n in r.nodes}
+        # FlashAttention where the profile measured it: each chain priced as the kernel, at its last node.
+        self.flash: dict[str, AttentionRegion] = {
+            n: r for r in attention_regions(graph).values() for n in r.nodes
+        } if attention is Attention.FLASH and profile.device.attention_forward is not None else {}
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
         self.param_owner: dict[str, str] = {}
@@ -174,6 +181,8 @@ class CostModel:
         if region is not None:
             compute, saved = self._materialized(node, region, shapes, compute)
             act += saved
+        elif node.name in self.flash:
+            compute = flash_cost(self.profile.device, self.precision, g, node, self.flash[node.name], shapes, compute)
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
@@ -198,7 +207,7 @@ class CostModel:
             head_dim=head_dim, element_bytes=self.precision.activation_bytes, masked=region.mask is not None,
             dropout=self.attention_dropout > 0)
         dev = self.profile.device
-        dtype = self.precision.name if self.precision.name in dev.peak_flops_per_s else "fp32"
+        dtype = self.precision.compute_dtype if self.precision.compute_dtype in dev.peak_flops_per_s else "fp32"
         return replace(compute, fwd_s=kernels_s(fwd, dev, dtype, dev.graph_op_s),
                        bwd_s=kernels_s(bwd, dev, dtype, dev.graph_op_s)), saved
 
@@ -297,8 +306,7 @@ class CostModel:
                      saved: bool = True) -> tuple[PricedCollective, ...]:
         info = self.graph.tensors[tensor]
         is_param = info.kind is TensorKind.PARAM
-        itemsize = (self.precision.weight_bytes if is_param else
-                    self.precision.activation_bytes if info.is_float else info.itemsize_bytes)
+        itemsize = self.precision.weight_bytes if is_param else self.precision.bytes_of(info)
         events: list[PricedCollective] = []
 
         def add(kind: Collective, axis: int, size: float, phase: Phase, purpose: Purpose) -> None:
@@ -313,7 +321,7 @@ class CostModel:
                 t += self.profile.device.reshard_overhead_s or 0.0
             events.append(PricedCollective(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
 
-        grad_item = self.precision.grad_bytes if is_param else self.precision.activation_bytes
+        grad_item = self.precision.grad_bytes if is_param else self.precision.bytes_of(info)
         plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
         for step in plan.collectives:
             assert step.collective is not None

@@ -18,6 +18,7 @@ What is fitted (numpy only, relative errors, as `fit.py`):
   per second of backward), in the training dtype (`_fit_elementwise`);
 - `mem_bandwidth_bytes_per_s`: the fastest element-wise rate, where below the base's (a matmul's
   operands stream at it);
+- FlashAttention's forward and backward rates by sequence, head dim and causality (`_fit_attention`);
 - `optimizer_step` from the fused AdamW rows (what fused=True runs): t = fixed + tensors·per tensor +
   params·per parameter, non-negative least squares.
 
@@ -151,6 +152,13 @@ def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: 
         best = max(r for r, _ in fwd.values())
         if best < float(dev["mem_bandwidth_bytes_per_s"]["value"]):  # the datasheet's stays where no op falls short
             dev["mem_bandwidth_bytes_per_s"] = q(best, "B/s", "the fastest element-wise op's fitted rate (bytes in + out)")
+    if data.get("attention_sdpa"):
+        floor = _backward_floor(data["elementwise"])
+        for key, curve, line in _fit_attention(data["attention_sdpa"], launch, floor, peak):
+            lines.append(line)
+            if line.accepted:
+                dev[key] = {k: q(v, unit, f"scaled_dot_product_attention fit ({line.what})")
+                            for (k, v), unit in zip(curve.items(), ("FLOP/s", "1", "1", "1"), strict=True)}
     if data.get("adamw"):
         opt = _fit_adamw(data["adamw"])
         lines.append(opt.line)
@@ -311,6 +319,55 @@ def _fit_elementwise(rows: Sequence[Mapping[str, Any]], launch: float
                 fwd[onnx_op] = (rate_f, f"{op} fit")
                 bwd[onnx_op] = (rate_b, f"{op} fit")
     return fwd, bwd, lines
+
+
+def _backward_floor(rows: Sequence[Mapping[str, Any]]) -> float:
+    """What a standalone backward call costs beyond its kernels (autograd's start-up): the least
+    backward time of any element-wise op in the file."""
+    return min(float(r["fwd_bwd_s"]) - float(r["fwd_s"]) for r in rows)
+
+
+_ATTENTION_KEYS = ("batch", "heads", "seq", "head_dim", "causal", "fwd_s", "fwd_bwd_s")
+
+
+def _fit_attention(rows: Sequence[Mapping[str, Any]], launch: float, floor: float, peak: float
+                   ) -> list[tuple[str, dict[str, float], FitLine]]:
+    """FlashAttention (torch's SDPA) forward and backward: t = floor + F / (P · s/(s + s½) · d/(d + d½)
+    · c if causal), F its forward FLOPs (4·b·h·s²·d, halved when causal); the forward's floor the
+    launch, the backward's a standalone backward call's; P at most the datasheet's peak."""
+    mine = [r for r in rows if all(k in r for k in _ATTENTION_KEYS)]
+    if len(mine) < 6:
+        return []
+    flops = np.array([4.0 * r["batch"] * r["heads"] * r["seq"] ** 2 * r["head_dim"] * (0.5 if r["causal"] else 1.0)
+                      for r in mine])
+    seq = np.array([float(r["seq"]) for r in mine])
+    dim = np.array([float(r["head_dim"]) for r in mine])
+    causal = np.array([bool(r["causal"]) for r in mine])
+    out = []
+    for key, times, t0 in (("attention_forward", np.array([float(r["fwd_s"]) for r in mine]), launch),
+                           ("attention_backward", np.array([float(r["fwd_bwd_s"]) - float(r["fwd_s"]) for r in mine]),
+                            floor)):
+        def params(x: np.ndarray) -> tuple[float, float, float, float]:
+            return peak / (1 + float(np.exp(-x[0]))), float(np.exp(x[1])), float(np.exp(x[2])), float(np.exp(x[3]))
+
+        def model(x: np.ndarray, t0: float = t0) -> np.ndarray:
+            p, sh, dh, c = params(x)
+            return t0 + flops / (p * seq / (seq + sh) * dim / (dim + dh) * np.where(causal, c, 1.0))
+
+        def residuals(x: np.ndarray, times: np.ndarray = times, model: Callable[..., np.ndarray] = model) -> np.ndarray:
+            return np.log(model(x)) - np.log(times)
+
+        x = _levenberg_marquardt(residuals, [0.0, float(np.log(256.0)), float(np.log(32.0)), 0.0])
+        p, sh, dh, c = params(x)
+        err = np.abs(model(x) / times - 1)
+        ok = float(np.median(err)) <= REFUSE_MEDIAN_ERROR
+        what = "FlashAttention " + key.split("_")[1]
+        out.append((key, {"flops_per_s": p, "half_seq": sh, "half_head_dim": dh, "causal_fraction": c},
+                    FitLine(what, f"{p / 1e12:.0f} TFLOP/s of forward FLOPs, half at seq {sh:.0f} or head dim "
+                                  f"{dh:.0f}, causal at {c:.2f}", len(mine), float(np.median(err)),
+                            float(np.max(err)), ok, "" if ok else f"median error above {REFUSE_MEDIAN_ERROR:.0%}: "
+                                                                 "its FLOPs priced as matmuls")))
+    return out
 
 
 @dataclass(frozen=True)

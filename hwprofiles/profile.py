@@ -95,6 +95,32 @@ class ChannelCurve:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class AttentionCurve:
+    """A fused attention kernel's rate (FlashAttention), forward or backward, by its forward FLOPs F
+    (4·b·h·s_q·s_k·d, halved when causal): flops_per_s · s/(s + half_seq) · d/(d + half_head_dim),
+    times causal_fraction for a causal (masked) one — short sequences and narrow heads leave the
+    kernel's tiles idle, and a causal one skips only whole blocks."""
+
+    flops_per_s: float
+    half_seq: float
+    half_head_dim: float
+    causal_fraction: float
+
+    def __post_init__(self) -> None:
+        for name in ("flops_per_s", "causal_fraction"):
+            _positive(self, name)
+        for name in ("half_seq", "half_head_dim"):
+            _positive(self, name, allow_zero=True)
+
+    def time_s(self, flops: float, seq: float, head_dim: float, causal: bool) -> float:
+        rate = self.flops_per_s * seq / (seq + self.half_seq) * head_dim / (head_dim + self.half_head_dim)
+        return flops / (rate * (self.causal_fraction if causal else 1.0)) if flops > 0 else 0.0
+
+
+_ATTENTION_FIELDS = {"flops_per_s": "FLOP/s", "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1"}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class OptimizerStep:
     """The optimizer step as an executor runs it, measured: a fixed cost per step, one per parameter
     tensor (its kernels' launches and the optimizer's own work on it) and one per parameter (the
@@ -147,6 +173,10 @@ class DeviceSpec:
     # and its launch, not their sum, and a view (no kernel) costs the device nothing. False (a CPU
     # rank): the host runs the kernels, so an op costs its launch plus its work.
     async_launch: bool = False
+    # FlashAttention's measured rates, forward and backward (`AttentionCurve`); None: its FLOPs priced
+    # as matmuls.
+    attention_forward: AttentionCurve | None = None
+    attention_backward: AttentionCurve | None = None
     # What their backwards achieve, by op type (bytes the forward moved per second of backward, every
     # float input needing a gradient), calibrated: torch's gradient kernels are not the forward's — a
     # tanh's is a multiply-add on its output (0.2× the forward's time here), a pow's a pow and two
@@ -281,7 +311,8 @@ _UNITS = {
     "param_s": "s", "elementwise_bandwidth_bytes_per_s": "B/s", "max_fraction": "1", "half_flops": "FLOP",
     "half_channels": "1", "devices_per_node": "1", "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1",
     "alpha_s": "s", "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
-    "rank_skew": "1", "collective_wait_s": "s", "matmul_alignment": "1"}
+    "rank_skew": "1", "collective_wait_s": "s", "matmul_alignment": "1", "flops_per_s": "FLOP/s",
+    "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1"}
 
 
 class _Reader:
@@ -300,6 +331,12 @@ class _Reader:
             raise ProfileError(f"field {path}: unit must be {expected!r}, got {quantity['unit']!r}")
         self.sources[path] = quantity["source"]
         return float(quantity["value"])
+
+
+def _attention(r: _Reader, dev: Mapping[str, Any], key: str) -> AttentionCurve | None:
+    if key not in dev:
+        return None
+    return AttentionCurve(**{k: r.q(dev[key], k, f"device.{key}.{k}") for k in _ATTENTION_FIELDS})
 
 
 def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") -> HardwareProfile:
@@ -339,6 +376,8 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                                          for k in dev["elementwise_backward_by_op"]}
                                         if "elementwise_backward_by_op" in dev else None),
             async_launch=bool(dev.get("async_launch", False)),
+            attention_forward=_attention(r, dev, "attention_forward"),
+            attention_backward=_attention(r, dev, "attention_backward"),
             matmul_alignment=({int(k): r.q(dev["matmul_alignment"], k, f"device.matmul_alignment.{k}")
                                for k in dev["matmul_alignment"]} if "matmul_alignment" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
@@ -461,6 +500,9 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),
             **({"async_launch": True} if d.async_launch else {}),
+            **{key: {k: q(getattr(c, k), unit, f"device.{key}.{k}") for k, unit in _ATTENTION_FIELDS.items()}
+               for key, c in (("attention_forward", d.attention_forward), ("attention_backward", d.attention_backward))
+               if c is not None},
             **({"matmul_alignment": {str(k): q(v, "1", f"device.matmul_alignment.{k}")
                                      for k, v in sorted(d.matmul_alignment.items())}}
                if d.matmul_alignment else {}),

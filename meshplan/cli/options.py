@@ -62,8 +62,10 @@ def mesh_options(fn: F) -> F:
         click.option("--axis-names", default=None, metavar="a,b", help="Mesh axis names (default dp or dp,tp)."),
         click.option("--profile", "profile_name", default="h100-sxm", show_default=True,
                      help="Hardware profile: a preset name or a JSON path."),
-        click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
-                     help="Training precision (default: bf16 on GPU profiles, fp32 on cpu)."),
+        click.option("--dtype", type=click.Choice(["amp", "bf16", "fp16", "fp32"]), default=None,
+                     help="Training precision: amp (torch.autocast bf16 over fp32 weights, gradients and "
+                          "AdamW states), bf16 (Megatron's: bf16 weights, fp32 master weights in the optimizer), "
+                          "fp16, fp32 (default: bf16 on GPU profiles, fp32 on cpu)."),
     ]):
         fn = opt(fn)
     return fn
