@@ -293,9 +293,18 @@ def bench_collectives(repeat: int) -> None:
     bench_collective_wait(console, max(1, min(repeat, 3)))
 
 
+def bench_gpu(repeat: int) -> None:
+    """One H100's training steps (bench/gpu/h100/steps.json) against plans priced on a profile fitted
+    from its microbenchmarks (bench/gpu_steps.py)."""
+    from bench.gpu_steps import bench_gpu_steps
+
+    bench_gpu_steps(console)
+
+
 BENCHMARKS: dict[str, Callable[[int], None]] = {"collectives": bench_collectives, "fidelity": bench_fidelity,
                                                 "import": bench_import, "plan": bench_plan, "layers": bench_layers,
-                                                "pipeline": bench_pipeline, "published": bench_published_runs}
+                                                "pipeline": bench_pipeline, "published": bench_published_runs,
+                                                "gpu": bench_gpu}
 
 
 def main() -> None:

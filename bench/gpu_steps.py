@@ -1,0 +1,102 @@
+"""One H100's whole training steps (bench/gpu/h100/steps.json) against meshplan's predictions from a
+profile fitted to the same GPU's microbenchmarks alone (`calibrate --from bench/gpu/h100/micro.json`):
+nothing here is fitted to the steps.
+
+    python -m bench.run --only gpu
+
+Each of the four transformers configs (bench/gpu/configs) is exported shape-only (cached in the zoo
+directory) and planned on one device at the precision and runtime the row was measured in:
+
+| steps.json | meshplan |
+|---|---|
+| `amp` (fp32 weights, torch.autocast bf16, fused AdamW, SDPA) | `--dtype amp` |
+| `fp32` (TF32 off) | `--dtype fp32` |
+| `amp+compile`, `fsdp2-bf16` | not priced yet: no compiled runtime, no FSDP2 mixed-precision policy |
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+GPU = Path(__file__).parent / "gpu"
+# steps.json precision → the plan's dtype (None: not priced yet, and why).
+PRECISIONS: dict[str, str | None] = {"amp": "amp", "fp32": "fp32", "amp+compile": None, "fsdp2-bf16": None}
+WHY_NOT = {"amp+compile": "no compiled runtime yet", "fsdp2-bf16": "no FSDP2 mixed-precision policy yet"}
+
+
+def fitted_profile(out_dir: Path) -> Path:
+    """The profile `calibrate --from bench/gpu/h100/micro.json` writes, in `out_dir`."""
+    from hwprofiles.measured import fit_measurements, load_measurements
+
+    fitted, _ = fit_measurements(load_measurements(GPU / "h100" / "micro.json"), origin="bench/gpu/h100/micro.json",
+                                 name="h100-measured")
+    path = out_dir / "h100-measured.json"
+    path.write_text(json.dumps(fitted, indent=1))
+    return path
+
+
+def exported(name: str) -> Path:
+    """bench/gpu/configs/<name>.json exported shape-only into the zoo directory (once)."""
+    from bench.zoo import DEFAULT_DIR
+    from planner.export import export_hf_config
+
+    path = DEFAULT_DIR / f"gpu-{name}.onnx"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_hf_config(str(GPU / "configs" / f"{name}.json"), str(path), dims={"batch": None, "seq": None})
+    return path
+
+
+def predictions() -> list[dict[str, Any]]:
+    """Every measured row of steps.json with meshplan's prediction beside it (None where not priced)."""
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    runs = json.loads((GPU / "h100" / "steps.json").read_text())["runs"]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        profile = fitted_profile(Path(tmp))
+        for r in runs:
+            if "step_s" not in r:  # out of memory on the H100
+                continue
+            dtype = PRECISIONS.get(r["precision"])
+            row = {**r, "predicted_step_s": None, "predicted_bytes": None}
+            if dtype is not None:
+                s, _ = make_plan(PlanRequest(model=str(exported(r["model"])), dims={"batch": r["batch"], "seq": r["seq"]},
+                                             profile=str(profile), devices=1, dtype=dtype))
+                row.update(predicted_step_s=s.step_time_s, predicted_bytes=s.cost.memory_bytes_per_device)
+            out.append(row)
+    return out
+
+
+def bench_gpu_steps(console: Console) -> None:
+    rows = predictions()
+    table = Table(title="one H100: steps.json against meshplan (profile fitted from micro.json alone)")
+    for col in ("model", "batch × seq", "precision", "step measured", "predicted", "error",
+                "peak memory measured", "predicted", "error"):
+        table.add_column(col, justify="left" if col in ("model", "precision") else "right")
+    step_err, mem_err = [], []
+    for r in rows:
+        if r["predicted_step_s"] is None:
+            table.add_row(r["model"], f"{r['batch']} × {r['seq']}", r["precision"], f"{r['step_s'] * 1e3:.1f} ms",
+                          WHY_NOT.get(r["precision"], "not priced"), "", f"{r['peak_bytes'] / 2**30:.1f} GiB", "", "")
+            continue
+        e_s = r["predicted_step_s"] / r["step_s"] - 1
+        e_m = r["predicted_bytes"] / r["peak_bytes"] - 1
+        step_err.append(abs(e_s))
+        mem_err.append(abs(e_m))
+        table.add_row(r["model"], f"{r['batch']} × {r['seq']}", r["precision"], f"{r['step_s'] * 1e3:.1f} ms",
+                      f"{r['predicted_step_s'] * 1e3:.1f} ms", f"{e_s:+.1%}", f"{r['peak_bytes'] / 2**30:.1f} GiB",
+                      f"{r['predicted_bytes'] / 2**30:.1f} GiB", f"{e_m:+.1%}")
+    console.print(table)
+    if step_err:
+        console.print(f"{len(step_err)} rows priced: step time median |error| {statistics.median(step_err):.1%} "
+                      f"(largest {max(step_err):.1%}); peak memory median |error| {statistics.median(mem_err):.1%} "
+                      f"(largest {max(mem_err):.1%})")
