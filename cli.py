@@ -16,7 +16,18 @@ import click
 
 from core.errors import MeshplanError
 from core.layout import parse_layout
-from core.levers import Attention, Composer, LeverError, LossKind, Mode, Recompute, Schedule, Search, lever
+from core.levers import (
+    Attention,
+    Composer,
+    LeverError,
+    LossKind,
+    Mode,
+    Recompute,
+    Runtime,
+    Schedule,
+    Search,
+    lever,
+)
 from meshplan.cli.options import (
     FLAGS,
     build_mesh,
@@ -128,7 +139,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool,
-         attention: str, attention_dropout: float, layout: str | None, schedule: str | None,
+         attention: str, attention_dropout: float, runtime: str, layout: str | None, schedule: str | None,
          micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -169,7 +180,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
                       force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size,
                       pipeline_result_broadcast=pipeline_result_broadcast, attention=Attention(attention),
-                      attention_dropout=attention_dropout)
+                      attention_dropout=attention_dropout, runtime=Runtime(runtime))
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

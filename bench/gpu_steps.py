@@ -10,8 +10,9 @@ directory) and planned on one device at the precision and runtime the row was me
 | steps.json | meshplan |
 |---|---|
 | `amp` (fp32 weights, torch.autocast bf16, fused AdamW, SDPA) | `--dtype amp` |
+| `amp+compile` (the same under torch.compile) | `--dtype amp --runtime compiled` |
+| `fsdp2-bf16` (fully_shard, MixedPrecisionPolicy(bf16, fp32), 1 device) | `--dtype mixed` |
 | `fp32` (TF32 off) | `--dtype fp32` |
-| `amp+compile`, `fsdp2-bf16` | not priced yet: no compiled runtime, no FSDP2 mixed-precision policy |
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from rich.console import Console
 from rich.table import Table
 
 GPU = Path(__file__).parent / "gpu"
-# steps.json precision → the plan's dtype (None: not priced yet, and why).
-PRECISIONS: dict[str, str | None] = {"amp": "amp", "fp32": "fp32", "amp+compile": None, "fsdp2-bf16": None}
-WHY_NOT = {"amp+compile": "no compiled runtime yet", "fsdp2-bf16": "no FSDP2 mixed-precision policy yet"}
+# steps.json precision → the plan's dtype and runtime.
+PRECISIONS: dict[str, tuple[str, str]] = {"amp": ("amp", "eager"), "amp+compile": ("amp", "compiled"),
+                                          "fsdp2-bf16": ("mixed", "eager"), "fp32": ("fp32", "eager")}
 
 
 def fitted_profile(out_dir: Path) -> Path:
@@ -66,11 +67,11 @@ def predictions() -> list[dict[str, Any]]:
         for r in runs:
             if "step_s" not in r:  # out of memory on the H100
                 continue
-            dtype = PRECISIONS.get(r["precision"])
             row = {**r, "predicted_step_s": None, "predicted_bytes": None}
-            if dtype is not None:
+            if r["precision"] in PRECISIONS:
+                dtype, runtime = PRECISIONS[r["precision"]]
                 s, _ = make_plan(PlanRequest(model=str(exported(r["model"])), dims={"batch": r["batch"], "seq": r["seq"]},
-                                             profile=str(profile), devices=1, dtype=dtype))
+                                             profile=str(profile), devices=1, dtype=dtype, runtime=runtime))
                 row.update(predicted_step_s=s.step_time_s, predicted_bytes=s.cost.memory_bytes_per_device)
             out.append(row)
     return out
@@ -86,7 +87,7 @@ def bench_gpu_steps(console: Console) -> None:
     for r in rows:
         if r["predicted_step_s"] is None:
             table.add_row(r["model"], f"{r['batch']} × {r['seq']}", r["precision"], f"{r['step_s'] * 1e3:.1f} ms",
-                          WHY_NOT.get(r["precision"], "not priced"), "", f"{r['peak_bytes'] / 2**30:.1f} GiB", "", "")
+                          "not priced", "", f"{r['peak_bytes'] / 2**30:.1f} GiB", "", "")
             continue
         e_s = r["predicted_step_s"] / r["step_s"] - 1
         e_m = r["predicted_bytes"] / r["peak_bytes"] - 1

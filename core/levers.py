@@ -35,9 +35,17 @@ class Dtype(enum.StrEnum):
     """The training step's precision (`costmodel.memory.PRECISIONS`)."""
 
     AMP = "amp"  # torch.autocast bf16 over fp32 weights, gradients and AdamW states; fp32 reductions
+    MIXED = "mixed"  # FSDP2's MixedPrecisionPolicy(bf16, fp32): bf16 compute on cast weights, fp32 states
     BF16 = "bf16"  # Megatron's: bf16 weights and gradients, fp32 master weights in the optimizer
     FP16 = "fp16"
     FP32 = "fp32"
+
+
+class Runtime(enum.StrEnum):
+    """How the framework runs the model's ops (`costmodel/fusion.py`)."""
+
+    EAGER = "eager"  # op by op, each a kernel
+    COMPILED = "compiled"  # torch.compile: the ops between matmuls fused into one kernel per chain
 
 
 class Search(enum.StrEnum):

@@ -31,6 +31,16 @@ LOW, FULL = 2, 4  # bytes of bf16 and fp32
 def for_graph(precision: Precision, graph: OpGraph) -> Precision:
     """`precision` with each float tensor's bytes as autocast runs `graph` (an autocast precision),
     else as it is."""
+    if precision.param_casts:  # each weight cast to bf16 for its first user, its gradient back
+        first: dict[str, list[str]] = {}
+        seen: set[str] = set()
+        for n in graph.compute_nodes:
+            for t in n.inputs:
+                if t in graph.tensors and graph.tensors[t].kind is TensorKind.PARAM and graph.tensors[t].is_float \
+                        and t not in seen:
+                    seen.add(t)
+                    first.setdefault(n.name, []).append(t)
+        return replace(precision, cast_inputs={n: tuple(ps) for n, ps in first.items()})
     if not precision.autocast:
         return precision
     return replace(precision, float_bytes=dtypes(graph), cast_inputs=cast_inputs(graph))

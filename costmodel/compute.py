@@ -30,6 +30,7 @@ from core.mesh import DeviceMesh
 from core.placement import Spec
 from costmodel.device import conv_time_s, matmul_time_s
 from costmodel.flops import conv_channels, matmul_alignment_bytes, matmul_narrow_dim, node_flops
+from costmodel.fusion import FusedNode
 from costmodel.memory import Precision
 from hwprofiles.profile import DeviceSpec, HardwareProfile
 
@@ -98,25 +99,35 @@ def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None],
 
 def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile,
                  precision: Precision, *, on_chip: frozenset[str] = frozenset(),
-                 needs_grad: frozenset[str] | None = None) -> ComputeCost:
+                 needs_grad: frozenset[str] | None = None, fused: FusedNode | None = None,
+                 padded: bool = False) -> ComputeCost:
     """`on_chip`: tensors that never reach memory (inside a fused kernel, e.g. attention scores);
     an op whose outputs are all on chip is part of that kernel: no memory traffic, no launch.
     `needs_grad`: the tensors backward computes a gradient for (None: all). A matmul's backward
     computes the gradient of each operand that needs one (the first layer's input needs none: one
-    matmul, not two); an op none of whose inputs needs a gradient has no backward at all."""
+    matmul, not two); an op none of whose inputs needs a gradient has no backward at all. `fused`: its
+    place in a compiled runtime's fused chain (`fusion.py`): it moves only what enters or leaves the
+    chain, at a streaming kernel's rate (an Add's), and only the chain's first node pays a launch.
+    `padded`: GEMM dims are padded to aligned sizes before the matmul (Inductor's shape_padding), so
+    none pays the profile's misalignment."""
     flops = node_flops(node, lambda t: shapes[t])
     nbytes = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for t in shapes
                  if graph.tensors[t].dtype != "sequence" and t not in on_chip)
     dev = profile.device
-    fused = bool(node.outputs) and all(t in on_chip for t in node.outputs if t)
-    launch = 0.0 if fused else dev.graph_op_s
-    if node.op_type in VIEW_OPS:
+    in_kernel = bool(node.outputs) and all(t in on_chip for t in node.outputs if t)
+    launch = 0.0 if in_kernel else dev.graph_op_s
+    if fused is not None:  # one kernel per chain: what crosses its boundary, one launch
+        nbytes = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for t in shapes
+                     if (t in fused.external_inputs or t in fused.external_outputs) and graph.tensors[t].dtype != "sequence")
+        launch = dev.graph_op_s if fused.head else 0.0
+    elif node.op_type in VIEW_OPS:
         nbytes = 0.0
         if dev.async_launch:  # no kernel: host work the device does not wait for
             launch = 0.0
     dtype = precision.compute_dtype if precision.compute_dtype in dev.peak_flops_per_s else "fp32"
     # Matmuls stream at memory bandwidth; element-wise kernels at what they achieve (calibrated).
-    mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else dev.elementwise_rate(node.op_type))
+    mem_s = nbytes / (dev.mem_bandwidth_bytes_per_s if flops.matmul else
+                      dev.elementwise_rate("Add" if fused is not None else node.op_type))
     peak = dev.peak_for(dtype)
     gemm = node.op_type in ("MatMul", "Gemm")
     mm_s = conv_time_s(dev, flops.matmul, conv_channels(node, lambda t: shapes[t]), dtype) \
@@ -125,13 +136,13 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
                           if dev.matmul_narrow_efficiency is not None and gemm else None,
                       matmul_alignment_bytes(node, lambda t: shapes[t], 2 if precision.autocast else
                                              precision.activation_bytes)
-                      if dev.matmul_alignment and gemm else 16)
+                      if dev.matmul_alignment and gemm and not padded else 16)
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
     fwd = _with_launch(max(mm_s + flops.other / peak, mem_s), launch, dev.async_launch)
     bwd = _with_launch(max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
-                           _backward_memory_s(node, dev, nbytes, mem_s, sum(grads)) if not flops.matmul else
-                           BACKWARD_BYTES_FACTOR * mem_s),
+                           _backward_memory_s(node, dev, nbytes, mem_s, sum(grads))
+                           if not flops.matmul and fused is None else BACKWARD_BYTES_FACTOR * mem_s),
                        BACKWARD_FLOPS_FACTOR * launch, dev.async_launch) if any(grads) else 0.0
     if precision.cast_inputs and node.name in precision.cast_inputs:
         for t in precision.cast_inputs[node.name]:  # autocast's casts to bf16, and back in backward

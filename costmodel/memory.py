@@ -28,7 +28,8 @@ from costmodel.attention import attention_regions
 class Precision:
     """The training step's dtypes. `amp` is torch.autocast's (HF Trainer bf16=True): fp32 weights,
     gradients and AdamW states, bf16 matmuls, each other op in the dtype autocast gives it
-    (`autocast.py`), fp32 gradient reduction; `bf16` is Megatron's (bf16 weights and gradients, fp32
+    (`autocast.py`), fp32 gradient reduction; `mixed` is FSDP2's MixedPrecisionPolicy (torchtitan's
+    default): the same fp32 states, the model run in bf16 on weights cast where gathered; `bf16` is Megatron's (bf16 weights and gradients, fp32
     master weights in the optimizer); `fp32` all fp32."""
 
     name: str
@@ -38,6 +39,9 @@ class Precision:
     activation_bytes: int
     compute: str = ""  # the dtype matmuls run in ("": `name`)
     autocast: bool = False  # torch.autocast over fp32 weights: each op's dtype by autocast's lists
+    # FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): fp32 weights cast to bf16 where
+    # gathered for use, the model run in bf16, gradients cast back to fp32 for the reduction.
+    param_casts: bool = False
     # Under autocast, for one graph (`autocast.for_graph`): each float tensor's bytes, and each node's
     # fp32 inputs cast to bf16 before it runs.
     float_bytes: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
@@ -63,6 +67,8 @@ class Precision:
 PRECISIONS = {
     "amp": Precision(name="amp", weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2, compute="bf16",
                      autocast=True),
+    "mixed": Precision(name="mixed", weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=2,
+                       compute="bf16", param_casts=True),
     "bf16": Precision(name="bf16", weight_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2),
     "fp16": Precision(name="fp16", weight_bytes=2, grad_bytes=2, optimizer_bytes=12, activation_bytes=2),
     "fp32": Precision(name="fp32", weight_bytes=4, grad_bytes=4, optimizer_bytes=8, activation_bytes=4),

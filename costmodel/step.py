@@ -38,7 +38,7 @@ import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
 from core.graph import OpGraph, OpNode, TensorKind
-from core.levers import Attention, Composer, LossKind, Recompute, lever
+from core.levers import Attention, Composer, LossKind, Recompute, Runtime, lever
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Shard, Spec, gradient_spec, split_axes
 from core.reshard import conjugate, plan_reshard
@@ -61,6 +61,7 @@ from costmodel.compute import (
     tensor_bytes,
 )
 from costmodel.flash import flash_cost
+from costmodel.fusion import compiled
 from costmodel.items import LossCost, NodeCost, PricedStep
 from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
 from costmodel.memory import (
@@ -90,7 +91,7 @@ class CostModel:
                  composer: str = Composer.SERIAL,
                  zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
                  fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = Attention.FLASH,
-                 attention_dropout: float = 0.0) -> None:
+                 attention_dropout: float = 0.0, runtime: str = Runtime.EAGER) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -124,6 +125,11 @@ class CostModel:
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
         precision = autocast.for_graph(precision, graph)
+        # A compiled runtime's fused chains (`fusion.py`): what stays inside one is neither written nor
+        # saved, and autocast's cast of an activation a chain produces is part of that chain's kernel.
+        self.runtime = lever(Runtime, runtime, "runtime")
+        self.chains, internal, precision = compiled(graph, precision) if self.runtime is Runtime.COMPILED else \
+            ({}, frozenset(), precision)
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         # ZeRO-3 is in the parameters' placements (split, gathered for use): priced by them, not here.
         self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage % 3, recompute
@@ -142,7 +148,7 @@ class CostModel:
         # latency, as an edge is priced alone (`price` packs the plan's actual buckets).
         total = max(1.0, sum(float(t.numel) * precision.grad_bytes for t in graph.params))
         self.bucket_fill = {kind: min(self.fusion.as_dict()[name], total) for kind, name in _FUSED.items()}
-        self.saved = saved_tensors(graph)  # by storage: a view of a parameter (a transposed weight) is none
+        self.saved = saved_tensors(graph) - internal  # by storage: a view of a parameter (a transposed weight) is none
         self.needs_grad = gradient_tensors(graph)
         self.backward_read = read_in_backward(graph, self.needs_grad)
         readers: dict[str, list[str]] = {}  # tensor → the nodes whose backward reads it (or a view of it)
@@ -175,7 +181,7 @@ class CostModel:
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
         shapes = local_shapes(node, g, specs, self.mesh)
         compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
-                               needs_grad=self.needs_grad)
+                               needs_grad=self.needs_grad, fused=self.chains.get(node.name), padded=bool(self.chains))
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
         region = self.materialized.get(node.name)
         if region is not None:

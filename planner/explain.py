@@ -64,6 +64,7 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
                    fp32_communication=strategy.training.force_fp32_communication,
                    zero_shard_size=strategy.training.zero_shard_size,
                    attention=strategy.training.attention, attention_dropout=strategy.training.attention_dropout,
+                   runtime=settings.runtime,
                    fusion=strategy.training.comm_fusion,
                    zero_threshold_bytes=strategy.training.zero_threshold_bytes)
     limit = settings.memory_limit_bytes

@@ -25,7 +25,7 @@ import jsonschema
 from core.collectives import Cadence, Collective, Phase, PricedBucket, PricedCollective, Purpose
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
-from core.levers import Attention, LossKind, Mode, Recompute, Schedule, Search
+from core.levers import Attention, LossKind, Mode, Recompute, Runtime, Schedule, Search
 from core.mesh import DeviceMesh
 from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
@@ -65,6 +65,7 @@ class PlanSettings:
     pins: Mapping[str, str]
     batch: int | None
     loss: LossKind = LossKind.AUTO
+    runtime: Runtime = Runtime.EAGER  # written only when compiled
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -341,7 +342,8 @@ def _document(s: Strategy) -> dict[str, Any]:
         "settings": {"mode": s.settings.mode, "search": s.settings.search, "dtype": s.settings.dtype,
                      "memory_limit_bytes": s.settings.memory_limit_bytes, "solver": s.settings.solver,
                      "follow": s.settings.follow, "pins": dict(s.settings.pins), "batch": s.settings.batch,
-                     "loss": s.settings.loss},
+                     "loss": s.settings.loss,
+                     **({"runtime": s.settings.runtime} if s.settings.runtime is not Runtime.EAGER else {})},
         "training": {"micro_batches": s.training.micro_batches, "zero_stage": s.training.zero_stage,
                      "recompute": dict(s.training.recompute), "global_batch_size": s.training.global_batch_size,
                      "micro_batch_size": s.training.micro_batch_size, "layout": s.training.layout,
@@ -438,7 +440,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
         mesh=mesh,
         settings=PlanSettings(mode=Mode(st["mode"]), search=Search(st["search"]), dtype=st["dtype"],
                               memory_limit_bytes=st["memory_limit_bytes"], solver=st["solver"], follow=st["follow"],
-                              pins=dict(st["pins"]), batch=st["batch"], loss=LossKind(st["loss"])),
+                              pins=dict(st["pins"]), batch=st["batch"], loss=LossKind(st["loss"]),
+                              runtime=Runtime(st.get("runtime", "eager"))),
         training=TrainingSettings(micro_batches=tr["micro_batches"], zero_stage=tr["zero_stage"],
                                   recompute={g: Recompute(x) for g, x in tr["recompute"].items()},
                                   global_batch_size=tr["global_batch_size"],

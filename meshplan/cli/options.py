@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from core.errors import MeshplanError
-from core.levers import Attention, LossKind, Mode, Search
+from core.levers import Attention, LossKind, Mode, Runtime, Search
 
 if TYPE_CHECKING:
     from costmodel.buckets import CommFusion
@@ -62,9 +62,10 @@ def mesh_options(fn: F) -> F:
         click.option("--axis-names", default=None, metavar="a,b", help="Mesh axis names (default dp or dp,tp)."),
         click.option("--profile", "profile_name", default="h100-sxm", show_default=True,
                      help="Hardware profile: a preset name or a JSON path."),
-        click.option("--dtype", type=click.Choice(["amp", "bf16", "fp16", "fp32"]), default=None,
+        click.option("--dtype", type=click.Choice(["amp", "mixed", "bf16", "fp16", "fp32"]), default=None,
                      help="Training precision: amp (torch.autocast bf16 over fp32 weights, gradients and "
-                          "AdamW states), bf16 (Megatron's: bf16 weights, fp32 master weights in the optimizer), "
+                          "AdamW states), mixed (FSDP2's MixedPrecisionPolicy bf16/fp32: the model in bf16 on weights "
+                          "cast where gathered, the same fp32 states), bf16 (Megatron's: bf16 weights, fp32 master weights in the optimizer), "
                           "fp16, fp32 (default: bf16 on GPU profiles, fp32 on cpu)."),
     ]):
         fn = opt(fn)
@@ -219,6 +220,9 @@ def plan_options(fn: F) -> F:
         click.option("--attention", type=click.Choice([a.value for a in Attention]), default="flash", show_default=True,
                      help="How the runtime runs attention: FlashAttention (scores on chip), torch's eager ops or "
                        "Megatron-LM's fused scale-mask-softmax (scores and probabilities through memory; priced per kernel)."),
+        click.option("--runtime", type=click.Choice([r.value for r in Runtime]), default="eager", show_default=True,
+                     help="How the framework runs the ops: eager (a kernel each) or compiled (torch.compile: the "
+                          "element-wise ops between matmuls fused, one kernel per chain)."),
         click.option("--attention-dropout", type=float, default=0.0, metavar="P",
                      help="Dropout on the attention probabilities (priced where they are materialised)."),
         click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
@@ -278,7 +282,7 @@ FLAGS = {
     "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",
     "axis_names": "--axis-names", "dtype": "--dtype", "loss": "--loss", "zero_threshold_bytes": "--zero-threshold",
-    "backend": "--backend",
+    "backend": "--backend", "runtime": "--runtime",
 }
 _OPTION = re.compile(r"`(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r")`")
 

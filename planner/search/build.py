@@ -62,7 +62,7 @@ def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: 
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
                      fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
-                     attention=req.attention, attention_dropout=req.attention_dropout)
+                     attention=req.attention, attention_dropout=req.attention_dropout, runtime=req.runtime)
 
 
 def profile_source(name_or_path: str) -> str:
@@ -113,7 +113,7 @@ def plan_settings(req: PlanRequest, graph: OpGraph, *, search: Search, dtype: st
                   loss: LossKind) -> PlanSettings:
     """What the search was asked and how it ran, as the strategy file records it."""
     return PlanSettings(mode=req.mode, search=search, dtype=dtype, memory_limit_bytes=limit, solver=req.solver,
-                        follow=req.follow, pins=dict(req.pins), batch=batch_of(graph), loss=loss)
+                        follow=req.follow, pins=dict(req.pins), batch=batch_of(graph), loss=loss, runtime=req.runtime)
 
 
 def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: PricedStep, *, data_parallel: int,

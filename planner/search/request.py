@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from core.errors import MeshplanError
 from core.layout import Layout, parse_layout
-from core.levers import Attention, Composer, LossKind, Mode, Recompute, Schedule, Search, lever
+from core.levers import Attention, Composer, LossKind, Mode, Recompute, Runtime, Schedule, Search, lever
 from core.mesh import DeviceMesh
 from costmodel.buckets import CommFusion
 from costmodel.compose import StepCost
@@ -61,6 +61,7 @@ class PlanRequest:
     parameter_broadcast: bool = False
     force_fp32_communication: bool = False
     attention: Attention = Attention.FLASH  # how the runtime runs attention
+    runtime: Runtime = Runtime.EAGER  # op by op, or compiled (torch.compile: element-wise chains fused)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (priced where materialised)
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
     pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
@@ -68,7 +69,7 @@ class PlanRequest:
     def __post_init__(self) -> None:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
         for name, kind in (("mode", Mode), ("search", Search), ("loss", LossKind), ("recompute", Recompute),
-                           ("composer", Composer), ("attention", Attention)):
+                           ("composer", Composer), ("attention", Attention), ("runtime", Runtime)):
             object.__setattr__(self, name, lever(kind, getattr(self, name), name))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", lever(Schedule, self.schedule, "schedule"))
