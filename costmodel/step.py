@@ -22,10 +22,9 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
   that bring the output where the loss needs it, the log-probabilities it saves;
 - memory per device: model states of every parameter at its spec, plus the activations saved for
   backward at their local size (a sum over the step, not a liveness peak).
-Graph inputs arrive in whatever spec their consumers require (the data loader splits the batch) and
-need no gradient; constants cost nothing. Every collective carries its phase, purpose and cadence
-(per micro-batch, or per step for a parameter's gradient reduction); how the items add up into a step
-(today the plain sum, `serial`) is the composer's (`compose.py`).
+Graph inputs arrive in the spec their consumers require (the loader splits the batch), need no gradient;
+constants cost nothing. Every collective carries its phase, purpose and cadence (per micro-batch, or
+per step for a parameter's gradient reduction); the composer adds the items into a step (`compose.py`).
 """
 
 from __future__ import annotations
@@ -124,7 +123,7 @@ class CostModel:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-        precision = autocast.for_graph(precision, graph)
+        precision = autocast.for_graph(precision, graph, "cuda" if "bf16" in profile.device.peak_flops_per_s else "cpu")
         # A compiled runtime's fused chains (`fusion.py`): what stays inside one is neither written nor
         # saved, and autocast's cast of an activation a chain produces is part of that chain's kernel.
         self.runtime = lever(Runtime, runtime, "runtime")
