@@ -75,6 +75,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy, graph=graph),
         "collectives_executed": r0["collectives_executed"],
+        "reduce_dtypes": r0.get("reduce_dtypes", []),
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
     result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)
@@ -84,6 +85,9 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     for key in ("max_abs_diff", "loss_abs_diff", "grad_max_abs_diff", "param_max_abs_diff", "final_param_max_abs_diff"):
         if key in r0:
             result[key] = max(r[key] for r in reports.values())
+    if "tolerance" in r0:  # bf16: every rank within it
+        result["tolerance"] = r0["tolerance"]
+        result["within_tolerance"] = all(r["within_tolerance"] for r in reports.values())
     if "speed_probe_s" in r0:  # RunOptions.probe
         result["speed_probe_s_by_rank"] = [reports[r]["speed_probe_s"] for r in sorted(reports)]
         result["measured_step_times_s_by_rank"] = [reports[r]["measured_step_times_s"] for r in sorted(reports)]

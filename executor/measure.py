@@ -17,7 +17,7 @@ run one after another, several when a pipeline schedule keeps several in flight.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -35,6 +35,11 @@ _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 
 
 class CollectiveCounter(TorchDispatchMode):
+    """The collectives torch runs, by kind; and the dtypes the reducing ones (all-reduce,
+    reduce-scatter) carried, over every counter of this process (`reduce_dtypes`)."""
+
+    reduce_dtypes: ClassVar[set[str]] = set()
+
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
@@ -46,6 +51,10 @@ class CollectiveCounter(TorchDispatchMode):
             kind = COLLECTIVE_KINDS.get(func._overloadpacket.__name__)
             if kind is not None:
                 self.counts[kind] += 1
+                if kind in ("all_reduce", "reduce_scatter"):
+                    first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+                    if first is not None:
+                        CollectiveCounter.reduce_dtypes.add(str(first.dtype).removeprefix("torch."))
         return func(*args, **(kwargs or {}))
 
 

@@ -36,7 +36,7 @@ from executor.interpreter import load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.preflight import RunOptions, check_step
 from executor.spmd import SpmdRunner
-from executor.step import Loss, batch_shards, diverge, make_batch, micro_batch
+from executor.step import Loss, batch_shards, diverge, make_batch, micro_batch, precision_context
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
 
@@ -134,7 +134,7 @@ class PipelinedStep:
         axes = tuple(strategy.mesh.axis_names)
         self.world = init_device_mesh(device.type, (p, *strategy.mesh.shape), mesh_dim_names=("pp", *axes))
         self.mesh: DeviceMesh = self.world[axes if len(axes) > 1 else axes[0]]
-        self.device = device
+        self.device, self.strategy_dtype = device, strategy.settings.dtype
         n = strategy.mesh.num_devices
         self.stage, self.place = stage, place = divmod(dist.get_rank(), n)
         self.module = module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
@@ -220,8 +220,8 @@ class PipelinedStep:
         with comm if comm is not None else nullcontext(), counting_sends() if count else nullcontext():
             CountedStage.spent = {"forward": 0.0, "backward": 0.0}
             t0 = time.perf_counter()
-            with hooks:
-                self.schedule.step(*self.inputs, target=self.target, losses=losses)
+            with hooks, precision_context(self.strategy_dtype, self.device):  # forward and backward: the
+                self.schedule.step(*self.inputs, target=self.target, losses=losses)  # schedule interleaves them
             t1 = time.perf_counter()
             fwd, bwd = CountedStage.spent["forward"], CountedStage.spent["backward"]
             runner.reduce_gradients()

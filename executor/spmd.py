@@ -26,6 +26,7 @@ from core.graph import OpNode
 from core.levers import Attention, Recompute
 from core.placement import Spec, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
+from costmodel.autocast import LOW_OPS as AUTOCAST_LOW
 from executor.dtensors import (
     contiguous_stride,
     full_grad,
@@ -212,7 +213,8 @@ class SpmdRunner:
                 assert want is not None
                 grad_info = self._grads[node_name][i]
                 assert grad_info is not None
-                return self._param(t, params[t], want, split, grad_info[0], wrapped)
+                return self._param(t, params[t], want, split, grad_info[0], wrapped,
+                                   low=g.node_by_name[node_name].op_type in AUTOCAST_LOW)
             if t not in spec:  # a constant, whole on every rank: its placement is a local slice
                 return self._constant(t, local.get(t), want)
             if want is None:  # read for its dtype or shape only
@@ -340,10 +342,12 @@ class SpmdRunner:
         return redistribute(y, want).to_local(grad_placements=want)
 
     def _param(self, name: str, p: torch.Tensor, want: list[Placement], split: set[int], grad: list[Placement],
-               wrapped: dict[str, DTensor]) -> torch.Tensor:
+               wrapped: dict[str, DTensor], *, low: bool = False) -> torch.Tensor:
         """A parameter's local value as a node needs it. Stored as required: the local shard itself,
         its gradient left partial on the split axes for the bucketed reduction (`reduce_gradients`).
-        Otherwise through DTensor, which runs the planned reshard and its backward."""
+        Otherwise through DTensor, which runs the planned reshard and its backward. A gathered one
+        that a matmul (`low`) reads under autocast is cast here, as autocast would cast it, so that
+        what backward saves is the cast copy the re-gather can make again."""
         stored = self.stored[name]
         reduced = self.reduced_axes[name]
         if want == stored:
@@ -357,7 +361,11 @@ class SpmdRunner:
                                                stride=contiguous_stride(shape), grad_placements=stored)
         local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
         if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
-            self.regather.gathered(name, want, local)
+            dtype = torch.get_autocast_dtype(local.device.type) \
+                if low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point() else None
+            if dtype is not None:
+                local = local.to(dtype)
+            self.regather.gathered(name, want, local, dtype)
         return local
 
     def reduce_gradients(self) -> int:

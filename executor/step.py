@@ -11,6 +11,7 @@ the planned reshard that reduces partial sums and, for cross-entropy, gathers a 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -87,6 +88,14 @@ class Loss:
         return self.local(y, self.labels)
 
 
+def precision_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """How the step runs the plan's precision: `amp` under torch.autocast(bfloat16) on the rank's device
+    (fp32 weights, gradients and optimizer states; CPU autocast on gloo ranks), the rest as fp32."""
+    if dtype == "amp":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def make_optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:
     if opts.optimizer == "sgd":
         return torch.optim.SGD(params, lr=opts.lr)
@@ -131,27 +140,31 @@ def batch_shards(strategy: Strategy) -> int:
 def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunOptions, batch: list[torch.Tensor],
                                loss_of: Loss, dist_loss: float, grads: dict[str, torch.Tensor],
                                after: dict[str, torch.Tensor], final: dict[str, torch.Tensor], *,
-                               steps: int | None = None, offset: int = 0, micro_batches: int = 1) -> dict[str, Any]:
+                               steps: int | None = None, offset: int = 0, micro_batches: int = 1,
+                               dtype: str = "fp32") -> dict[str, Any]:
     """The same training in one process: the first step's loss, gradients and updated parameters,
     and the parameters after all the run's `steps` (`final`; default 1 + warm-up + timed steps). The
     parameters compared are those of `grads` (a pipeline stage's own). `offset`: optimizer steps the
     run's parameters had before it (a loaded checkpoint's), which the one process trains first, from
     the start: the check of a checkpoint is this uninterrupted run. `micro_batches`: the step's batch
     as that many micro-batches, their gradients accumulated (a model traced at a static batch, which
-    takes one micro-batch at a time); 1: the whole batch at once (the model bound at the step's batch)."""
+    takes one micro-batch at a time); 1: the whole batch at once (the model bound at the step's batch).
+    `dtype`: the plan's precision, which the one process trains in too (`precision_context`)."""
     ref = load_module(model_path, dims, seed=opts.seed)
     optim = make_optimizer(ref.parameters(), opts)
 
     def step_loss() -> torch.Tensor:
         optim.zero_grad(set_to_none=True)
         if micro_batches == 1:
-            loss = loss_of(ref(*batch))
+            with precision_context(dtype, torch.device("cpu")):
+                loss = loss_of(ref(*batch))
             loss.backward()
             return loss.detach()
         total = torch.zeros(())
         for i in range(micro_batches):
             labels = None if loss_of.labels is None else micro_batch(loss_of.labels, i, micro_batches)
-            part = loss_of.local(ref(*[micro_batch(x, i, micro_batches) for x in batch]), labels)
+            with precision_context(dtype, torch.device("cpu")):
+                part = loss_of.local(ref(*[micro_batch(x, i, micro_batches) for x in batch]), labels)
             part.backward()
             total = total + part.detach()
         return total
@@ -169,6 +182,27 @@ def verify_against_one_process(model_path: str, dims: dict[str, int], opts: RunO
         step_loss()
         optim.step()
     final_diff = max(float((final[n] - p.detach()).abs().max()) for n, p in mine)
-    return {"single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
-            "param_max_abs_diff": param_diff, "final_param_max_abs_diff": final_diff,
-            "max_abs_diff": max(loss_diff, grad_diff, param_diff, final_diff)}
+    out: dict[str, Any] = {
+        "single_process_loss": float(loss), "loss_abs_diff": loss_diff, "grad_max_abs_diff": grad_diff,
+        "param_max_abs_diff": param_diff, "final_param_max_abs_diff": final_diff,
+        "max_abs_diff": max(loss_diff, grad_diff, param_diff, final_diff)}
+    n_steps = 1 + opts.warmup + opts.steps if steps is None else steps
+    tol = verify_tolerance(dtype, opts, float(loss), n_steps)
+    if tol is not None:
+        out["tolerance"] = tol
+        out["within_tolerance"] = loss_diff <= tol["loss"] and grad_diff <= tol["grads"] and \
+            param_diff <= tol["params_after_step"] and final_diff <= tol["params_after_run"]
+    return out
+
+
+def verify_tolerance(dtype: str, opts: RunOptions, loss: float, steps: int) -> dict[str, float] | None:
+    """What bf16 arithmetic leaves between a distributed run and one process in the same precision
+    (None: fp32, which agrees to rounding): the loss to 1e-3 of itself and the gradients to 1e-2, as
+    each rank's bf16 matmuls round partial sums the one process rounds whole; the parameters to 2·lr a
+    step, AdamW's update being about lr in size whatever the gradient's, so a gradient near zero whose
+    sign the rounding flips moves its parameter by up to 2·lr (SGD: lr times the gradients' tolerance)."""
+    if dtype != "amp":
+        return None
+    per_step = 2 * opts.lr if opts.optimizer == "adamw" else opts.lr * 1e-2
+    return {"loss": 1e-3 * max(abs(loss), 1.0), "grads": 1e-2, "params_after_step": per_step + 1e-6,
+            "params_after_run": per_step * steps + 1e-6}

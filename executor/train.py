@@ -40,6 +40,7 @@ from executor.step import (
     make_batch,
     make_optimizer,
     micro_batch,
+    precision_context,
     rank_device,
     state_bytes,
     verify_against_one_process,
@@ -87,6 +88,7 @@ class PlainStep:
 
     def __init__(self, strategy: Strategy, model_path: str, opts: RunOptions, device: torch.device) -> None:
         self.mesh = init_device_mesh(device.type, strategy.mesh.shape, mesh_dim_names=strategy.mesh.axis_names)
+        self.dtype, self.device = strategy.settings.dtype, device
         self.module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
         graph = self.module.graph
         with torch.no_grad():
@@ -119,6 +121,9 @@ class PlainStep:
     def after_load(self) -> None:
         pass
 
+    def precision(self) -> contextlib.AbstractContextManager[object]:
+        return precision_context(self.dtype, self.device)
+
     def step(self, *, measure: bool = False, count: bool = False) -> tuple[torch.Tensor, dict[str, int], list[float], int]:
         runner, meter = self.runner, self.meter
         runner.zero_grad()
@@ -133,7 +138,7 @@ class PlainStep:
             for i in range(self.k):
                 t0 = time.perf_counter()
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure \
-                        else contextlib.nullcontext():
+                        else contextlib.nullcontext(), self.precision():
                     y = runner.forward(self.local_batches[i])[0]  # the loss reads the first output
                     micro_loss = self.loss.local(runner.output_as(0, y, self.need), self.labels[i])
                 t1 = time.perf_counter()
@@ -229,6 +234,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         t2 = time.perf_counter()
         if comm is not None:
             report["collectives_executed"] = dict(Counter(executed) + comm.counts)
+            report["reduce_dtypes"] = sorted(CollectiveCounter.reduce_dtypes)
         if warm and i > 0:
             peak_saved = max(peak_saved, peak)
         elif not warm:
@@ -250,7 +256,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             k = 1
         report.update(verify_against_one_process(model_path, dims, opts, train.cpu_batch, train.loss,
                                                  float(first_loss), grads, after, final, steps=steps - before,
-                                                 offset=before, micro_batches=k))
+                                                 offset=before, micro_batches=k, dtype=strategy.settings.dtype))
     if opts.save:
         from executor import checkpoint
 

@@ -234,6 +234,11 @@ def render_run(result: dict[str, Any], strategy_path: str, nproc: int, steps: in
     t.add_column(style="bold")
     t.add_column()
     t.add_row("loss", f"{result['loss']:.6f}")
+    if "within_tolerance" in result:
+        t.add_row("bf16 tolerance", ("within" if result["within_tolerance"] else "OUTSIDE") +
+                  " (loss {loss:.1e}, grads {grads:.0e}, params {params_after_step:.0e} a step)".format(**result["tolerance"]))
+    if result.get("reduce_dtypes"):
+        t.add_row("reductions in", ", ".join(result["reduce_dtypes"]))
     if "max_abs_diff" in result:
         t.add_row("vs one process", f"max |diff| {result['max_abs_diff']:.2e} (loss {result['loss_abs_diff']:.1e}, "
                   f"grads {result['grad_max_abs_diff']:.1e}, params after step {result['param_max_abs_diff']:.1e}, "
