@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--profile", default="cpu", help="meshplan's hardware profile (h100-sxm, a100-80gb, …)")
     ap.add_argument("--layout", help="hold the plan to torchtitan degrees, e.g. dp_shard=2 (default: the ILP's)")
     ap.add_argument("--pin", action="append", default=[], help="TENSOR=PLACEMENTS, as for meshplan plan")
+    ap.add_argument("--dtype", help="the plan's precision: amp (autocast bf16), mixed (FSDP2's bf16 policy), fp32, …")
     ap.add_argument("--workdir", default="meshplan-train-hf")
     args = ap.parse_args()
 
@@ -69,6 +70,7 @@ def main() -> None:
         plan = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"batch={args.batch}",
                 "--dim", f"seq={args.seq}", "--profile", args.profile, "-o", str(strategy_path)]
         plan += ["--layout", args.layout] if args.layout else []
+        plan += ["--dtype", args.dtype] if args.dtype else []
         plan += [a for p in args.pin for a in ("--pin", p)]
         print(_meshplan(*plan), flush=True)
     dist.barrier()
@@ -87,7 +89,8 @@ def main() -> None:
             ids = ids.chunk(world)[rank]
         ids = ids.to("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
-        loss = model(input_ids=ids, labels=ids).loss
+        with report.autocast():  # the plan's precision: torch.autocast(bfloat16) for an amp plan
+            loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)

@@ -38,11 +38,13 @@ runs per micro-batch, which a test counts.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -80,10 +82,22 @@ class ApplyReport:
     planned_step_s: float = 0.0
     fallback_saves_s: float = 0.0  # the plan's time of the collectives a fallback does not run
     bindings: tuple[Binding, ...] = ()
+    precision: str = "fp32"  # the plan's (`amp`: run forward and loss under `autocast()`)
+    device: str = "cpu"  # the mesh's device type
+
+    def autocast(self) -> contextlib.AbstractContextManager[object]:
+        """The context the training loop runs forward and loss in: torch.autocast(bfloat16) for an amp
+        plan, on the module's device; nothing to do otherwise (mixed: fully_shard's policy casts)."""
+        if self.precision != "amp":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device, dtype=torch.bfloat16)
 
     def lines(self) -> list[str]:
         out = [f"data parallel: {self.data_parallel or 'none'} over {self.dp_axis}" if self.dp_axis
                else "data parallel: none"]
+        if self.precision != "fp32":
+            out.append(f"precision: {self.precision}" + (" (run forward and loss under report.autocast())"
+                                                         if self.precision == "amp" else ""))
         if self.tp_axis and self.styles:
             cols = sum(1 for s in self.styles.values() if s == "colwise")
             out.append(f"tensor parallel over {self.tp_axis}: {cols} column-wise, {len(self.styles) - cols} row-wise "
@@ -328,7 +342,8 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     names = s.mesh.axis_names
     report = ApplyReport(data_parallel="", dp_axis=names[dp_big[0]] if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
-                         planned_step_s=s.cost.step_time_s, bindings=bindings)
+                         planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
+                         device=mesh.device_type)
     _recompute(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
@@ -388,7 +403,13 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
             report.fallbacks.append(f"ZeRO-{zero} runs as fully_shard(reshard_after_forward=False): its collectives, "
                                     "with parameters sharded between steps (ZeRO-3's memory at rest)")
         again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
-        fully_shard(module, mesh=sub, reshard_after_forward=again)
+        if s.settings.dtype == "mixed":  # bf16 compute on the gathered weights, fp32 reductions and states
+            from torch.distributed.fsdp import MixedPrecisionPolicy
+
+            fully_shard(module, mesh=sub, reshard_after_forward=again,
+                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        else:
+            fully_shard(module, mesh=sub, reshard_after_forward=again)
         report.data_parallel = "fully_shard"
         report.expected.update({"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
     else:
