@@ -458,7 +458,8 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
 
 @profile.command("calibrate")
 @click.option("--nproc", type=int, default=2, show_default=True, help="Ranks to spawn for the collectives.")
-@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default="gloo", show_default=True)
+@click.option("--backend", type=click.Choice(["gloo", "nccl"]), default=None,
+              help="nccl where CUDA is present (one GPU per rank), else gloo.")
 @click.option("--quick", is_flag=True, help="Fewer sizes and repetitions (under 2 minutes at --nproc 2 on a CPU).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="calibrated.json", show_default=True,
               help="Profile JSON to write; a PNG plot and a report JSON are written next to it.")
@@ -470,7 +471,7 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
               help="Fit the profile from this measurement file (the format of measure_micro.py's micro.json: "
                    "GEMMs, element-wise ops, launch, AdamW) instead of measuring here.")
 @_one_line_errors
-def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base: str | None,
+def profile_calibrate(nproc: int, backend: str | None, quick: bool, out_path: str, base: str | None,
                       compute_only: bool, name: str | None, from_path: str | None) -> None:
     """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON; or, with
     --from, fit one from measurements taken elsewhere (a GPU's)."""
@@ -487,10 +488,13 @@ def profile_calibrate(nproc: int, backend: str, quick: bool, out_path: str, base
         console.print(f"wrote {out_path}")
         return
 
+    import torch
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from executor.calibrate import calibrate
     from hwprofiles.calibrate import CalibrationConfig
+
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     from hwprofiles.files import load_profile, save_profile
     from hwprofiles.report import dump_report, plot_report
     from planner.search.baselines import data_parallel_strategy

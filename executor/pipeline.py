@@ -15,7 +15,6 @@ their copies, each stage reduces its gradients over its own mesh (buckets, ZeRO)
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
@@ -36,7 +35,7 @@ from executor.interpreter import load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.preflight import RunOptions, check_step
 from executor.spmd import SpmdRunner
-from executor.step import Loss, batch_shards, diverge, make_batch, micro_batch, precision_context
+from executor.step import Loss, batch_shards, clock, diverge, make_batch, micro_batch, precision_context
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
 
@@ -84,17 +83,17 @@ class CountedStage(PipelineStage):
 
     def forward_one_chunk(self, fwd_chunk_id: int, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None,
                           save_forward_output: bool = True) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
-        CountedStage.spent["forward"] += time.perf_counter() - t0
+        CountedStage.spent["forward"] += clock() - t0
         return out
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                            last_backward: bool = False) -> Any:
-        t0 = time.perf_counter()
+        t0 = clock()
         out = super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
                                          last_backward=last_backward)
-        CountedStage.spent["backward"] += time.perf_counter() - t0
+        CountedStage.spent["backward"] += clock() - t0
         if self.after_backward is not None:
             self.after_backward()
         return out
@@ -219,10 +218,10 @@ class PipelinedStep:
         hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure else nullcontext()
         with comm if comm is not None else nullcontext(), counting_sends() if count else nullcontext():
             CountedStage.spent = {"forward": 0.0, "backward": 0.0}
-            t0 = time.perf_counter()
+            t0 = clock(self.device)
             with hooks, precision_context(self.strategy_dtype, self.device):  # forward and backward: the
                 self.schedule.step(*self.inputs, target=self.target, losses=losses)  # schedule interleaves them
-            t1 = time.perf_counter()
+            t1 = clock(self.device)
             fwd, bwd = CountedStage.spent["forward"], CountedStage.spent["backward"]
             runner.reduce_gradients()
             # A tied weight's copies: each one's gradient reduced over its own stage's mesh (whatever way
@@ -237,7 +236,7 @@ class PipelinedStep:
             executed["send"] = CountedStage.sends
         # The schedule's time beyond its chunks' compute: waiting for the other stages' sends (their
         # compute and the transfer), posting its own, the last stage's loss, ZeRO-2's reduce-scatters.
-        return loss, executed, [fwd, bwd, t1 - t0 - fwd - bwd, time.perf_counter() - t1], meter.peak
+        return loss, executed, [fwd, bwd, t1 - t0 - fwd - bwd, clock(self.device) - t1], meter.peak
 
     def whole_loss(self, addend: torch.Tensor) -> torch.Tensor:
         for a in self.split:

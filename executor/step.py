@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -94,6 +95,16 @@ def precision_context(dtype: str, device: torch.device) -> contextlib.AbstractCo
     if dtype == "amp":
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def clock(device: torch.device | None = None) -> float:
+    """Now, once the device has finished what was issued (a GPU runs behind its host; None: the
+    current CUDA device where CUDA is in use)."""
+    if device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def make_optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:

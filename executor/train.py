@@ -14,7 +14,6 @@ import contextlib
 import os
 import resource
 import statistics
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,11 +30,12 @@ from executor.dtensors import local_shard
 from executor.interpreter import OnnxModule, load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.pipeline import PipelinedStep
-from executor.preflight import RunOptions, check_step
+from executor.preflight import RunError, RunOptions, check_step
 from executor.spmd import SpmdRunner
 from executor.step import (
     Loss,
     batch_shards,
+    clock,
     diverge,
     make_batch,
     make_optimizer,
@@ -136,19 +136,19 @@ class PlainStep:
         runner.recompute_watch = meter.watch if measure else None
         with comm if comm is not None else contextlib.nullcontext():
             for i in range(self.k):
-                t0 = time.perf_counter()
+                t0 = clock(self.device)
                 with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure \
                         else contextlib.nullcontext(), self.precision():
                     y = runner.forward(self.local_batches[i])[0]  # the loss reads the first output
                     micro_loss = self.loss.local(runner.output_as(0, y, self.need), self.labels[i])
-                t1 = time.perf_counter()
+                t1 = clock(self.device)
                 micro_loss.backward()
                 runner.after_micro_batch()  # ZeRO-2 reduce-scatters here
-                fwd_s, bwd_s = fwd_s + t1 - t0, bwd_s + time.perf_counter() - t1
+                fwd_s, bwd_s = fwd_s + t1 - t0, bwd_s + clock(self.device) - t1
                 loss = loss + micro_loss.detach().cpu()
-            t2 = time.perf_counter()
+            t2 = clock(self.device)
             runner.reduce_gradients()
-        return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s, time.perf_counter() - t2], \
+        return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s, clock(self.device) - t2], \
             meter.peak
 
     def whole_loss(self, addend: torch.Tensor) -> torch.Tensor:
@@ -170,6 +170,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     device = rank_device(str(dist.get_backend()), os.environ)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        if strategy.settings.dtype in ("amp", "mixed", "bf16") and not torch.cuda.is_bf16_supported():
+            raise RunError(f"the plan trains in {strategy.settings.dtype} (bf16) and {torch.cuda.get_device_name(device)} "
+                           "cannot compute bf16; plan with `dtype` fp32")
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     train: TrainingStep = PlainStep(strategy, model_path, opts, device) if strategy.pipeline is None else \
         PipelinedStep(strategy, model_path, opts, device)
@@ -223,15 +226,15 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
             profiler.__enter__()
         dist.barrier()  # every step starts together; the barrier itself is not timed
-        t0 = time.perf_counter()
+        t0 = clock(device)
         # Memory is measured in the warm-up steps, time in the others; counting and measuring both
         # intercept ops in Python, so the counted step measures nothing.
         _, executed, spans, peak = train.step(measure=warm and i > 0, count=i == 0)
-        t1 = time.perf_counter()
+        t1 = clock(device)
         with CollectiveCounter() if i == 0 else contextlib.nullcontext() as comm:
             optim.step()
             runner.after_optimizer_step()
-        t2 = time.perf_counter()
+        t2 = clock(device)
         if comm is not None:
             report["collectives_executed"] = dict(Counter(executed) + comm.counts)
             report["reduce_dtypes"] = sorted(CollectiveCounter.reduce_dtypes)
@@ -273,12 +276,15 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     # Memory the cost model predicts, measured: model states and the activations autograd saved for
     # backward in one step (the largest step's).
     report["measured_memory_bytes"] = state_bytes(module, optim, runner) + peak_saved
+    if device.type == "cuda":  # what the allocator held at its peak over the steps (states, activations, transients)
+        report["measured_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
 
 
 def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str, opts: RunOptions, out: Any) -> None:
-    """Entry point of a spawned rank: one thread, gloo on loopback, report to the parent."""
+    """Entry point of a spawned rank: one thread, nccl on its own GPU where there are enough, else gloo
+    on loopback; report to the parent."""
     import warnings
 
     from planner.strategy import from_json
@@ -287,7 +293,12 @@ def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # One GPU per rank where CUDA is present (nccl; LOCAL_RANK for `rank_device`), else gloo on CPUs.
+        cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
+        if cuda:
+            os.environ["LOCAL_RANK"] = str(rank)
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world)
         report = run_rank(from_json(strategy_json), model_path, opts)
         out.put(("report", rank, report))
         dist.barrier()
