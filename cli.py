@@ -19,6 +19,7 @@ from core.layout import parse_layout
 from core.levers import (
     Attention,
     Composer,
+    Dtype,
     LeverError,
     LossKind,
     Mode,
@@ -138,7 +139,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
          recompute: str, recompute_layers: int | None, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
-         parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool,
+         parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool | None,
          attention: str, attention_dropout: float, runtime: str, layout: str | None, schedule: str | None,
          micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
@@ -167,14 +168,14 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                             f"({held[clash[0]]}); drop one")
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
                       mode=Mode(mode), search=Search(search), pins={**held, **user_pins}, memory_limit_gib=memory_limit,
-                      time_limit_s=time_limit, dtype=dtype, solver=solver, workers=workers, follow=not no_follow,
+                      time_limit_s=time_limit, dtype=None if dtype is None else Dtype(dtype), solver=solver, workers=workers, follow=not no_follow,
                       strict=strict,
                       all_to_all=not no_all_to_all, loss=LossKind(loss), global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=parse_zero(zero_stage), recompute=Recompute(recompute),
                       recompute_layers=recompute_layers, layout=parse_layout(layout, devices) if layout else None,
                       micro_batch_size=micro_batch_size, schedule=lever(Schedule, schedule, "schedule") if schedule else None,
-                      composer=Composer.OVERLAP if overlap else Composer.SERIAL,
+                      composer=None if overlap is None else Composer.OVERLAP if overlap else Composer.SERIAL,
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,

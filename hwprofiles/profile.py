@@ -239,6 +239,11 @@ class DeviceSpec:
     def graph_op_s(self) -> float:
         return self.kernel_launch_s if self.graph_op_overhead_s is None else self.graph_op_overhead_s
 
+    @property
+    def is_gpu(self) -> bool:
+        """A device with bf16 tensor cores (every GPU preset); a CPU profile lists fp32 only."""
+        return "bf16" in self.peak_flops_per_s
+
     def alignment_fraction(self, align_bytes: int) -> float:
         """The fraction of the aligned GEMM rate at a k or n aligned to `align_bytes` bytes."""
         table = self.matmul_alignment

@@ -76,7 +76,7 @@ def precision_for(dtype: str | None, profile: Any) -> Any:
     from costmodel.memory import PRECISIONS
 
     if dtype is None:
-        dtype = "bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32"
+        dtype = "bf16" if profile.device.is_gpu else "fp32"
     return PRECISIONS[dtype]
 
 
@@ -214,9 +214,10 @@ def plan_options(fn: F) -> F:
                      help="A pipelined plan's loss broadcast from the last stage to every stage after each step."),
         click.option("--force-fp32-communication", is_flag=True,
                      help="All-reduces and reduce-scatters in fp32 whatever the training dtype (priced so)."),
-        click.option("--overlap", is_flag=True,
-                     help="Predict a GPU runtime's overlap of gradient reductions and FSDP gathers with compute "
-                       "(default: serial, as the gloo executor runs)."),
+        click.option("--overlap/--serial", default=None,
+                     help="Price the step with gradient reductions and FSDP gathers overlapping compute, as NCCL "
+                          "streams run them, or as their plain sum, the upper bound (the default: the search "
+                          "minimises the sum, and the gloo executor runs it)."),
         click.option("--attention", type=click.Choice([a.value for a in Attention]), default="flash", show_default=True,
                      help="How the runtime runs attention: FlashAttention (scores on chip), torch's eager ops or "
                        "Megatron-LM's fused scale-mask-softmax (scores and probabilities through memory; priced per kernel)."),

@@ -10,7 +10,7 @@ from typing import Any
 from core.collectives import Phase
 from core.graph import OpGraph, TensorKind
 from core.layout import Layout
-from core.levers import LossKind, Recompute, Search
+from core.levers import Composer, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec, fully_sharded
 from costmodel.compose import StepCost
@@ -59,7 +59,8 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
 def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
                 steps: int, policy: Recompute, layers: Mapping[str, int] | None = None) -> CostModel:
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
-                     micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy, composer=req.composer,
+                     micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy,
+                     composer=req.composer or Composer.SERIAL,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
                      fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
                      attention=req.attention, attention_dropout=req.attention_dropout, runtime=req.runtime)

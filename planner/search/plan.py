@@ -24,7 +24,7 @@ from typing import TypeVar
 from core.errors import DimBindingError, MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
-from core.levers import Dtype, Mode, Recompute, Search, lever
+from core.levers import Mode, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec
 from costmodel.compose import StepCost
@@ -64,8 +64,9 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     at fewer micro-steps while that is faster; without --mesh, over mesh shapes."""
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
-    precision = PRECISIONS[lever(Dtype, req.dtype or ("bf16" if "bf16" in profile.device.peak_flops_per_s else "fp32"),
-                                 "dtype")]
+    req = req.for_profile(profile.device.is_gpu)
+    assert req.dtype is not None
+    precision = PRECISIONS[req.dtype]
     policies = req.recompute_candidates(profile.devices_per_node)
     traced, graphs = _traced(req)
     steps = [req.static_steps(batch_of(traced) or 1)] if traced is not None else req.step_candidates()

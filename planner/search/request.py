@@ -4,11 +4,22 @@ back per mesh (`Candidate`)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from core.errors import MeshplanError
 from core.layout import Layout, parse_layout
-from core.levers import Attention, Composer, LossKind, Mode, Recompute, Runtime, Schedule, Search, lever
+from core.levers import (
+    Attention,
+    Composer,
+    Dtype,
+    LossKind,
+    Mode,
+    Recompute,
+    Runtime,
+    Schedule,
+    Search,
+    lever,
+)
 from core.mesh import DeviceMesh
 from costmodel.buckets import CommFusion
 from costmodel.compose import StepCost
@@ -32,7 +43,7 @@ class PlanRequest:
     pins: Mapping[str, str] = field(default_factory=dict)
     memory_limit_gib: float | None = None  # default: 90% of the device's capacity
     time_limit_s: float = 60.0
-    dtype: str | None = None
+    dtype: Dtype | None = None  # None: the profile's default (`for_profile`)
     solver: str = "cbc"
     workers: int = 2  # the solver's threads (CP-SAT; CBC here runs one); the plan does not depend on them
     follow: bool = True
@@ -51,7 +62,8 @@ class PlanRequest:
     layout: Layout | None = None
     schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
-    composer: Composer = Composer.SERIAL  # how priced items add up (costmodel/compose.py)
+    # How priced items add up (costmodel/compose.py); None: the profile's default (`for_profile`).
+    composer: Composer | None = None
     # Communication fusion (MindSpore's comm_fusion, DDP's bucket_cap_mb): bucket caps per kind, or None:
     # auto (the fastest of FUSION_CANDIDATES per kind, priced on the plan found).
     fusion: CommFusion | None = field(default_factory=CommFusion)
@@ -69,8 +81,9 @@ class PlanRequest:
     def __post_init__(self) -> None:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
         for name, kind in (("mode", Mode), ("search", Search), ("loss", LossKind), ("recompute", Recompute),
-                           ("composer", Composer), ("attention", Attention), ("runtime", Runtime)):
-            object.__setattr__(self, name, lever(kind, getattr(self, name), name))
+                           ("composer", Composer), ("attention", Attention), ("runtime", Runtime), ("dtype", Dtype)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, lever(kind, getattr(self, name), name))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", lever(Schedule, self.schedule, "schedule"))
         if isinstance(self.layout, str):
@@ -141,6 +154,16 @@ class PlanRequest:
         elif k is not None and k > 1 and "batch" in self.dims:
             raise MeshplanError(f"`accumulation_steps` {k} splits a global batch: give `global_batch_size` "
                                 "(the batch per optimizer step) instead of `dims` batch")
+
+    def for_profile(self, gpu: bool) -> PlanRequest:
+        """The request with the levers left to the profile decided: bf16 on a GPU profile (Megatron's:
+        bf16 weights and activations, fp32 master weights in the optimizer), fp32 on a CPU one; the
+        step priced as the serial sum. (Torch's mixed precision as the GPU default, and the overlapped
+        step, wait for the executor to run FSDP2's policy and for the search to price the overlap it
+        would choose under: the ILP minimises the sum, so an overlapped price can rank a hand layout
+        above the plan.)"""
+        return replace(self, dtype=self.dtype or (Dtype.BF16 if gpu else Dtype.FP32),
+                       composer=self.composer or Composer.SERIAL)
 
     @property
     def decides(self) -> bool:
