@@ -128,7 +128,9 @@ def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: 
     dev["async_launch"] = True  # which the host issues ahead of the device
 
     peak = float(dev["peak_flops_per_s"][TRAINING_DTYPE]["value"])
-    gemm = _fit_gemm(data["matmul"], launch, peak)
+    others = {d: float(v["value"]) for d, v in dev["peak_flops_per_s"].items()
+              if d != TRAINING_DTYPE and any(r["dtype"] == d for r in data["matmul"])}
+    gemm = _fit_gemm(data["matmul"], launch, peak, others)
     lines += gemm.lines
     if gemm.accepted:
         dev["matmul_efficiency"] = {"max_fraction": q(gemm.fraction, "1", "GEMM curve fit: achieved peak / datasheet"),
@@ -190,7 +192,8 @@ def align_bytes(dim: int, element_bytes: int) -> int:
     return min(16, b & -b)
 
 
-def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float) -> _GemmFit:
+def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float,
+              other_peaks: Mapping[str, float]) -> _GemmFit:
     eb = ELEMENT_BYTES[TRAINING_DTYPE]
     mine = [r for r in rows if r["dtype"] == TRAINING_DTYPE]
     aligned = [r for r in mine if min(align_bytes(r["k"], eb), align_bytes(r["n"], eb)) == 16]
@@ -233,11 +236,18 @@ def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float) -> 
             lines.append(FitLine("GEMM alignment (k or n not a multiple of 16 bytes)",
                                  ", ".join(f"{b}-byte aligned at {f:.2f}" for b, f in sorted(alignment.items())),
                                  len(errs), float(np.median(errs)), float(np.max(errs)), True))
-    other = [r for r in rows if r["dtype"] != TRAINING_DTYPE]
-    if other and ok:
-        lines.append(FitLine(f"GEMMs in {', '.join(sorted({r['dtype'] for r in other}))}",
-                             "not fitted: priced on the same curve at their dtype's datasheet peak",
-                             len(other), float("nan"), float("nan"), True))
+    for dtype, dtype_peak in sorted(other_peaks.items()):
+        other = [r for r in rows if r["dtype"] == dtype and
+                 min(align_bytes(r["k"], ELEMENT_BYTES.get(dtype, 4)), align_bytes(r["n"], ELEMENT_BYTES.get(dtype, 4))) == 16]
+        if other and ok:  # the same curve, scaled to the dtype's datasheet peak: how far off it is
+            f = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in other])
+            d = np.array([float(min(r["m"], r["n"], r["k"])) for r in other])
+            t = np.array([float(r["s"]) for r in other])
+            model = launch + (curve(x, f, d) - launch) * peak / dtype_peak
+            e = np.abs(model / t - 1)
+            lines.append(FitLine(f"GEMMs in {dtype} (aligned)", f"not fitted: the {TRAINING_DTYPE} curve at {dtype}'s "
+                                 f"datasheet peak ({dtype_peak / 1e12:.1f} TFLOP/s)", len(other),
+                                 float(np.median(e)), float(np.max(e)), True))
     return _GemmFit(ok, fraction, half, dhalf, alignment, lines)
 
 
