@@ -296,13 +296,18 @@ def _bucket_doc(b: PricedBucket, mesh: DeviceMesh) -> dict[str, Any]:
 
 
 def _bucket(b: Mapping[str, Any], mesh: DeviceMesh) -> PricedBucket:
-    axes = [a for a in b["axes"] if a not in mesh.axis_names]
-    if axes:
-        raise StrategyError(f"a gradient bucket spans mesh axis {axes[0]!r}, which the strategy's mesh "
-                            f"{list(mesh.axis_names)} lacks; plan again")
-    return PricedBucket(kind=Collective(b["kind"]), axes=tuple(mesh.axis_names.index(a) for a in b["axes"]),
+    return PricedBucket(kind=Collective(b["kind"]), axes=_axes(b["axes"], mesh, "a gradient bucket"),
                         size_bytes=float(b["bytes"]), time_s=float(b["time_s"]), cadence=Cadence(b["cadence"]),
                         tensors=tuple(b["tensors"]), stage=b["stage"])
+
+
+def _axes(names: list[str], mesh: DeviceMesh, what: str) -> tuple[int, ...]:
+    """Mesh axes by name, as the file records them, by index; one the mesh lacks is an error."""
+    missing = [a for a in names if a not in mesh.axis_names]
+    if missing:
+        raise StrategyError(f"{what} spans mesh axis {missing[0]!r}, which the strategy's mesh "
+                            f"{list(mesh.axis_names)} lacks; plan again")
+    return tuple(mesh.axis_names.index(a) for a in names)
 
 
 def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
@@ -417,11 +422,7 @@ def from_dict(data: Mapping[str, Any], origin: str = "strategy") -> Strategy:
 
 
 def _collective(c: Mapping[str, Any], mesh: DeviceMesh) -> PricedCollective:
-    axes = [a for a in c["axes"] if a not in mesh.axis_names]
-    if axes:
-        raise StrategyError(f"a collective spans mesh axis {axes[0]!r}, which the strategy's mesh "
-                            f"{list(mesh.axis_names)} lacks; plan again")
-    return PricedCollective(kind=Collective(c["kind"]), axes=tuple(mesh.axis_names.index(a) for a in c["axes"]),
+    return PricedCollective(kind=Collective(c["kind"]), axes=_axes(c["axes"], mesh, "a collective"),
                             size_bytes=float(c["bytes"]), time_s=float(c["time_s"]), phase=Phase(c["phase"]),
                             purpose=Purpose(c["purpose"]), tensor=c["tensor"], cadence=Cadence(c["cadence"]))
 
