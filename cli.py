@@ -6,11 +6,9 @@ can cause (`MeshplanError`) print as one line on stderr and exit 2; nothing here
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 
@@ -20,7 +18,6 @@ from core.levers import (
     Attention,
     Composer,
     Dtype,
-    LeverError,
     LossKind,
     Mode,
     Recompute,
@@ -30,10 +27,10 @@ from core.levers import (
     lever,
 )
 from meshplan.cli.options import (
-    FLAGS,
     build_mesh,
     dim_option,
     mesh_options,
+    one_line_errors,
     parse_export_dims,
     parse_fusion,
     parse_mesh_shape,
@@ -63,27 +60,6 @@ from meshplan.cli.render import (
     render_summary,
 )
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-def _worded(e: MeshplanError) -> str:
-    """The core names a lever by its API name; the CLI by its flag."""
-    if isinstance(e, LeverError):
-        return f"{FLAGS.get(e.lever, '--' + e.lever.replace('_', '-'))} {e.value}: choose one of {', '.join(e.choices)}"
-    return worded(str(e))
-
-
-def _one_line_errors(fn: F) -> F:
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except MeshplanError as e:
-            err_console.print(f"meshplan: error: {_worded(e)}", markup=False, highlight=False, soft_wrap=True)
-            sys.exit(2)
-
-    return wrapper  # type: ignore[return-value]
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="meshplan")
@@ -95,7 +71,7 @@ def main() -> None:
 @click.argument("model", type=click.Path(dir_okay=True, path_type=str))
 @dim_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-@_one_line_errors
+@one_line_errors
 def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
     """Import MODEL (.onnx) and report ops, parameters, forward FLOPs, inputs/outputs and repeated layers."""
     from costmodel.summary import graph_summary
@@ -117,7 +93,7 @@ def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
               help="An input dim: NAME stays symbolic (bound by --dim NAME=N at plan time), NAME=N is static. "
                    "Token models take batch and seq (both symbolic by default).")
 @click.option("-o", "--out", "out_path", required=True, help="The .onnx file to write (shape-only).")
-@_one_line_errors
+@one_line_errors
 def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> None:
     """Write a shape-only ONNX of a transformers model: every parameter declared, no weights."""
     from planner.export import export_hf_config
@@ -133,7 +109,7 @@ def export_cmd(hf_config: str, dims: dict[str, int | None], out_path: str) -> No
 @dim_option
 @mesh_options
 @plan_options
-@_one_line_errors
+@one_line_errors
 def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None, profile_name: str,
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
@@ -209,7 +185,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
 @click.option("--json", "as_json", is_flag=True)
 @click.option("--report", default=None, metavar="PATH.html", help="Write an HTML report with plots.")
 @click.option("--timeline", default=None, metavar="PATH.png", help="Draw a pipelined plan's schedule.")
-@_one_line_errors
+@one_line_errors
 def explain(strategy_path: str, top: int, as_json: bool, report: str | None, timeline: str | None) -> None:
     """Explain a strategy: costly ops, collectives, memory, and the same model under the baselines."""
     from planner.explain import explain_strategy, write_html_report
@@ -233,7 +209,7 @@ def explain(strategy_path: str, top: int, as_json: bool, report: str | None, tim
 @click.argument("a")
 @click.argument("b")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def diff(a: str, b: str, as_json: bool) -> None:
     """What changed between two strategies: placements, node strategies, collectives, predicted cost."""
     from planner.explain import diff as strategy_diff
@@ -253,7 +229,7 @@ def diff(a: str, b: str, as_json: bool) -> None:
 @mesh_options
 @click.option("--no-all-to-all", is_flag=True, help="Replace all_to_all by all_gather + slice (MindSpore's enable_alltoall=False).")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis_names: str | None,
             profile_name: str, dtype: str | None, no_all_to_all: bool, as_json: bool) -> None:
     """The collectives that move a tensor from one sharding to another, with bytes and time."""
@@ -294,7 +270,7 @@ def reshard(shape: str, src: str, dst: str, devices: int, mesh: str | None, axis
 @click.option("--top", type=int, default=10, show_default=True, help="Strategies shown per node, cheapest first.")
 @click.option("--strict", is_flag=True, help="Fail if an op type has no sharding rule.")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_names: str | None,
                profile_name: str, dtype: str | None, op_types: tuple[str, ...], node_names: tuple[str, ...], top: int,
                strict: bool, as_json: bool) -> None:
@@ -342,7 +318,7 @@ def strategies(model: str, dims: dict[str, int], devices: int, mesh: str | None,
 @click.option("--summary", "summary_path", default=None, metavar="PATH.md", help="Markdown report (e.g. $GITHUB_STEP_SUMMARY).")
 @click.option("--junit", "junit_path", default=None, metavar="PATH.xml", help="JUnit XML report.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@_one_line_errors
+@one_line_errors
 def check(config_path: str, baseline: str | None, run_cases: bool, update: bool, summary_path: str | None,
           junit_path: str | None, as_json: bool) -> None:
     """Gate CI on regressions: plan every case again (and run it, with --run) and compare with the
@@ -388,7 +364,7 @@ def check(config_path: str, baseline: str | None, run_cases: bool, update: bool,
 @click.option("--load", "load_dir", default=None, metavar="DIR",
               help="Start from a checkpoint, saved under this plan or another (resharded as it loads).")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def run_cmd(strategy_path: str, model_path: str, nproc: int, steps: int, warmup: int, verify: bool, loss: str,
             optimizer: str, timeout_s: float, save_dir: str | None, load_dir: str | None, as_json: bool) -> None:
     """Train with a strategy on N spawned ranks (DTensor, gloo on CPU); verify against one process."""
@@ -414,7 +390,7 @@ def checkpoint_group() -> None:
 @checkpoint_group.command("inspect")
 @click.argument("path", metavar="DIR")
 @click.option("--json", "as_json", is_flag=True)
-@_one_line_errors
+@one_line_errors
 def checkpoint_inspect(path: str, as_json: bool) -> None:
     """What DIR holds, and under which plan it was saved."""
     from executor.checkpoint import inspect as inspect_checkpoint
@@ -432,7 +408,7 @@ def profile() -> None:
 
 
 @profile.command("list")
-@_one_line_errors
+@one_line_errors
 def profile_list() -> None:
     """List the preset profiles shipped with meshplan."""
     from hwprofiles.files import list_presets, load_profile
@@ -443,7 +419,7 @@ def profile_list() -> None:
 @profile.command("show")
 @click.argument("name_or_path")
 @click.option("--json", "as_json", is_flag=True, help="Print the profile JSON.")
-@_one_line_errors
+@one_line_errors
 def profile_show(name_or_path: str, as_json: bool) -> None:
     """Show a profile (a preset name or a JSON path): every value with its unit and source."""
     from hwprofiles.files import load_profile
@@ -471,21 +447,16 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
 @click.option("--from", "from_path", type=click.Path(dir_okay=False), default=None,
               help="Fit the profile from this measurement file (the format of measure_micro.py's micro.json: "
                    "GEMMs, element-wise ops, launch, AdamW) instead of measuring here.")
-@_one_line_errors
+@one_line_errors
 def profile_calibrate(nproc: int, backend: str | None, quick: bool, out_path: str, base: str | None,
                       compute_only: bool, name: str | None, from_path: str | None) -> None:
-    """Measure this machine (matmul sweep, memory copy, collectives) and fit a profile JSON; or, with
-    --from, fit one from measurements taken elsewhere (a GPU's)."""
+    """Measure this machine (matmul sweep, memory copy, collectives), or read --from, and fit a profile."""
     from pathlib import Path
 
     if from_path is not None:
-        from hwprofiles.files import save_profile
-        from hwprofiles.measured import fit_measurements, load_measurements
-        from hwprofiles.profile import profile_from_json
+        from hwprofiles.measured import calibrate_from
 
-        fitted, lines = fit_measurements(load_measurements(from_path), base=base, name=name, origin=from_path)
-        save_profile(profile_from_json(fitted, origin_hint=from_path), out_path)
-        render_fits(lines, from_path)
+        render_fits(calibrate_from(from_path, out_path, base=base, name=name), from_path)
         console.print(f"wrote {out_path}")
         return
 

@@ -345,9 +345,8 @@ class SpmdRunner:
                wrapped: dict[str, DTensor], *, low: bool = False) -> torch.Tensor:
         """A parameter's local value as a node needs it. Stored as required: the local shard itself,
         its gradient left partial on the split axes for the bucketed reduction (`reduce_gradients`).
-        Otherwise through DTensor, which runs the planned reshard and its backward. A gathered one
-        that a matmul (`low`) reads under autocast is cast here, as autocast would cast it, so that
-        what backward saves is the cast copy the re-gather can make again."""
+        Otherwise through DTensor (the planned reshard and its backward); a gathered one a matmul
+        (`low`) reads under autocast cast here, so backward saves a copy the re-gather can remake."""
         stored = self.stored[name]
         reduced = self.reduced_axes[name]
         if want == stored:
@@ -361,10 +360,9 @@ class SpmdRunner:
                                                stride=contiguous_stride(shape), grad_placements=stored)
         local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
         if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
-            dtype = torch.get_autocast_dtype(local.device.type) \
-                if low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point() else None
-            if dtype is not None:
-                local = local.to(dtype)
+            autocast = low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point()
+            dtype = torch.get_autocast_dtype(local.device.type) if autocast else None
+            local = local.to(dtype) if dtype is not None else local
             self.regather.gathered(name, want, local, dtype)
         return local
 

@@ -102,6 +102,18 @@ def load_measurements(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def calibrate_from(path: str | Path, out: str | Path, *, base: str | None = None,
+                   name: str | None = None) -> list[FitLine]:
+    """`calibrate --from`: the profile fitted from the measurement file at `path`, written to `out`
+    (checked as any profile is read); its fits' lines."""
+    from hwprofiles.files import save_profile
+    from hwprofiles.profile import profile_from_json
+
+    fitted, lines = fit_measurements(load_measurements(path), base=base, name=name, origin=str(path))
+    save_profile(profile_from_json(fitted, origin_hint=str(path)), out)
+    return lines
+
+
 def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: str | None = None,
                      origin: str = "measurements") -> tuple[dict[str, Any], list[FitLine]]:
     """A profile (JSON, the base's with every accepted fit replacing its value) and the fits' lines."""

@@ -20,18 +20,19 @@ from types import MappingProxyType
 from typing import Any
 
 import jsonschema
-import numpy as np
 
 from core.collectives import Collective, LinkLevel
 from core.errors import ProfileError
+from hwprofiles.curves import (
+    ATTENTION_FIELDS,
+    AttentionCurve,
+    ChannelCurve,
+    EfficiencyCurve,
+    OptimizerStep,
+    check_positive,
+)
 
 SCHEMA_VERSION = 1
-
-
-def _positive(obj: object, field_name: str, *, allow_zero: bool = False) -> None:
-    v = getattr(obj, field_name)
-    if not isinstance(v, int | float) or isinstance(v, bool) or not np.isfinite(v) or v < 0 or (v == 0 and not allow_zero):
-        raise ValueError(f"{field_name}: must be a {'non-negative' if allow_zero else 'positive'} number, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -50,89 +51,8 @@ class CollectiveModel:
     table: tuple[TablePoint, ...] = ()
 
     def __post_init__(self) -> None:
-        _positive(self, "alpha_s", allow_zero=True)
-        _positive(self, "bus_bandwidth_bytes_per_s")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EfficiencyCurve:
-    """Achieved fraction of peak for a matmul of F FLOPs: max_fraction · F / (F + half_flops).
-
-    Small matmuls are latency- and occupancy-bound; the curve saturates at the best achieved fraction.
-    """
-
-    max_fraction: float
-    half_flops: float
-
-    def __post_init__(self) -> None:
-        _positive(self, "max_fraction")
-        _positive(self, "half_flops", allow_zero=True)
-        if self.max_fraction > 1.0:
-            raise ValueError(f"max_fraction: a fraction of peak must be at most 1, got {self.max_fraction}")
-
-    def fraction(self, flops: float) -> float:
-        return self.max_fraction * flops / (flops + self.half_flops) if flops > 0 else 0.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class ChannelCurve:
-    """Achieved fraction of peak for a convolution by the narrowest dim d of its implicit GEMM (output
-    channels, or input channels × kernel size, per group): max_fraction · d/(d + half_channels).
-    Few channels leave the vector units half idle whatever the FLOPs (on an Intel core a 3×3 conv
-    with 32 channels ran at half the rate of a matmul of the same FLOPs). The fitted asymptote may lie
-    above the matmul peak (max_fraction > 1: on an AMD EPYC core oneDNN's convolutions at 64–128
-    channels outrun torch.matmul), and a convolution is priced at it."""
-
-    max_fraction: float
-    half_channels: float
-
-    def __post_init__(self) -> None:
-        _positive(self, "max_fraction")
-        _positive(self, "half_channels", allow_zero=True)
-
-    def fraction(self, channels: float) -> float:
-        return self.max_fraction * channels / (channels + self.half_channels) if channels > 0 else 0.0
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class AttentionCurve:
-    """A fused attention kernel's rate (FlashAttention), forward or backward, by its forward FLOPs F
-    (4·b·h·s_q·s_k·d, halved when causal): flops_per_s · s/(s + half_seq) · d/(d + half_head_dim),
-    times causal_fraction for a causal (masked) one — short sequences and narrow heads leave the
-    kernel's tiles idle, and a causal one skips only whole blocks."""
-
-    flops_per_s: float
-    half_seq: float
-    half_head_dim: float
-    causal_fraction: float
-
-    def __post_init__(self) -> None:
-        for name in ("flops_per_s", "causal_fraction"):
-            _positive(self, name)
-        for name in ("half_seq", "half_head_dim"):
-            _positive(self, name, allow_zero=True)
-
-    def time_s(self, flops: float, seq: float, head_dim: float, causal: bool) -> float:
-        rate = self.flops_per_s * seq / (seq + self.half_seq) * head_dim / (head_dim + self.half_head_dim)
-        return flops / (rate * (self.causal_fraction if causal else 1.0)) if flops > 0 else 0.0
-
-
-_ATTENTION_FIELDS = {"flops_per_s": "FLOP/s", "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1"}
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class OptimizerStep:
-    """The optimizer step as an executor runs it, measured: a fixed cost per step, one per parameter
-    tensor (its kernels' launches and the optimizer's own work on it) and one per parameter (the
-    kernels' memory traffic: torch's one-tensor-at-a-time AdamW moves each value about 20 times)."""
-
-    fixed_s: float
-    tensor_s: float
-    param_s: float
-
-    def __post_init__(self) -> None:
-        for name in ("fixed_s", "tensor_s", "param_s"):
-            _positive(self, name, allow_zero=True)
+        check_positive(self, "alpha_s", allow_zero=True)
+        check_positive(self, "bus_bandwidth_bytes_per_s")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -204,21 +124,21 @@ class DeviceSpec:
         for dtype, v in self.peak_flops_per_s.items():
             if not v > 0:
                 raise ValueError(f"peak_flops_per_s.{dtype}: must be a positive number, got {v!r}")
-        _positive(self, "mem_bandwidth_bytes_per_s")
-        _positive(self, "mem_capacity_bytes")
-        _positive(self, "kernel_launch_s", allow_zero=True)
+        check_positive(self, "mem_bandwidth_bytes_per_s")
+        check_positive(self, "mem_capacity_bytes")
+        check_positive(self, "kernel_launch_s", allow_zero=True)
         if self.elementwise_bandwidth_bytes_per_s is not None:
-            _positive(self, "elementwise_bandwidth_bytes_per_s")
+            check_positive(self, "elementwise_bandwidth_bytes_per_s")
         if self.graph_op_overhead_s is not None:
-            _positive(self, "graph_op_overhead_s", allow_zero=True)
+            check_positive(self, "graph_op_overhead_s", allow_zero=True)
         if self.reshard_overhead_s is not None:
-            _positive(self, "reshard_overhead_s", allow_zero=True)
+            check_positive(self, "reshard_overhead_s", allow_zero=True)
         if self.step_overhead_s is not None:
-            _positive(self, "step_overhead_s", allow_zero=True)
+            check_positive(self, "step_overhead_s", allow_zero=True)
         if self.rank_skew is not None:
-            _positive(self, "rank_skew", allow_zero=True)
+            check_positive(self, "rank_skew", allow_zero=True)
         if self.collective_wait_s is not None:
-            _positive(self, "collective_wait_s", allow_zero=True)
+            check_positive(self, "collective_wait_s", allow_zero=True)
 
     @property
     def elementwise_bytes_per_s(self) -> float:
@@ -261,8 +181,8 @@ class LinkSpec:
     rails: int = 1
 
     def __post_init__(self) -> None:
-        _positive(self, "bandwidth_bytes_per_s")
-        _positive(self, "latency_s", allow_zero=True)
+        check_positive(self, "bandwidth_bytes_per_s")
+        check_positive(self, "latency_s", allow_zero=True)
         if self.rails < 1:
             raise ValueError(f"rails: must be at least 1, got {self.rails}")
 
@@ -341,7 +261,7 @@ class _Reader:
 def _attention(r: _Reader, dev: Mapping[str, Any], key: str) -> AttentionCurve | None:
     if key not in dev:
         return None
-    return AttentionCurve(**{k: r.q(dev[key], k, f"device.{key}.{k}") for k in _ATTENTION_FIELDS})
+    return AttentionCurve(**{k: r.q(dev[key], k, f"device.{key}.{k}") for k in ATTENTION_FIELDS})
 
 
 def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") -> HardwareProfile:
@@ -505,7 +425,7 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                                    for k in ("fixed_s", "tensor_s", "param_s")}}
                if d.optimizer_step is not None else {}),
             **({"async_launch": True} if d.async_launch else {}),
-            **{key: {k: q(getattr(c, k), unit, f"device.{key}.{k}") for k, unit in _ATTENTION_FIELDS.items()}
+            **{key: {k: q(getattr(c, k), unit, f"device.{key}.{k}") for k, unit in ATTENTION_FIELDS.items()}
                for key, c in (("attention_forward", d.attention_forward), ("attention_backward", d.attention_backward))
                if c is not None},
             **({"matmul_alignment": {str(k): q(v, "1", f"device.matmul_alignment.{k}")

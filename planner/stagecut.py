@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
-from planner.strategy import Pipeline
+from planner.strategy_pipeline import Pipeline
 
 if TYPE_CHECKING:
     pass

@@ -25,11 +25,12 @@ import jsonschema
 from core.collectives import Cadence, Collective, Phase, PricedBucket, PricedCollective, Purpose
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
-from core.levers import Attention, LossKind, Mode, Recompute, Runtime, Schedule, Search
+from core.levers import Attention, LossKind, Mode, Recompute, Runtime, Search
 from core.mesh import DeviceMesh
 from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
 from planner.strategy_migrate import MIGRATIONS
+from planner.strategy_pipeline import Pipeline, pipeline_doc, pipeline_of
 
 SCHEMA_VERSION = 2
 
@@ -118,38 +119,6 @@ class TrainingSettings:
             raise StrategyError(f"recomputation differs between layer groups ({dict(self.recompute)}); this meshplan "
                                 "plans one policy for all")
         return policies.pop() if policies else Recompute.NONE
-
-
-@dataclass(frozen=True, kw_only=True)
-class PipelineStage:
-    """One pipeline stage: the devices of its sub-mesh (laid out as the strategy's mesh, which is one
-    stage's), the compute nodes it runs (per model chunk: the first and last in topological order), and
-    what the planner predicts for it."""
-    first_node: str  # its first chunk's first node
-    last_node: str  # its last chunk's last node
-    devices: tuple[int, ...]
-    chunks: tuple[tuple[str, str], ...] = ()  # (first node, last node) per model chunk (several: interleaved)
-    layers: int = 0  # repeated layers it holds
-    time_s: float = 0.0  # per micro-batch: forward + backward of its nodes, their per-micro-batch collectives
-    send_s: float = 0.0  # per micro-batch: its sends to the next stage and their gradients back
-    step_s: float = 0.0  # per step: its gradient reductions and optimizer
-    memory_bytes: float = 0.0  # per device: its parameters' states and the activations it holds at its peak
-    in_flight: float = 0.0  # micro-batches of activations it holds at its peak
-
-
-@dataclass(frozen=True, kw_only=True)
-class Pipeline:
-    """Pipeline parallelism: stages over sub-meshes, the schedule, model chunks per device."""
-    stages: tuple[PipelineStage, ...]
-    schedule: Schedule = Schedule.ONE_F_ONE_B
-    virtual_stages: int = 1
-    bubble_fraction: float = 0.0  # idle over ideal compute: (p − 1)/(v·m)
-    p2p_bytes: float = 0.0  # sent between consecutive stages per micro-batch (forward and backward)
-    result_broadcast: bool = False  # MindSpore's pipeline_result_broadcast: the last stage's loss sent to all, each step
-
-    @property
-    def devices(self) -> int:
-        return sum(len(st.devices) for st in self.stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -310,31 +279,6 @@ def _axes(names: list[str], mesh: DeviceMesh, what: str) -> tuple[int, ...]:
     return tuple(mesh.axis_names.index(a) for a in names)
 
 
-def _pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
-    if p is None:
-        return {"stages": []}
-    return {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices),
-                        "chunks": [list(c) for c in st.chunks], "layers": st.layers, "time_s": st.time_s,
-                        "send_s": st.send_s, "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
-                       for st in p.stages],
-            "schedule": p.schedule, "virtual_stages": p.virtual_stages, "bubble_fraction": p.bubble_fraction,
-            "p2p_bytes": p.p2p_bytes, "result_broadcast": p.result_broadcast}
-
-
-def _pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
-    if not d["stages"]:
-        return None
-    stages = tuple(PipelineStage(first_node=st["first_node"], last_node=st["last_node"], devices=tuple(st["devices"]),
-                                 chunks=tuple((a, b) for a, b in st.get("chunks", ())), layers=st.get("layers", 0),
-                                 time_s=st.get("time_s", 0.0), send_s=st.get("send_s", 0.0),
-                                 step_s=st.get("step_s", 0.0),
-                                 memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
-                   for st in d["stages"])
-    return Pipeline(stages=stages, schedule=Schedule(d.get("schedule", "1f1b")), virtual_stages=d.get("virtual_stages", 1),
-                    bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0),
-                    result_broadcast=d.get("result_broadcast", False))
-
-
 def _document(s: Strategy) -> dict[str, Any]:
     m = s.model
     return {
@@ -360,7 +304,7 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "zero_shard_size": s.training.zero_shard_size,
                      "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
-        "pipeline": _pipeline_doc(s.pipeline),
+        "pipeline": pipeline_doc(s.pipeline),
         "tensors": {t: {"kind": p.kind.value, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
                         "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
         "nodes": {n: {"op_type": p.op_type, "module": p.module, "strategy": p.strategy,
@@ -458,7 +402,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   zero_shard_size=tr.get("zero_shard_size"),
                                   attention=Attention(tr.get("attention", "flash")),
                                   attention_dropout=tr.get("attention_dropout", 0.0)),
-        pipeline=_pipeline_of(d["pipeline"]),
+        pipeline=pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))
                  for name, t in d["tensors"].items()},

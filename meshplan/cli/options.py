@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from core.errors import MeshplanError
-from core.levers import Attention, LossKind, Mode, Runtime, Search
+from core.levers import Attention, LeverError, LossKind, Mode, Runtime, Search
 
 if TYPE_CHECKING:
     from costmodel.buckets import CommFusion
@@ -291,3 +293,23 @@ _OPTION = re.compile(r"`(" + "|".join(sorted(FLAGS, key=len, reverse=True)) + r"
 def worded(message: str) -> str:
     """A core message as the CLI says it: each option it names (`name`) as its flag."""
     return _OPTION.sub(lambda m: FLAGS[m.group(1)], message)
+
+
+def worded_error(e: MeshplanError) -> str:
+    """The core names a lever by its API name; the CLI by its flag."""
+    if isinstance(e, LeverError):
+        return f"{FLAGS.get(e.lever, '--' + e.lever.replace('_', '-'))} {e.value}: choose one of {', '.join(e.choices)}"
+    return worded(str(e))
+
+
+def one_line_errors(fn: F) -> F:
+    """A command whose MeshplanError prints one line, worded with the CLI's flags, and exits 2."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MeshplanError as e:
+            click.echo(f"meshplan: error: {worded_error(e)}", err=True)
+            sys.exit(2)
+
+    return wrapper  # type: ignore[return-value]

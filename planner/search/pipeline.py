@@ -44,14 +44,8 @@ from planner.search import build
 from planner.search.propagate import resolve_pins
 from planner.search.request import Candidate, PlanRequest
 from planner.stagecut import Cut, crossings, cut, param_stages
-from planner.strategy import (
-    CandidateRecord,
-    Pipeline,
-    PipelineStage,
-    PredictedCost,
-    ProfileRef,
-    Strategy,
-)
+from planner.strategy import CandidateRecord, PredictedCost, ProfileRef, Strategy
+from planner.strategy_pipeline import Pipeline, PipelineStage
 
 
 @dataclass(frozen=True)
