@@ -17,6 +17,7 @@ directory) and planned on one device at the precision and runtime the row was me
 
 from __future__ import annotations
 
+import fcntl
 import json
 import statistics
 import tempfile
@@ -49,9 +50,13 @@ def exported(name: str) -> Path:
     from planner.export import export_hf_config
 
     path = DEFAULT_DIR / f"gpu-{name}.onnx"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        export_hf_config(str(GPU / "configs" / f"{name}.json"), str(path), dims={"batch": None, "seq": None})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # one exporter at a time (parallel test workers)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.exists():
+            partial = path.with_suffix(".partial.onnx")
+            export_hf_config(str(GPU / "configs" / f"{name}.json"), str(partial), dims={"batch": None, "seq": None})
+            partial.replace(path)
     return path
 
 
