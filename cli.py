@@ -27,6 +27,7 @@ from core.levers import (
     lever,
 )
 from meshplan.cli.options import (
+    OneLineGroup,
     build_mesh,
     dim_option,
     mesh_options,
@@ -61,7 +62,7 @@ from meshplan.cli.render import (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="meshplan")
 def main() -> None:
     """Plan how to shard a model (ONNX) over a device mesh, and predict one training step."""
@@ -79,8 +80,7 @@ def inspect(model: str, dims: dict[str, int], as_json: bool) -> None:
 
     summary = graph_summary(load_graph(model, dims))
     if as_json:
-        click.echo(json.dumps(summary, indent=1))
-        return
+        return click.echo(json.dumps(summary, indent=1))
     render_summary(summary)
     for note in summary["notes"]:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)

@@ -313,3 +313,18 @@ def one_line_errors(fn: F) -> F:
             sys.exit(2)
 
     return wrapper  # type: ignore[return-value]
+
+
+class OneLineGroup(click.Group):
+    """The CLI's group: a usage error (a choice it does not take, a missing argument, an unknown
+    option) is one line naming it and exit 2, as every other error is, not click's usage block."""
+
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("standalone_mode", None)
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
+        except click.ClickException as e:
+            click.echo(f"meshplan: error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.exceptions.Abort:
+            sys.exit(1)
