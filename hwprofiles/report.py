@@ -48,8 +48,8 @@ class CalibrationReport:
 
 
 def fill_compute(cfg: CalibrationConfig, report: CalibrationReport, medians: dict[str, float]) -> None:
-    report.matmul = [Measurement(kind="matmul", size=2.0 * n**3, times_s=[medians[f"matmul {n}"]])
-                     for n in cfg.matmul_sizes]
+    sizes = sorted(int(k.split()[1]) for k in medians if k.startswith("matmul "))  # a GPU's: as far as it saturates
+    report.matmul = [Measurement(kind="matmul", size=2.0 * n**3, times_s=[medians[f"matmul {n}"]]) for n in sizes]
     report.efficiency = fit_efficiency([m.size for m in report.matmul], [m.size / m.median_s for m in report.matmul])
     report.copy_bandwidth_bytes_per_s = 1.0 / medians["copy per byte"]
     report.bare_op_s, report.op_overhead_s = medians["bare op"], medians["graph op"]

@@ -153,3 +153,27 @@ def test_vocab_alignment_in_a_whole_step(tmp_path: Path, measured: dict) -> None
     profile.write_text(json.dumps(fitted))
     ratio = _gpt2_step_s(tmp_path, profile, 50257) / _gpt2_step_s(tmp_path, profile, 50304)
     assert abs(ratio - 123.3 / 98.0) < 0.05, ratio
+
+
+def test_gpu_sweep_reaches_saturation(measured: dict) -> None:
+    """calibrate's matmul sweep on a GPU, sized by `saturating_sizes` against a timer that answers from
+    the file (a fake H100: its bf16 squares, interpolated log-log), grows past the launch-bound sizes
+    to ≥ 8192³ and ≥ 1 ms a call; the curve fitted to it has its peak within 5% of the file's best."""
+    import numpy as np
+
+    from hwprofiles.fit import fit_efficiency
+    from hwprofiles.sweeps import saturating_sizes
+
+    squares = {r["m"]: r["s"] for r in measured["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"]}
+    ns = np.array(sorted(squares), dtype=float)
+    ts = np.array([squares[int(n)] for n in ns])
+
+    def fake_h100(n: int) -> float:
+        return float(np.exp(np.interp(np.log(n), np.log(ns), np.log(ts))))
+
+    sizes = saturating_sizes(fake_h100)
+    assert sizes[-1] >= 8192 and fake_h100(sizes[-1]) >= 1e-3 and sizes[0] <= 512
+    flops = [2.0 * n**3 for n in sizes]
+    fit = fit_efficiency(flops, [f / fake_h100(n) for f, n in zip(flops, sizes, strict=True)])
+    best = max(2.0 * n**3 / t for n, t in squares.items())
+    assert fit.peak_achieved_flops_per_s == pytest.approx(best, rel=0.05)
