@@ -182,3 +182,27 @@ def kernels_s(kernels: list[Kernel], device: DeviceSpec, dtype: str, launch_s: f
         total += max(matmul_time_s(device, k.flops, dtype, k.narrow or None), k.bytes / bw) + launch_s
     return total
 
+
+# A causal mask compares key positions with query positions (kv ≤ q: transformers' sdpa masks) or
+# keeps a triangle (Trilu); a padding mask compares positions with lengths, not these.
+_CAUSAL_OPS = frozenset({"Trilu", "LessOrEqual", "Less"})
+
+
+def causal_regions(graph: OpGraph) -> frozenset[str]:
+    """The attention chains (by last node) whose mask is causal, read off the ops that build the mask."""
+    producer = {t: n for n in graph.nodes for t in n.outputs if t}
+    out = set()
+    for last, region in attention_regions(graph).items():
+        seen: set[str] = set()
+        stack = [region.mask] if region.mask else []
+        while stack:
+            t = stack.pop()
+            if t in seen or t not in producer:
+                continue
+            seen.add(t)
+            node = producer[t]
+            if node.op_type in _CAUSAL_OPS:
+                out.add(last)
+                break
+            stack.extend(x for x in node.inputs if x)
+    return frozenset(out)

@@ -39,6 +39,9 @@ BACKWARD_FLOPS_FACTOR = 2.0  # element-wise FLOPs of a backward, per forward FLO
 VIEW_OPS = frozenset({"Reshape", "Flatten", "Transpose", "Squeeze", "Unsqueeze", "Identity", "Expand", "Slice",
                       "SequenceAt", "SplitToSequence", "Split", "Dropout"})
 BACKWARD_BYTES_FACTOR = 2.0
+# The dtypes whose GEMMs run on tensor cores, which load 16-byte rows: where the profile's alignment
+# fractions (measured in bf16) apply. fp32 without TF32 runs on the SIMT cores, which do not care.
+TENSOR_CORE_DTYPES = frozenset({"bf16", "fp16", "tf32", "fp8"})
 
 
 # Inputs whose gradients the calibrated backward of an element-wise op computes (hwprofiles/sweeps.py:
@@ -136,7 +139,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
                           if dev.matmul_narrow_efficiency is not None and gemm else None,
                       matmul_alignment_bytes(node, lambda t: shapes[t], 2 if precision.autocast else
                                              precision.activation_bytes)
-                      if dev.matmul_alignment and gemm and not padded else 16)
+                      if dev.matmul_alignment and gemm and not padded and dtype in TENSOR_CORE_DTYPES else 16)
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
     fwd = _with_launch(max(mm_s + flops.other / peak, mem_s), launch, dev.async_launch)

@@ -32,14 +32,14 @@ def flash_s(device: DeviceSpec, probs: tuple[int, ...], head_dim: float, causal:
 
 
 def flash_cost(device: DeviceSpec, precision: Precision, graph: OpGraph, node: OpNode, region: AttentionRegion,
-               shapes: Mapping[str, tuple[int, ...]], compute: ComputeCost) -> ComputeCost:
+               shapes: Mapping[str, tuple[int, ...]], compute: ComputeCost, causal: bool) -> ComputeCost:
     """A node of a FlashAttention chain where the profile measured the kernel: its time at the chain's
-    last node (P·V: the score tensor's local shape and v's head dim; causal where masked over equal
-    lengths), with autocast's casts of fp32 q, k and v; the other nodes keep their FLOPs, no time."""
+    last node (P·V: the score tensor's local shape and v's head dim; `causal`: its mask is,
+    `attention.causal_regions`), with autocast's casts of fp32 q, k and v; the other nodes keep their FLOPs, no time."""
     if node.name != region.nodes[-1]:
         return replace(compute, fwd_s=0.0, bwd_s=0.0)
     probs, v = shapes[node.inputs[0]], shapes[region.v]
-    fwd, bwd = flash_s(device, probs, float(v[-1]), region.mask is not None and probs[-1] == probs[-2])
+    fwd, bwd = flash_s(device, probs, float(v[-1]), causal)
     casts = (precision.cast_inputs or {}).get(node.name, ())
     if casts:  # at their local size: v's global-to-local ratio
         local = float(np.prod(v, dtype=np.float64)) / graph.tensors[region.v].numel

@@ -1,6 +1,6 @@
 """A compiled runtime's kernels (`--runtime compiled`: torch.compile's Inductor): every connected chain
-of the ops between matmuls — element-wise ops, norms, reductions, views, casts — runs as one fused
-kernel, which reads the chain's inputs from memory and writes only what leaves it; what stays inside
+of the ops between matmuls — element-wise ops, norms, reductions, views, casts, with no matmul on a
+path between two of its ops — runs as one fused kernel, which reads the chain's inputs from memory and writes only what leaves it; what stays inside
 is neither written nor saved for backward (the backward recomputes it inside its own fused kernel).
 Matmuls, attention chains and embedding lookups stay kernels of their own, the chains' boundaries.
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from core.graph import OpGraph
+from core.levers import Runtime
 from costmodel.attention import attention_regions
 from costmodel.memory import Precision
 
@@ -42,6 +43,12 @@ def fusion_chains(graph: OpGraph) -> dict[str, FusedNode]:
         for t in n.inputs:
             if t:
                 consumers.setdefault(t, []).append(n.name)
+    # A node's level: the unfused kernels on the longest path to it. Two fusible nodes fuse only at the
+    # same level — between a residual add and the next one runs a matmul, which no kernel spans.
+    level: dict[str, int] = {}
+    for n in graph.compute_nodes:
+        level[n.name] = max((level[p] + (p not in fusible) for t in n.inputs if t
+                             for p in (producer.get(t),) if p is not None), default=0)
     # Chains: connected components of fusible nodes over the tensors between them (union-find).
     parent = {n: n for n in fusible}
 
@@ -56,7 +63,7 @@ def fusion_chains(graph: OpGraph) -> dict[str, FusedNode]:
             continue
         for t in n.inputs:
             p = producer.get(t) if t else None
-            if p in fusible:
+            if p in fusible and level[p] == level[n.name]:
                 parent[root(p)] = root(n.name)
     chain_of = {n: root(n) for n in fusible}
     ids = {r: i for i, r in enumerate(dict.fromkeys(chain_of[n.name] for n in graph.compute_nodes if n.name in fusible))}
@@ -85,9 +92,12 @@ def internal_tensors(graph: OpGraph, chains: dict[str, FusedNode]) -> frozenset[
     return frozenset(out)
 
 
-def compiled(graph: OpGraph, precision: Precision) -> tuple[dict[str, FusedNode], frozenset[str], Precision]:
+def compiled(graph: OpGraph, precision: Precision,
+             runtime: Runtime) -> tuple[dict[str, FusedNode], frozenset[str], Precision]:
     """A compiled runtime's chains, the tensors they keep inside, and `precision` without autocast's
-    casts of activations a chain produces (each part of that chain's kernel)."""
+    casts of activations a chain produces (each part of that chain's kernel); eager: none."""
+    if runtime is not Runtime.COMPILED:
+        return {}, frozenset(), precision
     chains = fusion_chains(graph)
     if precision.cast_inputs:
         chained = {t for n in graph.compute_nodes if n.name in chains for t in n.outputs}

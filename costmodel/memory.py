@@ -52,6 +52,11 @@ class Precision:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
     @property
+    def moved_weight_bytes(self) -> int:
+        """A weight's bytes in a gather: its compute dtype's where cast before it (FSDP2's param_dtype)."""
+        return 2 if self.param_casts else self.weight_bytes
+
+    @property
     def compute_dtype(self) -> str:
         return self.compute or self.name
 

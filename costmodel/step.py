@@ -45,6 +45,7 @@ from costmodel import autocast
 from costmodel.attention import (
     AttentionRegion,
     attention_regions,
+    causal_regions,
     kernels_s,
     materialized_kernels,
 )
@@ -87,8 +88,8 @@ class CostModel:
     def __init__(self, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *,
                  enable_all_to_all: bool = True, fusion: CommFusion | None = None, loss: str = LossKind.AUTO,
                  micro_batches: int = 1, zero_stage: int = 0, recompute: str = Recompute.NONE,
-                 composer: str = Composer.SERIAL,
-                 zero_threshold_bytes: float = 0.0, recompute_layers: Mapping[str, int] | None = None,
+                 composer: str = Composer.SERIAL, zero_threshold_bytes: float = 0.0,
+                 recompute_layers: Mapping[str, int] | None = None,
                  fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = Attention.FLASH,
                  attention_dropout: float = 0.0, runtime: str = Runtime.EAGER) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
@@ -123,12 +124,10 @@ class CostModel:
             raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         if zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
-        precision = autocast.for_graph(precision, graph, "cuda" if "bf16" in profile.device.peak_flops_per_s else "cpu")
-        # A compiled runtime's fused chains (`fusion.py`): what stays inside one is neither written nor
-        # saved, and autocast's cast of an activation a chain produces is part of that chain's kernel.
+        precision = autocast.for_graph(precision, graph, "cuda" if profile.device.is_gpu else "cpu")
+        # A compiled runtime's fused chains (`fusion.py`): what stays inside one is not written or saved.
         self.runtime = lever(Runtime, runtime, "runtime")
-        self.chains, internal, precision = compiled(graph, precision) if self.runtime is Runtime.COMPILED else \
-            ({}, frozenset(), precision)
+        self.chains, internal, precision = compiled(graph, precision, self.runtime)
         self.graph, self.mesh, self.profile, self.precision = graph, mesh, profile, precision
         # ZeRO-3 is in the parameters' placements (split, gathered for use): priced by them, not here.
         self.micro_batches, self.zero_stage, self.recompute = micro_batches, zero_stage % 3, recompute
@@ -161,9 +160,9 @@ class CostModel:
         self.materialized: dict[str, AttentionRegion] = {} if attention is Attention.FLASH else {
             n: r for r in attention_regions(graph).values() for n in r.nodes}
         # FlashAttention where the profile measured it: each chain priced as the kernel, at its last node.
-        self.flash: dict[str, AttentionRegion] = {
-            n: r for r in attention_regions(graph).values() for n in r.nodes
-        } if attention is Attention.FLASH and profile.device.attention_forward is not None else {}
+        measured = attention is Attention.FLASH and profile.device.attention_forward is not None
+        self.flash = {n: r for r in attention_regions(graph).values() for n in r.nodes} if measured else {}
+        self.causal = causal_regions(graph) if self.flash else frozenset()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], float] = {}
         self.param_owner: dict[str, str] = {}
@@ -187,7 +186,8 @@ class CostModel:
             compute, saved = self._materialized(node, region, shapes, compute)
             act += saved
         elif node.name in self.flash:
-            compute = flash_cost(self.profile.device, self.precision, g, node, self.flash[node.name], shapes, compute)
+            compute = flash_cost(self.profile.device, self.precision, g, node, self.flash[node.name], shapes, compute,
+                                 causal=node.name in self.causal)  # (its last node's)
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
@@ -311,7 +311,7 @@ class CostModel:
                      saved: bool = True) -> tuple[PricedCollective, ...]:
         info = self.graph.tensors[tensor]
         is_param = info.kind is TensorKind.PARAM
-        itemsize = self.precision.weight_bytes if is_param else self.precision.bytes_of(info)
+        itemsize = self.precision.moved_weight_bytes if is_param else self.precision.bytes_of(info)
         events: list[PricedCollective] = []
 
         def add(kind: Collective, axis: int, size: float, phase: Phase, purpose: Purpose) -> None:

@@ -349,6 +349,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if dp_big:
         _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
+    if s.settings.dtype in ("mixed", "bf16", "fp16") and report.data_parallel != "fully_shard":
+        report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (a mixed-precision policy "
+                                "comes with fully_shard only; plan with `dtype` amp to run under report.autocast())")
     module.meshplan_report = report  # type: ignore[assignment]
     return module
 

@@ -73,7 +73,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
                                "overhead_s": strategy.cost.overhead_s},
         "predicted_memory_bytes": strategy.cost.memory_bytes_per_device,
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
-        "collectives_planned": planned_counts(strategy, graph=graph),
+        "collectives_planned": planned_counts(strategy, graph=graph, backend=r0.get("backend", "gloo")),
         "collectives_executed": r0["collectives_executed"],
         "reduce_dtypes": r0.get("reduce_dtypes", []),
     }
@@ -103,7 +103,8 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
                              "measured_step_s": reports[st.devices[0]]["measured_step_s"],
                              "measured_phases_s": reports[st.devices[0]]["measured_phases_s"],
                              "predicted_micro_batch_s": st.time_s,
-                             "collectives_planned": planned_counts(strategy, graph=graph, stage=s),
+                             "collectives_planned": planned_counts(strategy, graph=graph, stage=s,
+                                                                   backend=r0.get("backend", "gloo")),
                              "collectives_executed": reports[st.devices[0]]["collectives_executed"]}
                             for s, st in enumerate(strategy.pipeline.stages)]
     return result

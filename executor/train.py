@@ -179,7 +179,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     runner, module = train.runner, train.module
     graph = module.graph
     before = 0  # optimizer steps the parameters had (a loaded checkpoint's)
-    report: dict[str, Any] = {"rank": dist.get_rank()}
+    report: dict[str, Any] = {"rank": dist.get_rank(), "backend": str(dist.get_backend())}
     load_peak = None
     if opts.load:
         from executor import checkpoint
@@ -220,6 +220,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     probed_before = [probe() for _ in range(50)] if probe else []
     probed_during: list[dict[str, float]] = []
     warmup = max(opts.warmup, 1)  # the first warm-up step counts what it runs
+    if device.type == "cuda":  # the peak over the steps, not over loading the model
+        torch.cuda.reset_peak_memory_stats(device)
     for i in range(warmup + opts.steps):
         warm = i < warmup
         if trace and i == warmup:

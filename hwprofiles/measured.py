@@ -314,8 +314,10 @@ def _fit_elementwise(rows: Sequence[Mapping[str, Any]], launch: float
         mine = sorted((r for r in rows if r["op"] == op and r["dtype"] == TRAINING_DTYPE), key=lambda r: r["numel"])
         if op not in ELEMENTWISE_OPS or len(mine) < 2:
             continue
-        # Bytes in + out of the forward: the file's rate × time where it gives one, else in + out once.
-        nbytes = np.array([float(r["fwd_GBps_min_traffic"]) * 1e9 * float(r["fwd_s"]) if "fwd_GBps_min_traffic" in r
+        # Bytes in + out of the forward: the file's rate × time where it gives one, else in + out once; a
+        # cast to fp32 reads its dtype's and writes 4 a value (the file counts it as the dtype's twice).
+        nbytes = np.array([(eb + 4.0) * float(r["numel"]) if op == "cast_to_fp32" else
+                           float(r["fwd_GBps_min_traffic"]) * 1e9 * float(r["fwd_s"]) if "fwd_GBps_min_traffic" in r
                            else 2.0 * eb * float(r["numel"]) for r in mine])
         f_t = np.array([float(r["fwd_s"]) for r in mine])
         b_t = np.array([float(r["fwd_bwd_s"]) - float(r["fwd_s"]) for r in mine])

@@ -165,9 +165,13 @@ class DeviceSpec:
         return "bf16" in self.peak_flops_per_s
 
     def alignment_fraction(self, align_bytes: int) -> float:
-        """The fraction of the aligned GEMM rate at a k or n aligned to `align_bytes` bytes."""
+        """The fraction of the aligned GEMM rate at a k or n aligned to `align_bytes` bytes (one the
+        profile did not measure: as the nearest smaller alignment it did, so the table stays monotone)."""
         table = self.matmul_alignment
-        return table.get(align_bytes, 1.0) if table and align_bytes < 16 else 1.0
+        if not table or align_bytes >= 16:
+            return 1.0
+        below = [b for b in table if b <= align_bytes]  # unmeasured: as the nearest worse alignment measured
+        return table[max(below)] if below else table[min(table)]
 
     def peak_for(self, dtype: str) -> float:
         """Peak FLOP/s for a dtype; fp32 matmuls use tf32 tensor cores where the device has them."""
