@@ -323,6 +323,9 @@ class OneLineGroup(click.Group):
         kwargs.pop("standalone_mode", None)
         try:
             return super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[call-overload]
+        except click.exceptions.NoArgsIsHelpError as e:  # `meshplan` alone: its help, as click prints it
+            click.echo(e.format_message())
+            sys.exit(e.exit_code)
         except click.ClickException as e:
             click.echo(f"meshplan: error: {e.format_message()}", err=True)
             sys.exit(e.exit_code)
