@@ -142,3 +142,21 @@ def test_strategy_checkpoint_holds_a_new_plan_to_the_parameters(zoo: Callable[[s
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({**saved, "mesh": {"shape": [0], "axis_names": ["dp"]}}))
     refused([*base, "--dim", "batch=8", "--strategy-in", str(bad)], "not a strategy checkpoint (mesh/shape/0")
+
+
+def test_recorded_buckets_are_what_the_nodes_pay(zoo: Callable[[str], Path]) -> None:
+    """The strategy's gradient buckets (`cost.buckets`, what the executor's expected counts read) are
+    the ones its nodes' collectives carry shares of: every bucketed parameter gradient in exactly one
+    bucket per axis, each bucket's bytes and time the sums of its members' shares."""
+    from core.collectives import BUCKETED
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": 8, "seq": 32}, profile="cpu", devices=2,
+                                 mode="data-parallel", zero_stage=0))
+    assert s.buckets
+    shares = [c for n in s.nodes.values() for c in n.collectives if (c.kind, c.purpose) in BUCKETED]
+    for b in s.buckets:
+        members = [c for c in shares if c.tensor in b.tensors and c.kind is b.kind and c.axes == b.axes]
+        assert sorted(c.tensor for c in members) == sorted(b.tensors)
+        assert sum(c.size_bytes for c in members) == pytest.approx(b.size_bytes)
+        assert sum(c.time_s for c in members) == pytest.approx(b.time_s)
+    assert sorted(t for b in s.buckets for t in b.tensors) == sorted(c.tensor for c in shares)
