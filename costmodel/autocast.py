@@ -47,7 +47,8 @@ def for_graph(precision: Precision, graph: OpGraph, device: str = "cuda") -> Pre
         return replace(precision, cast_inputs={n: tuple(ps) for n, ps in first.items()})
     if not precision.autocast:
         return precision
-    return replace(precision, float_bytes=dtypes(graph, device), cast_inputs=cast_inputs(graph, device))
+    sizes = dtypes(graph, device)
+    return replace(precision, float_bytes=sizes, cast_inputs=cast_inputs(graph, sizes))
 
 
 def dtypes(graph: OpGraph, device: str = "cuda") -> dict[str, int]:
@@ -79,10 +80,9 @@ def dtypes(graph: OpGraph, device: str = "cuda") -> dict[str, int]:
     return out
 
 
-def cast_inputs(graph: OpGraph, device: str = "cuda") -> dict[str, tuple[str, ...]]:
+def cast_inputs(graph: OpGraph, sizes: Mapping[str, int]) -> dict[str, tuple[str, ...]]:
     """Node → its float inputs autocast casts to bf16 before running it: a matmul's fp32 ones, and an
-    attention chain's fp32 q, k and v (at its last node)."""
-    sizes = dtypes(graph, device)
+    attention chain's fp32 q, k and v (at its last node). `sizes`: the tensors' bytes (`dtypes`)."""
 
     def fp32(tensors: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(t for t in tensors if t and t in graph.tensors and graph.tensors[t].is_float

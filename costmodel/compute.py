@@ -61,11 +61,11 @@ def _backward_memory_s(node: OpNode, dev: DeviceSpec, nbytes: float, fwd_mem_s: 
 def cast_s(dev: DeviceSpec, numel: float) -> tuple[float, float]:
     """Autocast's cast of `numel` fp32 elements to bf16 (4 bytes read, 2 written), one kernel, and its
     gradient's back in backward."""
-    t = _with_launch(numel * 6.0 / dev.elementwise_rate("Cast"), dev.kernel_launch_s, dev.async_launch)
+    t = with_launch(numel * 6.0 / dev.elementwise_rate("Cast"), dev.kernel_launch_s, dev.async_launch)
     return t, t
 
 
-def _with_launch(work_s: float, launch_s: float, overlapped: bool) -> float:
+def with_launch(work_s: float, launch_s: float, overlapped: bool) -> float:
     """An op's time from its kernels' work and their launches: the longer of the two where the host
     launches ahead of the device (a GPU), their sum where the host runs the kernels (a CPU)."""
     return max(work_s, launch_s) if overlapped else work_s + launch_s
@@ -142,8 +142,8 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
                       if dev.matmul_alignment and gemm and not padded and dtype in TENSOR_CORE_DTYPES else 16)
     grads = [needs_grad is None or t in needs_grad for t in node.inputs if t]
     mm_grads = sum(grads[:2])  # of dX = dY·Wᵀ and dW = Xᵀ·dY, those needed
-    fwd = _with_launch(max(mm_s + flops.other / peak, mem_s), launch, dev.async_launch)
-    bwd = _with_launch(max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
+    fwd = with_launch(max(mm_s + flops.other / peak, mem_s), launch, dev.async_launch)
+    bwd = with_launch(max(mm_grads * mm_s + BACKWARD_FLOPS_FACTOR * flops.other / peak,
                            _backward_memory_s(node, dev, nbytes, mem_s, sum(grads))
                            if not flops.matmul and fused is None else BACKWARD_BYTES_FACTOR * mem_s),
                        BACKWARD_FLOPS_FACTOR * launch, dev.async_launch) if any(grads) else 0.0

@@ -12,7 +12,7 @@ import numpy as np
 
 from core.graph import OpGraph, OpNode
 from costmodel.attention import AttentionRegion
-from costmodel.compute import ComputeCost, cast_s
+from costmodel.compute import ComputeCost, cast_s, with_launch
 from costmodel.memory import Precision
 from hwprofiles.profile import DeviceSpec
 
@@ -26,8 +26,7 @@ def flash_s(device: DeviceSpec, probs: tuple[int, ...], head_dim: float, causal:
     seq = float(probs[-1])
     out = []
     for curve in (device.attention_forward, device.attention_backward):
-        t = curve.time_s(flops, seq, head_dim, causal)
-        out.append(max(t, device.kernel_launch_s) if device.async_launch else t + device.kernel_launch_s)
+        out.append(with_launch(curve.time_s(flops, seq, head_dim, causal), device.kernel_launch_s, device.async_launch))
     return out[0], out[1]
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from core.collectives import BUCKETED, Cadence, Collective
+from core.collectives import Cadence, Collective
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind
+from costmodel.bucketing import is_bucketed
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
 
@@ -70,7 +71,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
         if mine is not None and name not in mine:  # another pipeline stage's
             continue
         for c in node.collectives:
-            if (c.kind, c.purpose) in BUCKETED and c.tensor in params and c.tensor not in resharded:
+            if is_bucketed(c, params, resharded):
                 continue  # its share of a bucket, counted below
             kind = c.kind
             if kind is Collective.ALL_TO_ALL and backend == "gloo":

@@ -7,7 +7,7 @@ fraction of itself, at 4 KiB as much as at 256 MiB.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,23 +57,48 @@ def fit_alpha_beta(kind: Collective, num_ranks: int, sizes_bytes: Sequence[float
     return AlphaBetaFit(alpha_s=alpha, bus_bandwidth_bytes_per_s=1.0 / inv_beta, median_rel_error=float(np.median(rel)))
 
 
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with both coefficients ≥ 0 (two unknowns: try the free fit, then each face)."""
-    coef, *_ = np.linalg.lstsq(a, b, rcond=None)
-    if np.all(coef >= 0):
-        return coef
-    best, best_err = np.zeros(2), float(np.sum(b**2))
-    for j in range(2):
-        col = a[:, j]
-        c = float(col @ b / (col @ col)) if col @ col > 0 else 0.0
-        if c < 0:
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: the free fit, else the best fit on each subset of
+    the columns (few columns)."""
+    best, best_err = np.zeros(a.shape[1]), float(b @ b)
+    n = a.shape[1]
+    for mask in range(1, 1 << n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
+        if np.any(coef < 0):
             continue
-        cand = np.zeros(2)
-        cand[j] = c
-        err = float(np.sum((a @ cand - b) ** 2))
+        full = np.zeros(n)
+        full[cols] = coef
+        err = float(np.sum((a @ full - b) ** 2))
         if err < best_err:
-            best, best_err = cand, err
+            best, best_err = full, err
     return best
+
+
+def levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: Sequence[float],
+                         iterations: int = 200) -> np.ndarray:
+    """Least squares of `residuals` from x0 (a numeric Jacobian; few parameters)."""
+    x = np.asarray(x0, dtype=np.float64)
+    r = residuals(x)
+    lam = 1e-3
+    for _ in range(iterations):
+        jac = np.empty((len(r), len(x)))
+        for j in range(len(x)):
+            step = np.zeros_like(x)
+            step[j] = 1e-6
+            jac[:, j] = (residuals(x + step) - r) / 1e-6
+        a, g = jac.T @ jac, jac.T @ r
+        delta = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-12), -g)
+        trial = residuals(x + delta)
+        if trial @ trial < r @ r:
+            x, r, lam = x + delta, trial, lam / 3
+            if np.max(np.abs(delta)) < 1e-10:
+                break
+        else:
+            lam *= 4
+            if lam > 1e12:
+                break
+    return x
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +114,7 @@ def fit_efficiency(flops: Sequence[float], achieved_flops_per_s: Sequence[float]
     a = np.asarray(achieved_flops_per_s, dtype=np.float64)
     # Relative residuals again: weight each row by the achieved rate.
     design = np.stack([np.ones_like(f), 1.0 / f], axis=1) * a[:, None]
-    coef = _nonnegative_lstsq(design, np.ones_like(a))
+    coef = nonnegative_lstsq(design, np.ones_like(a))
     inv_p, half_over_p = float(coef[0]), float(coef[1])
     if inv_p <= 0:
         inv_p = 1.0 / float(np.max(a))

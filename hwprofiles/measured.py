@@ -39,6 +39,7 @@ import numpy as np
 
 from hwprofiles.calibrate import CalibrationError
 from hwprofiles.files import load_profile
+from hwprofiles.fit import levenberg_marquardt, nonnegative_lstsq
 from hwprofiles.profile import profile_to_json
 
 REFUSE_MEDIAN_ERROR = 0.15  # a fit predicting its own points worse than this is not written
@@ -221,7 +222,7 @@ def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float,
         p, half, dhalf = np.exp(x)
         return launch + f / p * np.maximum((f + half) / f, (d + dhalf) / d)
 
-    x = _levenberg_marquardt(lambda v: np.log(curve(v)) - np.log(times),
+    x = levenberg_marquardt(lambda v: np.log(curve(v)) - np.log(times),
                              [float(np.log(0.75 * peak)), float(np.log(1e9)), float(np.log(64.0))])
     p, half, dhalf = (float(v) for v in np.exp(x))
     err = np.abs(curve(x) / times - 1)
@@ -261,32 +262,6 @@ def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float,
                                  f"datasheet peak ({dtype_peak / 1e12:.1f} TFLOP/s)", len(other),
                                  float(np.median(e)), float(np.max(e)), True))
     return _GemmFit(ok, fraction, half, dhalf, alignment, lines)
-
-
-def _levenberg_marquardt(residuals: Callable[[np.ndarray], np.ndarray], x0: Sequence[float],
-                         iterations: int = 200) -> np.ndarray:
-    """Least squares of `residuals` from x0 (a numeric Jacobian; few parameters)."""
-    x = np.asarray(x0, dtype=np.float64)
-    r = residuals(x)
-    lam = 1e-3
-    for _ in range(iterations):
-        jac = np.empty((len(r), len(x)))
-        for j in range(len(x)):
-            step = np.zeros_like(x)
-            step[j] = 1e-6
-            jac[:, j] = (residuals(x + step) - r) / 1e-6
-        a, g = jac.T @ jac, jac.T @ r
-        delta = np.linalg.solve(a + lam * np.diag(np.diag(a) + 1e-12), -g)
-        trial = residuals(x + delta)
-        if trial @ trial < r @ r:
-            x, r, lam = x + delta, trial, lam / 3
-            if np.max(np.abs(delta)) < 1e-10:
-                break
-        else:
-            lam *= 4
-            if lam > 1e12:
-                break
-    return x
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -381,7 +356,7 @@ def _fit_attention(rows: Sequence[Mapping[str, Any]], launch: float, floor: floa
         def residuals(x: np.ndarray, times: np.ndarray = times, model: Callable[..., np.ndarray] = model) -> np.ndarray:
             return np.log(model(x)) - np.log(times)
 
-        x = _levenberg_marquardt(residuals, [0.0, float(np.log(256.0)), float(np.log(32.0)), 0.0])
+        x = levenberg_marquardt(residuals, [0.0, float(np.log(256.0)), float(np.log(32.0)), 0.0])
         p, sh, dh, c = params(x)
         err = np.abs(model(x) / times - 1)
         ok = float(np.median(err)) <= REFUSE_MEDIAN_ERROR
@@ -408,7 +383,7 @@ def _fit_adamw(rows: Sequence[Mapping[str, Any]]) -> _OptimizerFit:
     t = np.array([float(r["step_s"]) for r in fused])
     design = np.stack([np.ones_like(t), [float(r["tensors"]) for r in fused], [float(r["params"]) for r in fused]],
                       axis=1) / t[:, None]
-    coef = _nonnegative(design, np.ones_like(t))
+    coef = nonnegative_lstsq(design, np.ones_like(t))
     model = design @ coef * t
     err = np.abs(model / t - 1)
     ok = float(np.median(err)) <= REFUSE_MEDIAN_ERROR
@@ -418,21 +393,3 @@ def _fit_adamw(rows: Sequence[Mapping[str, Any]]) -> _OptimizerFit:
         f"{terms['param_s'] * 1e12:.2f} ps per parameter ({16 / max(terms['param_s'], 1e-30) / 1e12:.2f} TB/s of its "
         "16 bytes each)", len(fused), float(np.median(err)), float(np.max(err)), ok,
         "" if ok else f"median error above {REFUSE_MEDIAN_ERROR:.0%}: the base's kept"))
-
-
-def _nonnegative(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Least squares with every coefficient ≥ 0: the free fit, else the best fit on each subset of
-    the columns (few columns)."""
-    best, best_err = np.zeros(a.shape[1]), float(b @ b)
-    n = a.shape[1]
-    for mask in range(1, 1 << n):
-        cols = [j for j in range(n) if mask >> j & 1]
-        coef, *_ = np.linalg.lstsq(a[:, cols], b, rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = np.zeros(n)
-        full[cols] = coef
-        err = float(np.sum((a @ full - b) ** 2))
-        if err < best_err:
-            best, best_err = full, err
-    return best
