@@ -10,7 +10,7 @@ and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level
 
 from __future__ import annotations
 
-from core.collectives import Collective, LinkLevel
+from core.collectives import Collective, LinkLevel, PricedCollective, Purpose
 from core.mesh import DeviceMesh
 from costmodel.device import link_collective_time_s
 from hwprofiles.profile import HardwareProfile
@@ -39,3 +39,15 @@ def collective_time_s(profile: HardwareProfile, mesh: DeviceMesh, kind: Collecti
     if kind is Collective.ALL_GATHER:
         return t(Collective.ALL_GATHER, size_bytes / g, m, outer) + t(Collective.ALL_GATHER, size_bytes, g, inner)
     return t(Collective.REDUCE_SCATTER, size_bytes, g, inner) + t(Collective.REDUCE_SCATTER, size_bytes / g, m, outer)
+
+
+def seen_reduction(e: PricedCollective, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
+    """A tensor read by several consumers sums their partial gradients first and reduces once per
+    axis (autograd accumulates, then one all-reduce): later consumers' reductions are the same one."""
+    if e.purpose not in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER):
+        return False
+    key = (e.tensor, e.axes)
+    if key in reduced:
+        return True
+    reduced.add(key)
+    return False

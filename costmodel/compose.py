@@ -6,8 +6,8 @@ saved activation. Composing says how those pieces add up into a step, and that i
 
   serial   nothing overlapped: step = k × (compute + per-micro-batch communication) + per-step
            communication + optimizer + the executor's fixed cost, for k accumulation steps (the
-           graph is bound at one micro-step's batch); memory = model states + every activation one
-           micro-batch saves (a sum over the step, not a liveness peak). A step with collectives
+           graph is bound at one micro-step's batch); memory = every item by category, and the
+           most the step holds at once (`peak_bytes`). A step with collectives
            also waits for its slowest rank: the profile's rank skew × compute, counted as exposed
            communication (ranks meet at each collective; 0 where the profile measured none).
 
@@ -20,7 +20,7 @@ not how they are priced.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,7 +51,8 @@ class StepCost:
 
     @property
     def memory_bytes(self) -> float:
-        return sum(self.memory.values())
+        """At the step's peak (`peak_bytes`)."""
+        return peak_bytes(self.memory, gradients_held=self.priced.micro_batches > 1)
 
     # The items, as a strategy file lists them.
     @property
@@ -93,24 +94,44 @@ def serial(p: PricedStep) -> StepCost:
     )
 
 
+def peak_bytes(memory: Mapping[str, float], *, gradients_held: bool) -> float:
+    """Bytes per device at the step's peak, from its items by category (`memory`). Weights and
+    optimizer states are held throughout. Activations grow through the forward and are all held when
+    the loss's backward allocates its workspace; gradients appear through backward as activations are
+    freed, and are freed after the optimizer step (`zero_grad(set_to_none=True)`, torch's default).
+    So one micro-batch's step peaks either at the loss (activations + its workspace, no gradient yet)
+    or at the end of backward (every gradient, no activation left). With gradient accumulation (or a
+    pipeline) the gradients of earlier micro-batches are held through the later ones' loss: every
+    item at once. Activations are a sum over the nodes that save them, not a liveness peak of their own."""
+    total = sum(memory.values())
+    if gradients_held:
+        return total
+    grads, at_loss = memory.get("gradients", 0.0), memory.get("activations", 0.0) + memory.get("loss", 0.0)
+    return total - min(grads, at_loss)
+
+
 def overlap(p: PricedStep) -> StepCost:
-    """What DDP and FSDP overlap on GPUs (separate streams), on top of `serial`: the bucketed gradient
-    reductions of parameters used where stored (DDP's all-reduce, ZeRO's reduce-scatter) run under the
-    last micro-batch's backward, all but the last bucket; a split parameter's gathers for use (FSDP's
-    prefetch, and its gathers again for backward) run under the previous layer's compute, all but the
-    first. Hidden time is bounded by the compute it hides under. Everything else — tensor-parallel
-    collectives on the critical path, reshards, the loss's, ZeRO's gather after the optimizer — stays
-    exposed."""
+    """What DDP and FSDP overlap on GPUs (separate streams), on top of `serial`: a parameter's gradient
+    reductions (DDP's bucketed all-reduce, ZeRO's and FSDP's reduce-scatters) run under backward —
+    those of every micro-batch under its own backward, those once a step under the last one's —, all
+    but the last bucket; a split parameter's gathers for use (FSDP's prefetch, and its gathers again
+    for backward) run under the previous layer's compute, all but the first. Hidden time is bounded by
+    the compute it hides under. Everything else — tensor-parallel collectives on the critical path,
+    reshards of activations, the loss's, ZeRO's gather after the optimizer — stays exposed."""
     base = serial(p)
     k = p.micro_batches
-    grad_s = last_bucket = 0.0
+    per_micro = once = last_bucket = 0.0
     for purpose, cap in ((Purpose.GRAD_SYNC, p.fusion.allreduce), (Purpose.GRAD_REDUCE_SCATTER, p.fusion.reducescatter)):
-        grads = [e for e in p.events if e.cadence is Cadence.STEP and e.purpose is purpose]
-        s, nbytes = sum(e.time_s for e in grads), sum(e.size_bytes for e in grads)
-        grad_s += s
-        last_bucket = max(last_bucket, s * min(1.0, cap / nbytes) if nbytes else 0.0)  # one bucket's worth waits
-    gathers = [e for e in p.events if e.purpose in _PREFETCHED and e.kind is Collective.ALL_GATHER and e.tensor in p.params]
-    hidden_grads = min(max(0.0, grad_s - last_bucket), p.backward_s)
+        grads = [e for e in p.events if hides_under_backward(e, p.params) and e.purpose is purpose]
+        micro = sum(e.time_s for e in grads if e.cadence is Cadence.MICRO_BATCH)
+        step = sum(e.time_s for e in grads if e.cadence is Cadence.STEP)
+        per_micro, once = per_micro + micro, once + step
+        nbytes = sum(e.size_bytes for e in grads)
+        last_bucket = max(last_bucket, (micro + step) * min(1.0, cap / nbytes) if nbytes else 0.0)  # waits
+    b = p.backward_s
+    exposed_grads = (k - 1) * max(0.0, per_micro - b) + max(per_micro + once - b, min(last_bucket, per_micro + once))
+    hidden_grads = k * per_micro + once - exposed_grads
+    gathers = [e for e in p.events if prefetched(e, p.params)]
     gather_s = sum(e.time_s for e in gathers)
     first = max((e.time_s for e in gathers), default=0.0)  # the first (the largest) gather waits
     hidden_gathers = k * min(max(0.0, gather_s - first), base.compute_s / k)
@@ -120,6 +141,17 @@ def overlap(p: PricedStep) -> StepCost:
 
 
 _PREFETCHED = frozenset({Purpose.RESHARD, Purpose.REGATHER})
+_GRADIENTS = frozenset({Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER})
+
+
+def hides_under_backward(e: PricedCollective, params: Container[str]) -> bool:
+    """A parameter's gradient reduction: what `overlap` runs under backward."""
+    return e.purpose in _GRADIENTS and e.tensor in params
+
+
+def prefetched(e: PricedCollective, params: Container[str]) -> bool:
+    """A split parameter's gather for use: what `overlap` prefetches under the previous layer's compute."""
+    return e.purpose in _PREFETCHED and e.kind is Collective.ALL_GATHER and e.tensor in params
 
 POLICIES: dict[Composer, Callable[[PricedStep], StepCost]] = {Composer.SERIAL: serial, Composer.OVERLAP: overlap}
 

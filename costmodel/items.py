@@ -20,6 +20,7 @@ class LossCost:
     compute_s: float
     events: tuple[PricedCollective, ...]  # the output brought to where the loss needs it
     saved_bytes: float
+    workspace_bytes: float = 0.0  # allocated by its backward beside what it saved (`loss.loss_bytes`)
 
     @property
     def time_s(self) -> float:

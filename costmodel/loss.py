@@ -11,20 +11,46 @@ nor, for cross-entropy, a split class dim (the softmax needs the whole row: an a
 gradient is a local slice).
 
 Cost: cross-entropy is log-softmax + NLL, element-wise kernels over the local logits (read, write,
-read the picked entries: ≈ 3 passes forward, 2× that backward) and saves the log-probabilities (one
-logits-sized fp32 tensor); mse reads the output once and saves it.
+read the picked entries: ≈ 3 passes forward, 2× that backward); mse reads the output once.
+
+Memory (`loss_bytes`), per element of the local output: what the loss saves for backward, and the
+workspace its backward allocates on top (live at the step's peak: every activation is still held
+there, and no gradient of a parameter exists yet).
+  cross-entropy, eager  saves the fp32 log-probabilities (4 bytes); its backward holds NLL's gradient
+                        and log-softmax's, both fp32 and logits-sized, beside them (8 bytes: more
+                        than the forward's compute-dtype logits and their fp32 upcast, 6)
+  cross-entropy, compiled  one fused kernel each way: saves the logits in their own dtype and the
+                        row log-sum-exp; its backward writes one gradient in that dtype
+  mse                   saves the output; its backward writes the output's gradient
 """
 
 from __future__ import annotations
 
-from core.graph import OpGraph
+from typing import TYPE_CHECKING
+
+from core.collectives import PricedCollective
+from core.graph import OpGraph, TensorInfo
 from core.levers import LossKind, lever
 from core.placement import Partial, Replicate, Shard, Spec
+from costmodel.compute import BACKWARD_BYTES_FACTOR
+from costmodel.items import LossCost
+
+if TYPE_CHECKING:
+    from costmodel.memory import Precision
+    from hwprofiles.profile import DeviceSpec
 
 LOSSES = (LossKind.CROSS_ENTROPY, LossKind.MSE)
 # Memory passes over the local output, forward: log-softmax read + write and NLL read; mse's one read.
 PASSES = {LossKind.CROSS_ENTROPY: 3.0, LossKind.MSE: 1.0}
 KERNELS = 2  # forward launches of either (log-softmax + NLL; square + sum)
+
+
+def loss_bytes(kind: LossKind, output_bytes: int, *, fused: bool) -> tuple[int, int]:
+    """Bytes per element of the local output: saved for backward, and the backward's workspace.
+    `output_bytes`: the output's element size as produced; `fused`: a compiled runtime's kernel."""
+    if kind is LossKind.CROSS_ENTROPY and not fused:
+        return 4, 8
+    return output_bytes, output_bytes
 
 
 def loss_kind(graph: OpGraph, requested: str = LossKind.AUTO) -> LossKind:
@@ -44,3 +70,14 @@ def loss_input_spec(kind: str, spec: Spec, ndim: int) -> Spec:
             return False
         return not (kind is LossKind.CROSS_ENTROPY and isinstance(p, Shard) and p.dim == ndim - 1)
     return Spec(tuple(p if ok(p) else Replicate() for p in spec.placements))
+
+
+def loss_cost(kind: LossKind, numel: float, precision: Precision, output: TensorInfo, device: DeviceSpec,
+              events: tuple[PricedCollective, ...], *, fused: bool) -> LossCost:
+    """The loss over `numel` local elements of the output: its element-wise kernels forward and
+    backward, what it saves and its workspace (`loss_bytes`); `events` bring the output where it runs."""
+    itemsize = 4 if kind is LossKind.CROSS_ENTROPY else precision.activation_bytes  # logits upcast to fp32
+    fwd = PASSES[kind] * numel * itemsize / device.elementwise_bytes_per_s + KERNELS * device.kernel_launch_s
+    saved, workspace = loss_bytes(kind, precision.bytes_of(output), fused=fused)
+    return LossCost(kind=kind, compute_s=fwd * (1 + BACKWARD_BYTES_FACTOR), events=events,
+                    saved_bytes=numel * saved, workspace_bytes=numel * workspace)

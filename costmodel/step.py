@@ -51,10 +51,9 @@ from costmodel.attention import (
 )
 from costmodel.bucketing import price_buckets
 from costmodel.buckets import CommFusion
-from costmodel.comm import collective_time_s
-from costmodel.compose import StepCost, compose
+from costmodel.comm import collective_time_s, seen_reduction
+from costmodel.compose import StepCost, compose, hides_under_backward, prefetched
 from costmodel.compute import (
-    BACKWARD_BYTES_FACTOR,
     ComputeCost,
     compute_cost,
     local_shapes,
@@ -63,7 +62,7 @@ from costmodel.compute import (
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
 from costmodel.items import LossCost, NodeCost, PricedStep
-from costmodel.loss import KERNELS, PASSES, loss_input_spec, loss_kind
+from costmodel.loss import loss_cost, loss_input_spec, loss_kind
 from costmodel.memory import (
     ALIAS_OPS,
     Precision,
@@ -164,7 +163,7 @@ class CostModel:
         self.flash = {n: r for r in attention_regions(graph).values() for n in r.nodes} if measured else {}
         self.causal = causal_regions(graph) if self.flash else frozenset()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
-        self._edge_time_cache: dict[tuple[object, ...], float] = {}
+        self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
             for t in n.inputs:
@@ -191,7 +190,7 @@ class CostModel:
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
-            act += loss.saved_bytes
+            act += loss.saved_bytes + loss.workspace_bytes  # (its workspace shown apart: `price_items`)
         if node.name in self.layer_of:  # recomputed: keeps only the layer inputs it reads first
             kept = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in self.layer_inputs.get(node.name, ()))
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
@@ -241,11 +240,8 @@ class CostModel:
         need = loss_input_spec(self.loss, spec, len(info.shape))
         events = tuple(replace(e, purpose=Purpose.LOSS) for e in self.edge_events(t, spec, need, frozenset()))
         numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
-        itemsize = 4 if self.loss is LossKind.CROSS_ENTROPY else self.precision.activation_bytes  # logits upcast to fp32
-        dev = self.profile.device
-        fwd = PASSES[self.loss] * numel * itemsize / dev.elementwise_bytes_per_s + KERNELS * dev.kernel_launch_s
-        return LossCost(kind=self.loss, compute_s=fwd * (1 + BACKWARD_BYTES_FACTOR), events=events,
-                        saved_bytes=numel * itemsize)
+        return loss_cost(self.loss, numel, self.precision, info, self.profile.device, events,
+                         fused=self.runtime is Runtime.COMPILED)
 
     def split_axes(self, strategy: OpStrategy) -> frozenset[int]:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
@@ -278,6 +274,16 @@ class CostModel:
         forward ones twice when the consumer's layer is recomputed; a parameter used where it is stored
         at ZeRO stage 1 or 2 has its gradient all-reduce replaced by `zero_events` (what the solver
         needs, cached by shape and specs)."""
+        return sum(self.edge_time_parts(tensor, src, dst, consumer_split, recomputed=recomputed, saved=saved,
+                                        zero_stage=zero_stage))
+
+    def edge_time_parts(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
+                        recomputed: bool = False, saved: bool = True,
+                        zero_stage: int = 0) -> tuple[float, float, float, float]:
+        """`edge_time_s` in parts, as the overlapped step tells them apart (`compose.overlap`): what
+        stays exposed; the gradient all-reduces and the gradient reduce-scatters that may run under the
+        last backward (`compose.hides_under_backward`); the parameter gathers that may be prefetched
+        under compute (`compose.prefetched`)."""
         info = self.graph.tensors[tensor]
         stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
         key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved, stage)
@@ -292,10 +298,13 @@ class CostModel:
                 events = [e for e in events if e not in synced] + [
                     replace(z, time_s=self._bucket_share(z.kind, z.axes[0], z.size_bytes, z.time_s))
                     for z in self.states.events(tensor, src, axes, synced[0].size_bytes, stage)]
-            t = self._edge_time_cache[key] = sum(
-                e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (2 if recomputed and e.phase is Phase.FORWARD
-                                                                            else 1)
-                for e in events)
+            parts = [0.0, 0.0, 0.0, 0.0]
+            for e in events:
+                part = (1 if e.purpose is Purpose.GRAD_SYNC else 2) if hides_under_backward(e, self.param_owner) else \
+                    3 if prefetched(e, self.param_owner) else 0
+                parts[part] += e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (
+                    2 if recomputed and e.phase is Phase.FORWARD else 1)
+            t = self._edge_time_cache[key] = (parts[0], parts[1], parts[2], parts[3])
         return t
 
     def reads_in_backward(self, node: OpNode, index: int) -> bool:
@@ -379,7 +388,8 @@ class CostModel:
                             fusion=self.fusion)
         placed = priced.placed
         placed.update(param_specs or {})  # tensor → the spec it is produced (or stored) in
-        mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {}}
+        mem: dict[str, dict[str, float]] = {"parameters": {}, "gradients": {}, "optimizer": {}, "activations": {},
+                                            "loss": {}}
         acts = mem["activations"]
         reduced: set[tuple[str, tuple[int, ...]]] = set()  # (tensor, axes) whose partial gradient is reduced
         recomputed: dict[tuple[int, int], float] = {}  # layer → what its recomputation holds during its backward
@@ -408,7 +418,7 @@ class CostModel:
                 have = need if info.kind is TensorKind.INPUT else placed[t]
                 events = tuple(e for e in self.edge_events(t, have, need, split,
                                                            saved=self.reads_in_backward(node, i))
-                               if not _seen_reduction(e, reduced))
+                               if not seen_reduction(e, reduced))
                 if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too;
                     # a parameter's gather among them is the one backward uses (no second re-gather)
                     events = tuple(e for e in events if e.purpose is not Purpose.REGATHER)
@@ -419,7 +429,10 @@ class CostModel:
                     priced.reshards.append((t, node.name, have, need, events))
             for t, spec in zip(node.outputs, strategy.output_specs, strict=True):
                 placed[t] = spec
-            acts[node.name] = acts.get(node.name, 0.0) + nc.activation_bytes
+            workspace = nc.loss.workspace_bytes if nc.loss is not None and not nc.recompute_s else 0.0
+            acts[node.name] = acts.get(node.name, 0.0) + nc.activation_bytes - workspace
+            if workspace:
+                mem["loss"][self.loss_tensor] = workspace
             if nc.recomputed_bytes:
                 layer = self.layer_of[node.name]
                 recomputed[layer] = recomputed.get(layer, 0.0) + nc.recomputed_bytes
@@ -484,17 +497,3 @@ class CostModel:
 _REDUCING = frozenset({Collective.ALL_REDUCE, Collective.REDUCE_SCATTER})
 _FUSED = {Collective.ALL_REDUCE: "allreduce", Collective.ALL_GATHER: "allgather",
           Collective.REDUCE_SCATTER: "reducescatter"}
-
-
-def _seen_reduction(e: PricedCollective, reduced: set[tuple[str, tuple[int, ...]]]) -> bool:
-    """A tensor read by several consumers sums their partial gradients first and reduces once per
-    axis (autograd accumulates, then one all-reduce): later consumers' reductions are the same one."""
-    if e.purpose not in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER):
-        return False
-    key = (e.tensor, e.axes)
-    if key in reduced:
-        return True
-    reduced.add(key)
-    return False
-
-

@@ -7,6 +7,7 @@ launch `python -m executor` under torchrun instead (README).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,11 @@ from executor.ranks import run_ranks
 from executor.train import worker
 from planner.graph import load_graph
 from planner.strategy import load_strategy
+
+
+def metered(memory: Mapping[str, float]) -> float:
+    """The predicted bytes the CPU meter measures: every item but the loss's workspace, gradients held."""
+    return sum(b for category, b in memory.items() if category != "loss")
 
 
 def check_executable(graph: OpGraph) -> None:
@@ -61,6 +67,9 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     run_ranks(worker, nproc, lambda r, port, out: (r, nproc, port, strategy.to_json(), str(model_path), opts, out),
               handle, timeout_s=timeout_s, error=RunError, what="the run")
     r0 = reports[0]
+    # On a GPU the allocator's peak is measured; elsewhere the meter's states and saved activations
+    # (`executor/measure.py`), which see neither the loss's backward workspace nor when gradients exist.
+    on_gpu = r0.get("backend") == "nccl"
     result = {
         "strategy": str(strategy_path), "nproc": nproc, "loss": r0["loss"],
         "predicted_step_s": strategy.step_time_s,
@@ -71,7 +80,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "predicted_phases_s": {"compute_s": strategy.cost.compute_s, "comm_s": strategy.cost.comm_s,
                                "bubble_s": strategy.cost.bubble_s, "optimizer_s": strategy.cost.optimizer_s,
                                "overhead_s": strategy.cost.overhead_s},
-        "predicted_memory_bytes": strategy.cost.memory_bytes_per_device,
+        "predicted_memory_bytes": strategy.cost.memory_bytes_per_device if on_gpu else metered(strategy.cost.memory),
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy, graph=graph, backend=r0.get("backend", "gloo")),
         "collectives_executed": r0["collectives_executed"],
@@ -98,7 +107,8 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
             sum(reports[st.devices[0]]["trained_parameters"] for st in strategy.pipeline.stages)
     if strategy.pipeline is not None:  # ranks differ by stage: each stage's first rank, planned and executed
         result["micro_batches"] = strategy.training.micro_batches
-        result["stages"] = [{"stage": s, "rank": st.devices[0], "predicted_memory_bytes": st.memory_bytes,
+        result["stages"] = [{"stage": s, "rank": st.devices[0],
+                             "predicted_memory_bytes": st.memory_bytes if on_gpu else st.memory_bytes - st.workspace_bytes,
                              "measured_memory_bytes": reports[st.devices[0]]["measured_memory_bytes"],
                              "measured_step_s": reports[st.devices[0]]["measured_step_s"],
                              "measured_phases_s": reports[st.devices[0]]["measured_phases_s"],

@@ -81,6 +81,12 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
                          {"name": name, "mesh": mesh.describe_shape(), "step_time_s": None, "compute_s": None,
                           "comm_s": None, "memory_bytes_per_device": None, "fits": False, "note": price})
 
+    for h in strategy.hand_layouts:  # the incumbents the planner checked its plan against, as it priced them
+        baselines.append({"name": f"hand layout {h.name}" + (" (the plan)" if h.chosen else ""),
+                          "mesh": f"{h.layout}, ZeRO {h.zero}", "step_time_s": h.step_time_s, "compute_s": None,
+                          "comm_s": None, "memory_bytes_per_device": h.memory_bytes_per_device, "fits": h.fits,
+                          **({"note": h.error} if h.error else {})})
+
     def node_time(node: NodePlan) -> float:
         return node.compute_s + sum(x.time_s for x in node.collectives)
 

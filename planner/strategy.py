@@ -168,9 +168,11 @@ class PredictedCost:
     hidden_comm_s: float = 0.0  # communication the composer hides under compute (not in comm_s)
     bubble_s: float = 0.0  # a pipeline's idle time (fill and drain), in step_time_s
 
+    peak_bytes: float | None = None  # the most held at once (`costmodel.compose.peak_bytes`); None: the sum
+
     @property
     def memory_bytes_per_device(self) -> float:
-        return sum(self.memory.values())
+        return sum(self.memory.values()) if self.peak_bytes is None else self.peak_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +199,19 @@ class CandidateRecord:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HandLayoutRecord:
+    """A hand layout the planner priced as written beside its own search (`planner/search/incumbents.py`)."""
+    name: str
+    layout: str
+    zero: int
+    step_time_s: float | None
+    memory_bytes_per_device: float | None
+    fits: bool
+    chosen: bool = False  # faster than the search's plan: the plan is this layout's
+    error: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Strategy:
     model: ModelRef
     profile: ProfileRef
@@ -214,6 +229,7 @@ class Strategy:
     # The gradient collectives as the ranks run them, packed (the nodes' bucketed collectives carry
     # their shares of these); None: a file written before meshplan recorded them.
     buckets: tuple[PricedBucket, ...] | None = ()
+    hand_layouts: tuple[HandLayoutRecord, ...] = ()  # the incumbents the plan was checked against
 
     @property
     def fingerprint(self) -> str:
@@ -327,6 +343,10 @@ def _document(s: Strategy) -> dict[str, Any]:
         "candidates": [{"mesh": list(c.mesh), "axis_names": list(c.axis_names), "step_time_s": c.step_time_s,
                         "memory_bytes_per_device": c.memory_bytes_per_device, "solver_status": c.solver_status,
                         "error": c.error} for c in s.candidates],
+        **({"hand_layouts": [{"name": h.name, "layout": h.layout, "zero": h.zero, "step_time_s": h.step_time_s,
+                              "memory_bytes_per_device": h.memory_bytes_per_device, "fits": h.fits,
+                              "chosen": h.chosen, "error": h.error} for h in s.hand_layouts]}
+           if s.hand_layouts else {}),
     }
 
 
@@ -419,7 +439,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
         cost=PredictedCost(step_time_s=c["step_time_s"], compute_s=c["compute_s"], optimizer_s=c["optimizer_s"],
                            overhead_s=c["overhead_s"], comm_s=c["comm_s"], memory=dict(c["memory"]),
                            flops_per_device=c["flops_per_device"], composer=c["composer"],
-                           hidden_comm_s=c["hidden_comm_s"], bubble_s=c.get("bubble_s", 0.0)),
+                           hidden_comm_s=c["hidden_comm_s"], bubble_s=c.get("bubble_s", 0.0),
+                           peak_bytes=c.get("memory_bytes_per_device")),
         solver=SolverStats(status=sv["status"], objective=sv["objective"], bound=sv["bound"], gap=sv["gap"],
                            time_s=sv["time_s"], num_variables=sv["num_variables"],
                            num_constraints=sv["num_constraints"], num_decision_nodes=sv["num_decisions"],
@@ -429,6 +450,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                          memory_bytes_per_device=x["memory_bytes_per_device"],
                                          solver_status=x["solver_status"], error=x["error"])
                          for x in d["candidates"]),
+        hand_layouts=tuple(HandLayoutRecord(**x) for x in d.get("hand_layouts", ())),
         buckets=tuple(_bucket(b, mesh) for b in c["buckets"]) if "buckets" in c else None,
     )
 

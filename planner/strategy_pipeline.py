@@ -24,6 +24,7 @@ class PipelineStage:
     send_s: float = 0.0  # per micro-batch: its sends to the next stage and their gradients back
     step_s: float = 0.0  # per step: its gradient reductions and optimizer
     memory_bytes: float = 0.0  # per device: its parameters' states and the activations it holds at its peak
+    workspace_bytes: float = 0.0  # of that, the loss's backward workspace (allocated there, not saved)
     in_flight: float = 0.0  # micro-batches of activations it holds at its peak
 
 
@@ -48,7 +49,8 @@ def pipeline_doc(p: Pipeline | None) -> dict[str, Any]:
         return {"stages": []}
     return {"stages": [{"first_node": st.first_node, "last_node": st.last_node, "devices": list(st.devices),
                         "chunks": [list(c) for c in st.chunks], "layers": st.layers, "time_s": st.time_s,
-                        "send_s": st.send_s, "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight}
+                        "send_s": st.send_s, "step_s": st.step_s, "memory_bytes": st.memory_bytes, "in_flight": st.in_flight,
+                        **({"workspace_bytes": st.workspace_bytes} if st.workspace_bytes else {})}
                        for st in p.stages],
             "schedule": p.schedule, "virtual_stages": p.virtual_stages, "bubble_fraction": p.bubble_fraction,
             "p2p_bytes": p.p2p_bytes, "result_broadcast": p.result_broadcast}
@@ -61,7 +63,8 @@ def pipeline_of(d: Mapping[str, Any]) -> Pipeline | None:
                                  chunks=tuple((a, b) for a, b in st.get("chunks", ())), layers=st.get("layers", 0),
                                  time_s=st.get("time_s", 0.0), send_s=st.get("send_s", 0.0),
                                  step_s=st.get("step_s", 0.0),
-                                 memory_bytes=st.get("memory_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
+                                 memory_bytes=st.get("memory_bytes", 0.0),
+                                 workspace_bytes=st.get("workspace_bytes", 0.0), in_flight=st.get("in_flight", 0.0))
                    for st in d["stages"])
     return Pipeline(stages=stages, schedule=Schedule(d.get("schedule", "1f1b")), virtual_stages=d.get("virtual_stages", 1),
                     bubble_fraction=d.get("bubble_fraction", 0.0), p2p_bytes=d.get("p2p_bytes", 0.0),

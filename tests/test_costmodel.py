@@ -366,7 +366,9 @@ def _one_matmul(t: int, h: int) -> OpGraph:
 def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
     # The output [t, h] looks like logits: cross-entropy. Row-parallel (contracting dim split) leaves it
     # partial: the loss first all-reduces it (t·h bf16 elements, forward, nothing backward). Split by
-    # rows it runs in place: no collective, and it keeps its rows' fp32 log-probabilities.
+    # rows it runs in place: no collective, and it keeps its rows' fp32 log-probabilities; its backward
+    # holds two more fp32 tensors of their size (NLL's gradient and log-softmax's). Compiled, one fused
+    # kernel keeps the bf16 logits and writes their bf16 gradient.
     t, h = 512, 256
     g = _one_matmul(t, h)
     mesh = DeviceMesh.build(2)
@@ -379,6 +381,10 @@ def test_loss_reduces_a_partial_output_and_reads_rows_where_they_lie() -> None:
     assert partial.saved_bytes == t * h * 4
     rows = cm.node_cost(g.node_by_name["mm"], pick(g, mesh, "mm", "[S(0)] [R] → [S(0)]")).loss
     assert rows is not None and rows.events == () and rows.saved_bytes == t // 2 * h * 4
+    assert rows.workspace_bytes == t // 2 * h * 8
+    fused = CostModel(g, mesh, H100, BF16, runtime="compiled").node_cost(
+        g.node_by_name["mm"], pick(g, mesh, "mm", "[S(0)] [R] → [S(0)]")).loss
+    assert fused is not None and (fused.saved_bytes, fused.workspace_bytes) == (t // 2 * h * 2, t // 2 * h * 2)
     dev = H100.device
     assert rows.compute_s == pytest.approx(3 * (3 * t // 2 * h * 4 / dev.elementwise_bytes_per_s + 2 * dev.kernel_launch_s))
     # A class dim split over the mesh is gathered for the softmax; mse takes any split.

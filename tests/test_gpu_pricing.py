@@ -88,7 +88,8 @@ def test_precision_and_runtime_are_recorded(zoo: Callable[[str], Path], dtype: s
 @pytest.mark.slow
 def test_h100_steps_from_the_microbenchmarks_alone() -> None:
     """Every measured step of bench/gpu/h100/steps.json (4 models × amp, amp compiled, FSDP2 bf16, fp32),
-    priced on the profile fitted from micro.json alone: median |error| ≤ 7%, none over 15%."""
+    priced on the profile fitted from micro.json alone: step time median |error| ≤ 7%, none over 15%;
+    peak memory median |error| ≤ 10%."""
     from bench.gpu_steps import predictions
 
     rows = [r for r in predictions() if r["predicted_step_s"] is not None]
@@ -96,3 +97,5 @@ def test_h100_steps_from_the_microbenchmarks_alone() -> None:
     assert len(rows) == 14
     assert statistics.median(errors) <= 0.07, errors
     assert max(errors) <= 0.15, errors
+    memory = [abs(r["predicted_bytes"] / r["peak_bytes"] - 1) for r in rows]
+    assert statistics.median(memory) <= 0.10, memory

@@ -61,7 +61,8 @@ def test_v1_file_migrates(zoo: Callable[[str], Path], tmp_path: Path) -> None:
         assert [(c.kind, c.axes, c.size_bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in node.collectives] == \
                [(c.kind, c.axes, c.size_bytes, c.phase, c.purpose, c.tensor, c.cadence) for c in old.collectives]
     assert now.cost.step_time_s == pytest.approx(s.cost.step_time_s, rel=1e-12)
-    assert now.cost.memory == pytest.approx(s.cost.memory, rel=1e-12)
+    # (the loss's workspace is priced since the file was written: a category of its own)
+    assert {k: b for k, b in now.cost.memory.items() if k != "loss"} == pytest.approx(s.cost.memory, rel=1e-12)
 
 
 @pytest.mark.parametrize("without_source", [False, True])

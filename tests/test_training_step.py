@@ -108,6 +108,10 @@ def test_accumulation_composes_k_micro_steps(k: int, zoo: Callable[[str], Path])
     assert cost.compute_s == pytest.approx(k * one.compute_s)
     assert cost.comm_s == pytest.approx(k * per_micro + per_step)
     assert cost.optimizer_s == one.optimizer_s and cost.memory == one.memory
+    # k micro-steps hold the earlier ones' gradients through the later ones' loss: every item at once
+    assert cost.memory_bytes == (sum(one.memory.values()) if k > 1 else one.memory_bytes)
+    assert one.memory_bytes == sum(one.memory.values()) - min(one.memory["gradients"],
+                                                              one.memory["activations"] + one.memory["loss"])
     assert cost.step_time_s == pytest.approx(k * one.compute_s + k * per_micro + per_step + one.optimizer_s
                                              + one.overhead_s)
 

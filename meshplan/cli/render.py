@@ -113,7 +113,7 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
         overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")
-    head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} ("
+    head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} at the peak ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
     limit = s.settings.memory_limit_bytes
     if limit is not None and c.memory_bytes_per_device > limit:
@@ -128,6 +128,20 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
         err_console.print(f"note: {note}", markup=False, highlight=False, soft_wrap=True)
     if pl is not None:
         render_stages(s)
+    if s.hand_layouts:
+        t = Table(title="hand layouts, each planned as written (the plan is never slower than one that fits)")
+        for col in ("layout", "degrees", "step time", "memory", "fits"):
+            t.add_column(col)
+        for h in s.hand_layouts:
+            t.add_row(h.name + (" ← the plan" if h.chosen else ""), f"{h.layout}, ZeRO {h.zero}",
+                      f"{h.step_time_s * 1e3:.2f} ms" if h.step_time_s is not None else "—",
+                      fmt_bytes(h.memory_bytes_per_device) if h.memory_bytes_per_device is not None else "—",
+                      ("yes" if h.fits else "no") if not h.error else h.error[:60])
+        console.print(t)
+        for h in s.hand_layouts:
+            if h.chosen:
+                err_console.print(f"note: the hand layout {h.name} ({h.layout}, ZeRO {h.zero}) is faster than the "
+                                  "search's own plan: it is the plan written", markup=False, highlight=False)
     if len(candidates) > 1:
         t = Table(title="mesh candidates")
         for col in ("mesh", "step time", "memory", "status"):
@@ -147,8 +161,9 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
         if b["step_time_s"] is None:
             t.add_row(b["name"], b["mesh"], "n/a", "", "", "", b.get("note", ""))
             continue
-        t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms", f"{b['compute_s'] * 1e3:.2f} ms",
-                  f"{b['comm_s'] * 1e3:.2f} ms", fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
+        t.add_row(b["name"], b["mesh"], f"{b['step_time_s'] * 1e3:.2f} ms",
+                  *(f"{b[k] * 1e3:.2f} ms" if b[k] is not None else "" for k in ("compute_s", "comm_s")),
+                  fmt_bytes(b["memory_bytes_per_device"]), "yes" if b["fits"] else "no")
     console.print(t)
     if e["pipeline"]["stages"]:
         pl = e["pipeline"]

@@ -31,8 +31,7 @@ def hand_layouts(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, S
     and each of the last three with full recomputation of the repeated layers."""
     rules = rules_for_graph(graph, mesh)
     out: dict[str, StepCost | str] = {}
-    replicated = {n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes}
-    out["replicated"] = cm.price(replicated, {p.name: Spec.replicated(mesh.ndim) for p in graph.params})
+    out["replicated"] = cm.price(*replicated_plan(graph, mesh))
     try:
         pins = data_parallel_pins(graph, mesh)
     except MeshplanError as e:  # a batch smaller than the mesh
@@ -50,7 +49,7 @@ def hand_layouts(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, S
         named = replace(mesh, axis_names=layout.axis_names)
         try:
             sol = ShardingILP(graph, rules, cm, pins=layout.input_pins(graph, named),
-                              param_layout=layout.param_layout(graph, named)).solve()
+                              param_layout=layout.param_layout(graph, named), shard_freely=False).solve()
             plans["fsdp+tp"] = (sol.choice, sol.param_specs)
         except MeshplanError as e:
             out["fsdp+tp"] = reason(e)
@@ -66,6 +65,12 @@ def hand_layouts(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, S
         if full is not None:
             out[f"{name} + full recompute"] = full.price(choice, params)
     return out
+
+
+def replicated_plan(graph: OpGraph, mesh: DeviceMesh) -> tuple[dict[str, OpStrategy], dict[str, Spec]]:
+    """Every op and parameter whole on every rank."""
+    return ({n.name: replicated_strategy(OpContext.of(n, graph), mesh.ndim) for n in graph.compute_nodes},
+            {p.name: Spec.replicated(mesh.ndim) for p in graph.params})
 
 
 def reason(e: MeshplanError) -> str:

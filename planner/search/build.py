@@ -3,7 +3,9 @@ request allows, and the one builder of the strategy file every search path uses.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +14,14 @@ from core.graph import OpGraph, TensorKind
 from core.layout import Layout
 from core.levers import Composer, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
-from core.placement import OpStrategy, Spec, fully_sharded
+from core.placement import OpStrategy, Replicate, Spec, fully_sharded
 from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
 from costmodel.step import CostModel
 from hwprofiles.files import list_presets
 from hwprofiles.profile import HardwareProfile
+from planner.graph import load_graph
 from planner.rules import RuleSet
 from planner.search.decisions import SolverOptions
 from planner.search.request import PlanRequest
@@ -56,8 +59,54 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
     return zero3
 
 
+# One planning call's shared work (`sharing`): each model import and each cost model (its caches hold
+# every edge it priced), reused by the hand layouts planned beside the search on the same graphs.
+_SHARED: dict[tuple[object, ...], Any] | None = None
+
+
+@contextmanager
+def sharing() -> Iterator[None]:
+    """Within, `graph_for` and `cost_model_for` return what they made before for the same arguments."""
+    global _SHARED
+    if _SHARED is not None:  # nested: the outer call's
+        yield
+        return
+    _SHARED = {}
+    try:
+        yield
+    finally:
+        _SHARED = None
+
+
+def graph_for(path: str, dims: Mapping[str, int]) -> OpGraph:
+    """`load_graph`, once per model and dims within `sharing`."""
+    if _SHARED is None:
+        return load_graph(path, dims)
+    key = ("graph", path, tuple(sorted(dims.items())))
+    if key not in _SHARED:
+        _SHARED[key] = load_graph(path, dims)
+    graph: OpGraph = _SHARED[key]
+    return graph
+
+
 def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
                 steps: int, policy: Recompute, layers: Mapping[str, int] | None = None) -> CostModel:
+    """The request's cost model (once per graph, mesh and levers within `sharing`: the axes' names do
+    not change a price, and ZeRO-3 is in the placements, so a request at stage 3 shares stage 0's)."""
+    if _SHARED is None:
+        return _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
+    key = ("cost model", id(graph), mesh.shape, mesh.devices, mesh.devices_per_node, profile.digest, precision.name, steps, policy,
+           tuple(sorted((layers or {}).items())), req.all_to_all, req.loss, (req.zero_stage or 0) % 3, req.composer,
+           req.fusion, req.zero_threshold_bytes, req.force_fp32_communication, req.zero_shard_size, req.attention,
+           req.attention_dropout, req.runtime)
+    if key not in _SHARED:
+        _SHARED[key] = _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
+    cm: CostModel = _SHARED[key]
+    return cm
+
+
+def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
+                steps: int, policy: Recompute, layers: Mapping[str, int] | None) -> CostModel:
     return CostModel(graph, mesh, profile, precision, enable_all_to_all=req.all_to_all, loss=req.loss,
                      micro_batches=steps, zero_stage=req.zero_stage or 0, recompute=policy,
                      composer=req.composer or Composer.SERIAL,
@@ -105,7 +154,8 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         fallbacks=tuple(Fallback(node=n.name, op_type=n.op_type) for n in rules.fallbacks),
         cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
                            overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
-                           flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s),
+                           flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s,
+                           peak_bytes=cost.memory_bytes),
         solver=stats, candidates=candidates, buckets=tuple(cost.priced.buckets),
     )
 
@@ -137,13 +187,35 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes)
 
 
+def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
+    """The rules a user's layout leaves: on its data-parallel axes (dp_replicate, dp_shard) every op
+    uses its parameters whole, as DDP and FSDP run them (FSDP gathers them for use); no op may split
+    a weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for.
+    A node no strategy of which uses its parameters whole keeps its strategies."""
+    if layout is None:
+        return rules
+    axes = [a for a, name in enumerate(layout.axis_names) if name in ("dp_replicate", "dp_shard")]
+    if not axes:
+        return rules
+    out = RuleSet(rules.mesh)
+    for name, ns in rules.by_node.items():
+        params = [i for i, t in enumerate(ns.node.inputs) if t in graph.tensors and graph.tensors[t].kind is TensorKind.PARAM]
+        whole = tuple(st for st in ns.strategies if all(
+            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in axes)
+            for i in params))
+        out.by_node[name] = replace(ns, strategies=whole) if whole and params else ns
+    return out
+
+
 def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel, mesh: DeviceMesh,
                  layout: Layout | None, *, pins: Mapping[str, Spec], memory_limit_bytes: float | None,
                  time_limit_s: float | None = None, **shape: Any) -> ShardingILP:
     """The ILP as the request asks for it: its solver and limits, the parameter placements its layout
-    (and ZeRO-3) allow, the ZeRO stages it allows; `shape`: the search's own (pipeline stages,
+    (and ZeRO-3) allow — exactly those where the user gave a layout or a ZeRO stage —, the ZeRO stages
+    it allows; `shape`: the search's own (pipeline stages,
     recomputation counts, parameters held at stage 0)."""
     return ShardingILP(graph, rules, cm, memory_limit_bytes=memory_limit_bytes, pins=pins, follow=req.follow,
                        options=SolverOptions(time_limit_s=time_limit_s or req.time_limit_s, backend=req.solver,
                                              num_workers=req.workers),
-                       param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(), **shape)
+                       param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(),
+                       shard_freely=req.layout is None and req.zero_stage is None, **shape)

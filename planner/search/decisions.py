@@ -49,6 +49,9 @@ class Solution:
     zero: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where one was chosen
     recompute: dict[str, int] = field(default_factory=dict)  # layer group → layers recomputed (the first), where any
     constraints_by_family: dict[str, int] = field(default_factory=dict)
+    # Under the overlapped step: the seconds of communication the objective leaves exposed, by term
+    # (`ShardingILP.add_overlap`: "exposed_grads", "exposed_gathers").
+    exposed_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +97,9 @@ class DecisionGraph:
 
     def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, pins: Mapping[str, Spec],
                  param_layout: Callable[[str, Spec], Spec | None] | None, zero_options: tuple[int, ...],
-                 no_zero: frozenset[str], follow: bool) -> None:
+                 no_zero: frozenset[str], follow: bool, shard_freely: bool = True) -> None:
         self.graph, self.rules, self.cost = graph, rules, cost
+        self.shard_freely = shard_freely
         self.pins = dict(pins)
         self.param_layout = param_layout
         self.zero_options = zero_options
@@ -146,7 +150,7 @@ class DecisionGraph:
                                     stored = self.param_layout(p, stored)
                                 if stored is not None:
                                     opts[stored] = None
-                                    fsdp = self._fully_sharded(p, stored)
+                                    fsdp = self._fully_sharded(p, stored) if self.shard_freely else None
                                     if fsdp is not None:
                                         opts[fsdp] = None
             if p not in self.pins and not opts:

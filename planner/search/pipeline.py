@@ -138,10 +138,13 @@ def price_stages(cm: CostModel, priced: PricedStep, graph: OpGraph, the_cut: Cut
         for t, b in priced.memory[category].items():
             for s in holders.get(t, (the_cut.stage_of(cm.param_owner[t]),)):
                 states[s][category] += b
+    loss_stage = the_cut.stage_of(graph.producer[cm.loss_tensor]) if graph.producer.get(cm.loss_tensor) else p - 1
     out = []
     for s in range(p):
         held = in_flight(schedule, p, m, s, v)
         memory = {**states[s], "activations": (acts[s] + (inputs if s == 0 else 0.0)) * held + transient}
+        if s == loss_stage:  # one micro-batch's loss backward at a time
+            memory["loss"] = sum(priced.memory.get("loss", {}).values())
         out.append(StageCost(time_s=compute[s] + micro[s], compute_s=compute[s],
                              step_s=per_step[s] + optimizer[s], optimizer_s=optimizer[s], memory=memory,
                              in_flight=held, send_bytes=sends[s], send_s=send_s[s],
@@ -192,7 +195,8 @@ def pipelined_cost(stages: list[StageCost], schedule: Schedule, m: int, v: int, 
     return PredictedCost(step_time_s=step, compute_s=compute, optimizer_s=stages[last].optimizer_s, overhead_s=fixed_s,
                          comm_s=m * (times[pacing] - stages[pacing].compute_s) + (pipe - without_sends)
                          + stages[last].step_s - stages[last].optimizer_s,
-                         memory=dict(peak.memory), flops_per_device=flops, composer=composer,
+                         memory=dict(peak.memory), peak_bytes=sum(peak.memory.values()), flops_per_device=flops,
+                         composer=composer,
                          bubble_s=without_sends - m * times[pacing])
 
 
@@ -213,7 +217,8 @@ def pipeline_of(the_cut: Cut, stages: list[StageCost], graph: OpGraph, schedule:
                                  chunks=tuple((first[c], last[c]) for c in chunks),
                                  layers=sum(the_cut.layers_per_chunk[c] for c in chunks),
                                  time_s=stages[s].time_s, send_s=stages[s].send_s, step_s=stages[s].step_s,
-                                 memory_bytes=sum(stages[s].memory.values()), in_flight=stages[s].in_flight))
+                                 memory_bytes=sum(stages[s].memory.values()),
+                                 workspace_bytes=stages[s].memory.get("loss", 0.0), in_flight=stages[s].in_flight))
     return Pipeline(stages=tuple(out), schedule=schedule, virtual_stages=v,
                     bubble_fraction=bubble_fraction(schedule, p, m, v), p2p_bytes=max(st.send_bytes for st in stages))
 
@@ -276,6 +281,8 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     full = full_mesh(layout, sub, profile)
     say(f"pipeline {p} stages × {sub}: rules")
     rules = rules_for_graph(graph, sub, strict=req.strict)
+    if req.layout is not None:  # the user's, priced as written (the search's own are its choice)
+        rules = build.as_written(rules, graph, layout)
     policy = Recompute.FULL if recompute is Recompute.FULL else Recompute.NONE
     cm = build.cost_model_for(req, graph, sub, profile, precision, steps, policy)
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}

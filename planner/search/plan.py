@@ -32,24 +32,29 @@ from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from hwprofiles.profile import HardwareProfile
-from planner.graph import load_graph
 from planner.rules import RuleSet, rules_for_graph
+from planner.search.baselines import replicated_plan
 from planner.search.build import (
+    as_written,
     batch_of,
     build_strategy,
     cost_model_for,
+    graph_for,
     plan_settings,
     profile_source,
     sharding_ilp,
+    sharing,
     training_settings,
 )
 from planner.search.decisions import PinError
+from planner.search.incumbents import HandLayout, incumbents
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
 from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
 from planner.search.request import FUSION_CANDIDATES, Candidate, PlanRequest, Progress, mesh_candidates
 from planner.strategy import (
     CandidateRecord,
+    HandLayoutRecord,
     ProfileRef,
     SolverStats,
     Strategy,
@@ -61,7 +66,13 @@ _T = TypeVar("_T")
 def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
     """The best plan for the request: without recomputation at the fewest micro-steps that fit, and
     (under --recompute auto) with the layers the ILP chooses to recompute (without an ILP: every layer)
-    at fewer micro-steps while that is faster; without --mesh, over mesh shapes."""
+    at fewer micro-steps while that is faster; without --mesh, over mesh shapes; never slower than a
+    hand layout that fits (`incumbents.py`)."""
+    with sharing():
+        return _make_plan(req, progress)
+
+
+def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
     req = req.for_profile(profile.device.is_gpu)
@@ -74,13 +85,14 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         graphs[steps[0]] = traced
     failures: list[MeshplanError] = []
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
+    hands = _hand_layouts(req, profile, say)
 
     def attempt(k: int, recompute: Recompute) -> tuple[Strategy, list[Candidate]] | None:
         if k not in graphs:
             dims = req.dims_for(k)
             say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
             try:
-                graphs[k] = load_graph(req.model, dims)
+                graphs[k] = graph_for(req.model, dims)
             except DimBindingError as e:
                 if req.global_batch_size is None or "batch" not in e.unknown:
                     raise
@@ -106,6 +118,12 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
         tried = 1
         layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
         pipelines = _beside(partial(_pipelines, req, profile, precision, layers), say)
+    if req.must_fit:  # a hand layout as practitioners size it: the fewest micro-steps at which it fits
+        # without recomputation, or else with every layer recomputed (two solves a count, not a walk)
+        for k in steps:
+            if any(attempt(k, policy) is not None for policy in policies):
+                break
+        policies = policies[:1]
     # Without recomputation (or with the policy asked for) at the fewest micro-steps that fit: more
     # micro-steps only add per-micro-step costs.
     for k in steps[tried:] if not found else []:
@@ -139,7 +157,52 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     if not found:
         raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                             f"recomputation {policies[-1]}, {failures[-1]}")
-    return min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+    best = min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+    if hands is not None:
+        say("hand layouts")
+        best = (_against_hand_layouts(req, profile, best[0], hands()), best[1])
+    return best
+
+
+def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
+                  ) -> Callable[[], list[tuple[HandLayout, Strategy | str]]] | None:
+    """The hand layouts to check the search's plan against (`incumbents.py`), planned beside the search
+    where the machine has a core to spare and the pipelines' search does not take it; None where the
+    request leaves the planner no freedom to compare (a layout, pins, a mode other than auto, one device)."""
+    if req.layout is not None or req.mode is not Mode.AUTO or not req.decides or req.pins or req.devices == 1:
+        return None
+
+    def job(_say: Progress) -> list[tuple[HandLayout, Strategy | str]]:
+        try:
+            graph = graph_for(req.model, req.dims_for(req.step_candidates()[0]))
+        except DimBindingError:  # a static export: its batch is its own
+            graph = graph_for(req.model, req.dims)
+        return incumbents(req, profile.devices_per_node, lambda r: make_plan(r)[0], num_params=graph.num_params,
+                          precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile))
+
+    if req.searches_pipelines():
+        return lambda: job(say)
+    return _beside(job, say)
+
+
+def _against_hand_layouts(req: PlanRequest, profile: HardwareProfile, plan: Strategy,
+                          tried: list[tuple[HandLayout, Strategy | str]]) -> Strategy:
+    """The search's plan, or the fastest hand layout that fits where that is faster, with every hand
+    layout's price recorded."""
+    limit = _memory_limit(req, profile)
+    records, best = [], plan
+    for hand, s in tried:
+        if isinstance(s, str):
+            records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=None,
+                                            memory_bytes_per_device=None, fits=False, error=s))
+            continue
+        fits = s.cost.memory_bytes_per_device <= limit
+        records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=s.step_time_s,
+                                        memory_bytes_per_device=s.cost.memory_bytes_per_device, fits=fits))
+        if fits and s.step_time_s < best.step_time_s:
+            best = s
+    chosen = [replace(r, chosen=True) if best is not plan and r.layout == best.training.layout else r for r in records]
+    return replace(best, hand_layouts=tuple(chosen))
 
 
 def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:
@@ -153,13 +216,13 @@ def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:
     if req.global_batch_size is not None:  # the usual case, a symbolic batch: no import beyond the first one
         k = req.step_candidates()[0]
         try:
-            return None, {k: load_graph(req.model, req.dims_for(k))}
+            return None, {k: graph_for(req.model, req.dims_for(k))}
         except DimBindingError as e:
             if "batch" not in e.unknown:
                 raise
-        return load_graph(req.model, req.dims), {}
+        return graph_for(req.model, req.dims), {}
     try:
-        return load_graph(req.model, req.dims), {}
+        return graph_for(req.model, req.dims), {}
     except DimBindingError as e:
         if "batch" not in e.unbound:
             raise
@@ -194,7 +257,7 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
         if layout.virtual > 1 and k % layout.pipeline:
             return None  # interleaved 1F1B runs micro-batches in rounds of p
         if dp not in graphs:
-            graphs[dp] = load_graph(req.model, {**req.dims, "batch": dp})
+            graphs[dp] = graph_for(req.model, {**req.dims, "batch": dp})
         for recompute in (Recompute.NONE, Recompute.FULL):
             try:
                 return k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit, say,
@@ -269,7 +332,12 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     layout = req.layout
     limit = _memory_limit(req, profile)
     if layout is not None and layout.pipeline > 1:
-        return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say)
+        return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say,
+                              enforce_limit=req.must_fit)
+    # A layout is solved without the memory row (its degrees leave the solver little to trade for memory,
+    # and proving a tight row infeasible takes a MIP minutes on hundreds of devices); a user's is priced
+    # fitting or not (the table says which), the planner's hand layouts must fit as priced.
+    priced_as_is = layout is not None and not req.must_fit
     shapes = [layout.mesh_shape] if layout is not None else \
         [req.mesh_shape] if req.mesh_shape and req.mode is not Mode.STAND_ALONE else \
         [(1,)] if req.mode is Mode.STAND_ALONE else \
@@ -283,7 +351,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         names = layout.axis_names if layout is not None else req.axis_names if req.mesh_shape else None
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
-        rules = rules_for_graph(graph, mesh, strict=req.strict)
+        rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout)
         model = partial(cost_model_for, req, graph, mesh, profile, precision, steps)
         # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
         counted = graph.layers and req.decides and (recompute is Recompute.AUTO or req.recompute_layers is not None)
@@ -315,19 +383,22 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                         cm, recomputed = base, {} if counted else recomputed
                     cost = cm.price(choice, param_specs, zero=sol.zero)
                     unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
-                    if not unsharded or cost.memory_bytes <= limit or layout is not None:
+                    if not unsharded or cost.memory_bytes <= limit or priced_as_is:
                         break  # priced as it runs (those parameters at stage 0), and it fits
                     no_zero |= unsharded
                 if req.zero_stage is None:  # the solver prices each gradient alone; bucketed, one stage for
                     # all on the same placements can come out faster
                     cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit, cost)
+                if layout is None and req.zero_stage != 3 and not sol.recompute:
+                    choice, param_specs, cost = _or_simpler(req, graph, rules, cm, pins, limit, choice, param_specs,
+                                                            cost)
             else:
                 say(f"mesh {mesh}: propagating")
                 choice, param_specs, stats = propagate(graph, rules, cm, pins)
                 cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit)
             if req.fusion is None:
                 cost = _best_fusion(cm, cost)
-            if cost.memory_bytes > limit and layout is None:  # the solver's memory row is its own estimate:
+            if cost.memory_bytes > limit and not priced_as_is:  # the solver's memory row is its own estimate:
                 # a plan priced over the limit is refused, never returned
                 raise MeshplanError(f"memory: the {req.mode} plan needs {cost.memory_bytes / 2**30:.2f} GiB per device "
                                     f"but `memory_limit_gib` is {limit / 2**30:.2f} GiB; raise `memory_limit_gib`, add devices, "
@@ -363,6 +434,30 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     ref = ProfileRef(name=profile.name, digest=profile.digest, source=profile_source(req.profile))
     strategy = build_strategy(graph, req.model, ref, mesh, rules, choice, cost, stats, settings, records, training)
     return strategy, candidates
+
+
+def _or_simpler(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel, pins: Mapping[str, Spec],
+                limit: float, choice: dict[str, OpStrategy], param_specs: dict[str, Spec],
+                cost: StepCost) -> tuple[dict[str, OpStrategy], dict[str, Spec], StepCost]:
+    """The solver's plan, or a simpler one where that composes faster and fits: the replicated plan (the
+    solver's hint; without pins), or with pins what propagation makes of them. The solver's objective
+    is not the composed step (edges priced alone; under overlap a lower bound,
+    `ShardingILP.add_overlap`), so a plan it prefers by a hair can compose slower than these."""
+    options = [(choice, param_specs, cost)]
+    if not pins:
+        rep_choice, rep_params = replicated_plan(graph, rules.mesh)
+        options.append((rep_choice, rep_params, cm.price(rep_choice, rep_params)))
+    if pins:  # semi mode: what propagation guesses around the pins (it prices every strategy of every
+        # node: seconds on a large model, so only where the user pinned)
+        try:
+            prop_choice, prop_params, _ = propagate(graph, rules, cm, pins)
+        except MeshplanError:  # pins propagation cannot honour (the ILP can: around them)
+            pass
+        else:
+            options.append((prop_choice, prop_params, _best_uniform_zero(cm, prop_choice, prop_params,
+                                                                         req.zero_options(), limit)))
+    fitting = [o for o in options if o[2].memory_bytes <= limit] or options[:1]
+    return min(fitting, key=lambda o: o[2].step_time_s)
 
 
 def _best_uniform_zero(cm: CostModel, choice: Mapping[str, OpStrategy], param_specs: Mapping[str, Spec],

@@ -77,6 +77,9 @@ class PlanRequest:
     attention_dropout: float = 0.0  # dropout on the attention probabilities (priced where materialised)
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
     pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
+    # A layout's plan must fit the memory limit (the planner's own hand layouts, `incumbents.py`); a
+    # user's layout is priced fitting or not.
+    must_fit: bool = False
 
     def __post_init__(self) -> None:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
@@ -158,12 +161,11 @@ class PlanRequest:
     def for_profile(self, gpu: bool) -> PlanRequest:
         """The request with the levers left to the profile decided: bf16 on a GPU profile (Megatron's:
         bf16 weights and activations, fp32 master weights in the optimizer), fp32 on a CPU one; the
-        step priced as the serial sum. (Torch's mixed precision as the GPU default, and the overlapped
-        step, wait for the executor to run FSDP2's policy and for the search to price the overlap it
-        would choose under: the ILP minimises the sum, so an overlapped price can rank a hand layout
-        above the plan.)"""
+        step overlapped on a GPU (NCCL's streams: `compose.overlap`, which the ILP minimises), the
+        serial sum on a CPU (gloo runs every collective in line). (Torch's mixed precision as the GPU
+        default waits for the executor to run FSDP2's policy.)"""
         return replace(self, dtype=self.dtype or (Dtype.BF16 if gpu else Dtype.FP32),
-                       composer=self.composer or Composer.SERIAL)
+                       composer=self.composer or (Composer.OVERLAP if gpu else Composer.SERIAL))
 
     @property
     def decides(self) -> bool:
@@ -188,7 +190,12 @@ class PlanRequest:
             return [self.global_batch_size // (self.micro_batch_size * self.data_parallel_degree())]
         if self.layout is not None and self.layout.pipeline > 1:
             return [self.global_batch_size // self.data_parallel_degree()]  # Megatron's default: 1 per rank
-        return [self.accumulation_steps] if self.accumulation_steps else _divisors(self.global_batch_size)
+        if self.accumulation_steps:
+            return [self.accumulation_steps]
+        if self.layout is not None:  # each data-parallel rank takes whole sequences
+            dp = self.data_parallel_degree()
+            return [k for k in _divisors(self.global_batch_size) if (self.global_batch_size // k) % dp == 0]
+        return _divisors(self.global_batch_size)
 
     def static_steps(self, batch: int) -> int:
         """Micro-steps of a model traced at a static batch, which is one micro-step's: the global batch
@@ -220,10 +227,12 @@ class PlanRequest:
         fused, its scores recomputed in backward, whatever the policy). Under auto the ILP decides how
         many layers of each group to recompute ("auto"); without an ILP, none and then full (also where
         pipelines are searched on several nodes: their candidates and the plans without them are many, and the counted
-        recomputation's ILP takes tens of seconds on meshes of hundreds of devices)."""
+        recomputation's ILP takes tens of seconds on meshes of hundreds of devices; and for the planner's
+        hand layouts, which practitioners run with full checkpointing or none)."""
         if self.recompute is not Recompute.AUTO:
             return [self.recompute]
-        counted = self.decides and not (self.searches_pipelines() and self.devices > devices_per_node)
+        counted = self.decides and not (self.searches_pipelines() and self.devices > devices_per_node) \
+            and not self.must_fit
         return [Recompute.NONE, Recompute.AUTO if counted else Recompute.FULL]
 
     def dims_for(self, steps: int) -> dict[str, int]:

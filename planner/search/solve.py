@@ -12,8 +12,9 @@ Each graph node n maps to a decision d(n) and a function σ_n from d's choices t
 
 Decisions d: compute decisions (a node and its followers) and parameter decisions (the spec a tied
 parameter is stored in, and its ZeRO-1/2 stage; choices: every spec some consumer strategy requires
-for it, and its fully sharded form (ZeRO-3 / FSDP), each at every stage the request allows where the
-spec leaves the parameter replicated on some axis).
+for it, and — where neither a layout nor a ZeRO stage fixes how it is held — its fully sharded form
+(ZeRO-3 / FSDP), each at every stage the request allows where the spec leaves the parameter
+replicated on some axis).
 Edges e = (u → v, tensor t) with d(u) ≠ d(v), tied like their ends, with multiplicity m_e.
 
 Variables
@@ -32,13 +33,22 @@ Objective (integer nanoseconds of one training step)
   alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
   per consumer, where execution (and `CostModel.price`) reduces once — the objective is then an upper
   bound of the priced step.
+  Under the overlapped step (`compose.overlap`, GPU profiles) each edge's gradient reductions and
+  parameter gathers leave that sum for two exposed terms, integer variables (`add_overlap`):
+    E_g ≥ Σ grads·y − k Σ backward·x,  E_g ≥ λ_c Σ grads_c·y,  E_a ≥ Σ gathers·y − Σ compute·x,
+    E_a ≥ one gather of any edge chosen,  E ≥ 0
+  (reductions beyond the backward, the last bucket of each collective, gathers beyond the step's
+  compute, the first gather; `overlap.py`): the objective is then a lower bound of the overlapped step.
 Constraints (every one named)
   one_choice[d]:         Σ_i x[d,i] = 1
   edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
   edge_consumer[e,b]:    Σ_a y[e,a,b] = Σ_{i∈b} x[d(v),i]
-  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB); mem = parameter states (ZeRO-sharded over
-                         the axes a parameter is stored replicated on) + one micro-batch's saved
-                         activations, a sum over the step, not a liveness-based peak
+  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB), at the step's peak (`compose.peak_memory`):
+                         the loss's backward — weights and optimizer states (ZeRO-sharded over the
+                         axes a parameter is stored replicated on), one micro-batch's saved
+                         activations (a sum, not a liveness peak) and the loss's workspace, and the
+                         gradients only when accumulation (or a pipeline) holds them; without, a
+                         second row for the end of backward: weights, gradients, optimizer states
   pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
 The replicated plan is given as a hint. Infeasible memory is diagnosed without the solver: the
@@ -56,6 +66,7 @@ import numpy as np
 
 from core.collectives import Collective, Purpose
 from core.graph import OpGraph, TensorKind
+from core.levers import Composer
 from core.placement import OpStrategy, Replicate, Spec
 from costmodel.step import CostModel
 from planner.rules import RuleSet
@@ -76,6 +87,7 @@ from planner.search.decisions import (
     takes,
 )
 from planner.search.milp import LinearModel
+from planner.search.overlap import OverlapTerms
 from planner.search.recompute import BIG, GroupTerms, add_counts
 from planner.stagecut import param_stages
 from planner.strategy import SolverStats
@@ -89,9 +101,12 @@ class ShardingILP(DecisionGraph):
                  follow: bool = True, param_layout: Callable[[str, Spec], Spec | None] | None = None,
                  zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
                  recompute_model: CostModel | None = None, recompute_layers: int | None = None,
-                 stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = ()) -> None:
+                 stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = (),
+                 shard_freely: bool = True) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
+        `shard_freely`: each parameter may also be split over every axis it would be whole on (ZeRO-3
+        by the ILP's choice), where neither a layout nor a ZeRO stage says how it is held.
         `zero_stages`: the ZeRO-1/2 stages a parameter may take (default: the cost model's stage);
         `no_zero`: parameters held at stage 0 (pricing found their gradient not reduced where stored);
         `recompute_model`: the graph priced with every layer recomputed — given, how many layers of each
@@ -100,8 +115,14 @@ class ShardingILP(DecisionGraph):
         given, the memory row is one per stage (its nodes' parameters' states, and their activations
         times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`)."""
         super().__init__(graph, rules, cost, pins=pins or {}, param_layout=param_layout, no_zero=no_zero, follow=follow,
-                         zero_options=zero_stages if zero_stages is not None else (cost.zero_stage,))
+                         zero_options=zero_stages if zero_stages is not None else (cost.zero_stage,),
+                         shard_freely=shard_freely)
         self.stages, self.in_flight = stages, list(in_flight)
+        # Under the overlapped step, gradient reductions and parameter gathers hide under compute (a
+        # pipeline's stages keep the sum: with their memory rows the overlap rows take CBC minutes).
+        self.overlapped = cost.composer is Composer.OVERLAP and stages is None
+        # Gradients exist at the loss's backward only when earlier micro-batches left them there.
+        self.gradients_held = cost.micro_batches > 1 or stages is not None
         self.recompute_model = recompute_model
         self.memory_limit_bytes = memory_limit_bytes
         self.options = options or SolverOptions()
@@ -143,9 +164,11 @@ class ShardingILP(DecisionGraph):
                                      zero_stage=src[1])
 
     def _edge_ns(self, e: Edge, src: tuple[Spec, int], dst: Spec, split: frozenset[int],
-                 terms: GroupTerms | None) -> tuple[int, int] | None:
-        """An edge's ns in the step (all its instances), and what recomputing one layer of the
-        consumer's group adds to it (0 outside recomputed groups); None where the pair cannot be: a
+                 terms: GroupTerms | None) -> tuple[int, ...] | None:
+        """An edge's ns in the step (all its instances), what recomputing one layer of the consumer's
+        group adds to it (0 outside recomputed groups), and under the overlapped step its gradient
+        reductions and parameter gathers apart (the first then holds only what stays exposed;
+        `CostModel.edge_time_parts`); None where the pair cannot be: a
         parameter at a ZeRO-1/2 stage it chose (`--zero auto`) is used where it is stored and its
         gradient all-reduced there (its states are sharded only so; a stage the request fixes is
         priced where it applies, the others held at 0 by `make_plan`)."""
@@ -153,11 +176,22 @@ class ShardingILP(DecisionGraph):
                 ev.purpose is Purpose.GRAD_SYNC and ev.kind is Collective.ALL_REDUCE
                 for ev in self.cost.edge_events(e.tensor, src[0], dst, split))):
             return None
-        base = self._edge_s(e, src, dst, split)
+        parts = [x * e.multiplicity * NS_PER_S for x in self._edge_parts(e, src, dst, split)]
+        if self.overlapped:  # the hideable parts go to the overlap rows (`add_overlap`)
+            ns, hide = round(parts[0]), tuple(round(x) for x in parts[1:])
+        else:
+            ns, hide = round(sum(parts)), (0, 0, 0)
         if terms is None:
-            return round(base * e.multiplicity * NS_PER_S), 0
-        again = self._edge_s(e, src, dst, split, recomputed=True) - base
-        return round(base * e.multiplicity * NS_PER_S), round(again * e.multiplicity / terms.layers * NS_PER_S)
+            return ns, 0, *hide
+        again = self._edge_s(e, src, dst, split, recomputed=True) - self._edge_s(e, src, dst, split)
+        return ns, round(again * e.multiplicity / terms.layers * NS_PER_S), *hide
+
+    def _edge_parts(self, e: Edge, src: tuple[Spec, int], dst: Spec,
+                    split: frozenset[int]) -> tuple[float, float, float, float]:
+        return self.cost.edge_time_parts(e.tensor, src[0], dst, split, recomputed=e.consumer_node in self.cost.layer_of,
+                                         saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node],
+                                                                           e.in_index),
+                                         zero_stage=src[1])
 
     # -- variables -----------------------------------------------------------------------------------
 
@@ -176,6 +210,7 @@ class ShardingILP(DecisionGraph):
         decision become per-choice costs (`self.inner_cost`)."""
         terms: list[tuple[int, int]] = []
         self.inner_cost = {d: [0.0] * k for d, k in self.decisions.items()}
+        self.overlap = OverlapTerms()  # under the overlapped step, the hideable parts of the y
         for k, e in enumerate(self.edges):
             if e.producer == e.consumer:
                 for c in range(self.decisions[e.producer]):
@@ -206,9 +241,11 @@ class ShardingILP(DecisionGraph):
                     if entry is None:
                         continue
                     y[a, b] = var = self.model.bool_var(f"y[{k},{a},{b}]")
-                    ns, extra = entry
+                    ns, extra, *hide = entry
                     if ns:
                         terms.append((ns, var))
+                    if any(hide):
+                        self.overlap.add_edge(k, var, e.multiplicity, *hide)
                     if terms_g is not None and extra:
                         terms_g.time_ns[var] += extra
             for a, (_, members) in enumerate(rows):
@@ -231,6 +268,8 @@ class ShardingILP(DecisionGraph):
         for r in self.param_rep.values():
             pmult[r] += 1
         costs = {d: [0.0] * k for d, k in self.decisions.items()}  # the edges inside a decision: `add_edges`
+        self.backward_s = {d: [0.0] * k for d, k in self.decisions.items()}  # the step's backward, of the nodes
+        self.compute_s = {d: [0.0] * k for d, k in self.decisions.items()}  # the whole step's, of the nodes
         mem = {d: [0.0] * k for d, k in self.decisions.items()}
         # Pipeline stages: per stage, how many of each representative's nodes (parameters) lie in it.
         count: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -245,13 +284,19 @@ class ShardingILP(DecisionGraph):
                     pcount[r][st] += 1
         self.stage_mem = [{d: [0.0] * k for d, k in self.decisions.items()} for _ in self.in_flight] \
             if self.stages is not None else []
+        self.end_mem: dict[Decision, list[float]] = {}  # the parameters' states with their gradients
         for owner, (d, m) in self.sigma.items():
             if isinstance(owner, ParamDecision):
                 p = owner.param
                 at = list(zip(self.param_specs[p], self.param_stages[p], strict=True))
-                mem[d] = [self.cost.states.param_state_bytes(p, spec, stage=stage) * pmult[p] for spec, stage in at]
+                states = [self.cost.states.param_states(p, spec, stage=stage) for spec, stage in at]
+                whole = [sum(x) * pmult[p] for x in states]
+                # Without accumulation no gradient exists yet at the loss (`compose.peak_memory`): they
+                # are in the end-of-backward row instead.
+                mem[d] = whole if self.gradients_held else [(w + o) * pmult[p] for w, _, o in states]
+                self.end_mem[d] = whole
                 for st, k in pcount[p].items():
-                    self.stage_mem[st][d] = [b / pmult[p] * k for b in mem[d]]
+                    self.stage_mem[st][d] = [b / pmult[p] * k for b in whole]
                 costs[d] = [c + self.cost.states.optimizer_s(p, spec, stage=stage) * pmult[p]
                             for c, (spec, stage) in zip(costs[d], at, strict=True)]
                 continue
@@ -260,6 +305,9 @@ class ShardingILP(DecisionGraph):
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
                 costs[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
+                self.backward_s[d][c] += (priced[j].compute.bwd_s + priced[j].recompute_s) * mult[node] \
+                    * self.cost.micro_batches
+                self.compute_s[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
@@ -274,13 +322,21 @@ class ShardingILP(DecisionGraph):
                     terms.transient_kib[var] += full.recomputed_bytes / KIB
         return costs, mem
 
+    def add_overlap(self) -> list[tuple[int, int]]:
+        """The overlapped step's exposed-communication terms (`overlap.py`); their objective terms."""
+        terms, self.overlap_vars, rows = self.overlap.add_rows(
+            self.model, self.x, self.backward_s, self.compute_s, self.cost.fusion,
+            self.graph.num_params * self.cost.precision.grad_bytes)
+        self.constraint_counts["overlap"] += rows
+        return terms
+
     def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
         """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
         where the ILP may) does not: the memory row is separable, its minimum the sum of per-decision
         minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
         if self.memory_limit_bytes is None or self.stage_mem:
             return
-        floor = self.min_memory_bytes(self._with_all_recomputed(mem))
+        floor = max(self.min_memory_bytes(self._with_all_recomputed(mem)), self.min_memory_bytes(self.end_mem))
         if floor > self.memory_limit_bytes:
             raise InfeasiblePlanError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
@@ -305,6 +361,11 @@ class ShardingILP(DecisionGraph):
             terms = [(x, math.ceil(b / KIB)) for v, bs in row.items() for b, x in zip(bs, self.x[v], strict=True) if b]
             self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra], -BIG,
                            int(self.memory_limit_bytes // KIB))
+            self.constraint_counts["memory"] += 1
+        if not self.gradients_held:
+            terms = [(x, math.ceil(b / KIB)) for v, bs in self.end_mem.items() for b, x in zip(bs, self.x[v], strict=True)
+                     if b]
+            self.model.add("memory[end of backward]", terms, -BIG, int(self.memory_limit_bytes // KIB))
             self.constraint_counts["memory"] += 1
 
     def _binding_stages(self) -> list[int]:
@@ -391,6 +452,7 @@ class ShardingILP(DecisionGraph):
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
         self.add_memory(mem, counts.memory)
+        edge_terms += self.add_overlap()
         self.add_pins()
         self._hint_replicated()
         node_terms = [(round(c * NS_PER_S), x) for d, cs in node_costs.items() for c, x in zip(cs, self.x[d], strict=True)]
@@ -423,6 +485,7 @@ class ShardingILP(DecisionGraph):
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
         )
         return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute,
-                        constraints_by_family=dict(self.constraint_counts))
+                        constraints_by_family=dict(self.constraint_counts),
+                        exposed_s={n: result.values[v] / NS_PER_S for n, v in self.overlap_vars.items()})
 
 

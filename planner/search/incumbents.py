@@ -1,0 +1,78 @@
+"""Hand layouts as incumbents: what a practitioner would write for the same devices and global batch,
+each planned as written (`--layout`, `--zero`: `build.as_written`), with the recomputation and
+micro-batch count that fit. `make_plan` returns the fastest of them where the search's own plan is
+slower, and says which: a plan is never predicted slower than a hand layout that fits.
+
+  DDP        dp_replicate=N, ZeRO 0          parameters whole, gradients all-reduced
+  FSDP       dp_shard=N, ZeRO 3              parameters split on dim 0, gathered for use
+  HSDP       dp_replicate=nodes, dp_shard=G  FSDP inside a node of G devices, replicas across nodes
+  FSDP + TP  dp_shard=N/G, tp=G, ZeRO 3      Megatron's column/row split inside a node (the ILP
+                                             places the tensors inside tp), FSDP across nodes (on
+                                             more than one node: inside one, tp places everything
+                                             as the search itself does)
+
+Each is tried on the request's mesh shape where the request fixes one, on its own otherwise, and at
+the request's ZeRO stage where it fixes one (and its other levers: precision, recomputation, micro-steps).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from core.errors import MeshplanError
+from core.layout import Layout, parse_layout
+from core.levers import Mode
+from costmodel.memory import Precision, model_state_bytes
+from planner.search.request import PlanRequest
+from planner.strategy import Strategy
+
+
+@dataclass(frozen=True)
+class HandLayout:
+    name: str
+    layout: str
+    zero: int
+
+
+def hand_layouts(devices: int, devices_per_node: int) -> list[HandLayout]:
+    """The hand layouts for `devices` GPUs in nodes of `devices_per_node`."""
+    n, g = devices, min(devices_per_node, devices)
+    out = [HandLayout("DDP", f"dp_replicate={n}", 0), HandLayout("FSDP", f"dp_shard={n}", 3)]
+    if n > g > 1 and n % g == 0:
+        out.append(HandLayout("HSDP", f"dp_replicate={n // g},dp_shard={g}", 3))
+    if n > g > 1 and n % g == 0:
+        out.append(HandLayout("FSDP + TP", f"dp_shard={n // g},tp={g}", 3))
+    return out
+
+
+def states_floor(layout: Layout, zero: int, num_params: float, precision: Precision) -> float:
+    """A lower bound of a layout's model states per device: ZeRO's forms (`memory.model_states`) over
+    all its data-parallel ranks, tensor parallelism splitting every parameter."""
+    return model_state_bytes(num_params / layout.degree.get("tp", 1), precision, zero_stage=zero,
+                             dp_degree=layout.data_parallel)
+
+
+def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,
+               num_params: float, precision: Precision, limit: float) -> list[tuple[HandLayout, Strategy | str]]:
+    """Each hand layout planned by `plan` as written for the request (its devices, global batch,
+    precision and levers) at the fewest micro-steps and the recomputation that fit, or why none fits."""
+    out: list[tuple[HandLayout, Strategy | str]] = []
+    for hand in hand_layouts(req.devices, devices_per_node):
+        if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout (DDP at 3 is FSDP)
+            if hand.name == "DDP" and req.zero_stage == 3:
+                continue
+            hand = replace(hand, zero=req.zero_stage)
+        layout = parse_layout(hand.layout, req.devices)
+        if req.mesh_shape is not None and tuple(req.mesh_shape) != layout.mesh_shape:
+            continue
+        floor = states_floor(layout, hand.zero, num_params, precision)
+        if floor > limit:  # its model states alone do not fit: no need to plan it
+            out.append((hand, f"memory: its model states alone need at least {floor / 2**30:.1f} GiB per device"))
+            continue
+        try:
+            out.append((hand, plan(replace(req, layout=layout, zero_stage=hand.zero, mesh_shape=None, axis_names=None,
+                                           mode=Mode.AUTO, must_fit=True))))
+        except MeshplanError as e:
+            out.append((hand, str(e).splitlines()[0]))
+    return out

@@ -1,0 +1,79 @@
+"""The overlapped step in the sharding ILP (`ShardingILP` under `compose.overlap`, the GPU default).
+
+Each edge's time splits into what stays exposed, its parameters' gradient reductions (all-reduces,
+reduce-scatters) and its parameters' gathers for use (`CostModel.edge_time_parts`). The exposed part
+stays in the objective; the other two leave it for two integer variables (ns), bounded below:
+  E_g ≥ Σ grads·y − k Σ backward·x   the gradient reductions beyond the k micro-batches' backward
+  E_g ≥ λ_c Σ grads_c·y              per collective c (all-reduce, reduce-scatter): its last bucket,
+                                     λ_c = min(1, cap_c / the model's gradient bytes)
+  E_a ≥ Σ gathers·y − Σ compute·x    the parameter gathers beyond the step's compute
+  E_a ≥ Σ_y gathers_e,y·y / (2 m_e)  the first gather waits: at least one of edge e's (one y of an edge
+                                     is chosen; rows for the FIRST_GATHER_ROWS edges of the largest)
+  E ≥ 0
+λ_c takes the unsharded gradient bytes (the composer a plan's own, fewer where tensor parallelism splits
+them), and the first-gather rows cover the largest edges only (a row per edge makes CBC far slower):
+the objective is a lower bound of the composed step, by at most a bucket's and a gather's time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from costmodel.buckets import CommFusion
+from planner.search.decisions import NS_PER_S, Decision
+from planner.search.milp import LinearModel
+from planner.search.recompute import BIG
+
+FIRST_GATHER_ROWS = 16
+
+
+@dataclass
+class OverlapTerms:
+    """The hideable parts of the edges' y variables, gathered while the edges are added."""
+
+    # (y, ns) of the gradient all-reduces, reduce-scatters and parameter gathers
+    hideable: dict[str, list[tuple[int, int]]] = field(
+        default_factory=lambda: {"allreduce": [], "reducescatter": [], "gathers": []})
+    one_gather: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # edge → (y, one gather's ns)
+
+    def add_edge(self, edge: int, var: int, multiplicity: int, grads_ar: int, grads_rs: int, gathers: int) -> None:
+        for kind, t in (("allreduce", grads_ar), ("reducescatter", grads_rs), ("gathers", gathers)):
+            if t:
+                self.hideable[kind].append((var, t))
+        if gathers:  # one gather of it (of at most two, each of its instances)
+            self.one_gather.setdefault(edge, []).append((var, gathers // (2 * multiplicity)))
+
+    def add_rows(self, model: LinearModel, x: Mapping[Decision, Sequence[int]],
+                 backward_s: Mapping[Decision, Sequence[float]], compute_s: Mapping[Decision, Sequence[float]],
+                 fusion: CommFusion, gradient_bytes: float) -> tuple[list[tuple[int, int]], dict[str, int], int]:
+        """The variables and rows above: their objective terms (coefficient, variable), the variables by
+        name, and how many rows."""
+        out: list[tuple[int, int]] = []
+        variables: dict[str, int] = {}
+        rows = 0
+        grads = self.hideable["allreduce"] + self.hideable["reducescatter"]
+        for name, hideable, under in (("exposed_grads", grads, backward_s),
+                                      ("exposed_gathers", self.hideable["gathers"], compute_s)):
+            if not hideable:
+                continue
+            var = variables[name] = model.int_var(name, 0, sum(ns for _, ns in hideable))
+            cover = [(v, round(t * NS_PER_S)) for d, ts in under.items() for t, v in zip(ts, x[d], strict=True)
+                     if round(t * NS_PER_S)]
+            model.add(name, [(var, 1), *[(y, -ns) for y, ns in hideable], *cover], 0, BIG)
+            rows += 1
+            out.append((1, var))
+            if name == "exposed_gathers":
+                largest = sorted(self.one_gather.values(), key=lambda ys: -max(ns for _, ns in ys))
+                for k, ys in enumerate(largest[:FIRST_GATHER_ROWS]):
+                    model.add(f"first_gather[{k}]", [(var, 1), *[(y, -ns) for y, ns in ys]], 0, BIG)
+                    rows += 1
+                continue
+            for kind in ("allreduce", "reducescatter"):
+                share = min(1.0, getattr(fusion, kind) / gradient_bytes) if gradient_bytes else 1.0
+                if self.hideable[kind]:
+                    model.add(f"last_bucket[{kind}]",
+                              [(var, 1), *[(y, -math.ceil(ns * share)) for y, ns in self.hideable[kind]]], 0, BIG)
+                    rows += 1
+        return out, variables, rows

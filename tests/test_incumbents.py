@@ -1,0 +1,127 @@
+"""Never worse than a hand layout (issue 33): the overlapped step as the ILP's objective, hand layouts
+as incumbents, hand layouts priced as written."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.collectives import Purpose
+from core.levers import Composer
+from core.mesh import DeviceMesh
+from costmodel.buckets import CommFusion
+from costmodel.memory import PRECISIONS
+from costmodel.step import CostModel
+from hwprofiles.files import load_profile
+from planner.graph import load_graph
+from planner.rules import rules_for_graph
+from planner.search.plan import make_plan
+from planner.search.propagate import data_parallel_pins
+from planner.search.request import PlanRequest
+from planner.search.solve import ShardingILP
+
+
+def scaled_profile(name: str, tmp: Path, *, links: float = 1.0, devices_per_node: int | None = None) -> Path:
+    """A preset with every link and collective bandwidth × `links` (and its node size changed)."""
+    doc = json.loads(resources.files("hwprofiles.presets").joinpath(f"{name}.json").read_text())
+
+    def scale(x: Any) -> None:
+        if isinstance(x, dict):
+            for k, v in x.items():
+                if "bandwidth" in k and isinstance(v, dict) and "value" in v:
+                    v["value"] *= links
+                else:
+                    scale(v)
+    scale(doc)
+    if devices_per_node is not None:
+        doc["node"]["devices_per_node"]["value"] = devices_per_node
+    doc["name"] = f"{name}-links{links:g}-{devices_per_node}"
+    path = tmp / f"{doc['name']}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("links", [0.002, 1.0])
+def test_exposed_gradient_term_closed_form(links: float, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # The mlp's two layers data-parallel on 4 ranks, overlapped, buckets of a quarter of its gradients:
+    # the ILP's exposed gradient reduction is E_g = max(G − B, λ·G) — G the gradients' all-reduces as
+    # the solver prices them (edge by edge), B one micro-batch's backward, λ = cap / gradient bytes
+    # (the last bucket waits). Slow links: the reductions outlast backward (G − B); fast ones: the
+    # last bucket.
+    g = load_graph(zoo("mlp"), {"batch": 256})
+    profile = load_profile(str(scaled_profile("h100-sxm", tmp_path, links=links)))
+    mesh = DeviceMesh.build(4, (4,), devices_per_node=8)
+    grad_bytes = g.num_params * PRECISIONS["bf16"].grad_bytes
+    cm = CostModel(g, mesh, profile, PRECISIONS["bf16"], composer=Composer.OVERLAP,
+                   fusion=CommFusion.uniform(grad_bytes / 4))
+    sol = ShardingILP(g, rules_for_graph(g, mesh), cm, pins=data_parallel_pins(g, mesh)).solve()
+    priced = cm.price_items(sol.choice, sol.param_specs, buckets=False)
+    grads = sum(e.time_s for e in priced.events if e.purpose is Purpose.GRAD_SYNC)
+    backward = priced.backward_s
+    assert grads > 0 and (grads > backward) == (links < 1)
+    want = max(grads - backward, grads / 4)
+    n = len(priced.events) + len(priced.node_compute_s)  # each term rounded to a nanosecond
+    assert sol.exposed_s["exposed_grads"] == pytest.approx(want, abs=n * 1e-9)
+
+
+HANDS = (("DDP", "dp_replicate={n}", 0), ("FSDP", "dp_shard={n}", 3), ("HSDP", "dp_replicate={r},dp_shard=2", 3),
+         ("FSDP + TP", "dp_shard={r},tp=2", 3))
+
+
+def _draw(rng: random.Random, tmp: Path, zoo: Callable[[str], Path]) -> tuple[dict[str, Any], str]:
+    model = rng.choice(["mlp", "gpt2-tiny", "llama-tiny"])
+    base = rng.choice(["cpu", "h100-sxm"])
+    links = 10 ** rng.uniform(-1.5, 1.0)
+    devices = rng.choice([4, 8])
+    dims = {"seq": 32} if model != "mlp" else {}
+    req = dict(model=str(zoo(model)), dims=dims, devices=devices, global_batch_size=rng.choice([8, 16, 32, 64]),
+               profile=str(scaled_profile(base, tmp, links=round(links, 3), devices_per_node=2)),
+               memory_limit_gib=rng.choice([None, round(rng.uniform(0.002, 0.05), 4)]))
+    return req, f"{model} on {devices} {base} (links ×{links:.3g}), {req}"
+
+
+@pytest.mark.draws
+def test_plan_never_slower_than_a_hand_layout_that_fits(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # 50 random draws (MESHPLAN_DRAWS) of model, profile (CPU or H100, link speeds ×0.03–10, 2 devices a
+    # node), 4 or 8 devices (2×2, 4×2), global batch and memory limit. The plan's step is at most that
+    # of each hand layout it recorded that fits; and one hand layout a draw, planned as a user writes it
+    # (`--layout`, `--zero`, at the fewest micro-steps), where that fits, is priced as recorded.
+    # (`make check` runs it: about 2 minutes.)
+    from core.errors import MeshplanError
+
+    rng = random.Random(33)
+    draws = int(os.environ.get("MESHPLAN_DRAWS", "50"))
+    checked = 0
+    for _ in range(draws):
+        req, what = _draw(rng, tmp_path, zoo)
+        try:
+            plan, _ = make_plan(PlanRequest(**req))
+        except MeshplanError:
+            plan = None
+        recorded = {h.layout: h for h in plan.hand_layouts} if plan is not None else {}
+        for h in recorded.values():
+            if h.fits:
+                assert plan is not None and h.step_time_s is not None
+                assert plan.step_time_s <= h.step_time_s * (1 + 1e-9), f"{what}: {h.name} {h.layout} is faster"
+                checked += 1
+        name, layout, zero = rng.choice(HANDS)
+        text = layout.format(n=req["devices"], r=req["devices"] // 2)
+        try:
+            hand, _ = make_plan(PlanRequest(**req, layout=text, zero_stage=zero))
+        except MeshplanError:
+            continue
+        limit = hand.settings.memory_limit_bytes
+        if limit is not None and hand.cost.memory_bytes_per_device > limit:
+            continue
+        assert plan is not None, f"{what}: no plan, but {name} fits"
+        assert plan.step_time_s <= hand.step_time_s * (1 + 1e-9), f"{what}: {name} {text} is faster"
+        if text in recorded and recorded[text].fits and hand.training.recompute_policy == "none":
+            assert recorded[text].step_time_s == pytest.approx(hand.step_time_s, rel=1e-12)
+    assert checked >= draws
