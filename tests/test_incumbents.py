@@ -125,3 +125,15 @@ def test_plan_never_slower_than_a_hand_layout_that_fits(zoo: Callable[[str], Pat
         if text in recorded and recorded[text].fits and hand.training.recompute_policy == "none":
             assert recorded[text].step_time_s == pytest.approx(hand.step_time_s, rel=1e-12)
     assert checked >= draws
+
+
+def test_a_global_batch_the_hand_layouts_cannot_split(zoo: Callable[[str], Path]) -> None:
+    # 12 sequences on 8 devices: the search plans (the batch split 4 ways or not at all), DDP and FSDP
+    # over 8 ranks cannot take whole sequences: recorded as such, not a crash; as a user's layout, one line.
+    from core.errors import MeshplanError
+
+    req = dict(model=str(zoo("mlp")), dims={}, devices=8, global_batch_size=12, profile="h100-sxm")
+    s, _ = make_plan(PlanRequest(**req))
+    assert {h.name for h in s.hand_layouts if "does not split" in h.error} == {"DDP", "FSDP"}
+    with pytest.raises(MeshplanError, match="does not split over the layout's 8 data-parallel ranks"):
+        make_plan(PlanRequest(**req, layout="dp_shard=8"))

@@ -25,7 +25,7 @@ from core.layout import Layout, parse_layout
 from core.levers import Mode
 from costmodel.memory import Precision, model_state_bytes
 from planner.search.request import PlanRequest
-from planner.strategy import Strategy
+from planner.strategy import HandLayoutRecord, Strategy
 
 
 @dataclass(frozen=True)
@@ -59,8 +59,9 @@ def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequ
     precision and levers) at the fewest micro-steps and the recomputation that fit, or why none fits."""
     out: list[tuple[HandLayout, Strategy | str]] = []
     for hand in hand_layouts(req.devices, devices_per_node):
-        if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout (DDP at 3 is FSDP)
-            if hand.name == "DDP" and req.zero_stage == 3:
+        if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
+            # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
+            if (hand.name == "DDP") == (req.zero_stage == 3):
                 continue
             hand = replace(hand, zero=req.zero_stage)
         layout = parse_layout(hand.layout, req.devices)
@@ -70,9 +71,48 @@ def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequ
         if floor > limit:  # its model states alone do not fit: no need to plan it
             out.append((hand, f"memory: its model states alone need at least {floor / 2**30:.1f} GiB per device"))
             continue
+        if req.global_batch_size is not None and req.global_batch_size % layout.data_parallel:
+            out.append((hand, f"the global batch {req.global_batch_size} does not split over "
+                              f"{layout.data_parallel} data-parallel ranks"))
+            continue
         try:
             out.append((hand, plan(replace(req, layout=layout, zero_stage=hand.zero, mesh_shape=None, axis_names=None,
                                            mode=Mode.AUTO, must_fit=True))))
         except MeshplanError as e:
             out.append((hand, str(e).splitlines()[0]))
     return out
+
+
+def planned(hands: Callable[[], list[tuple[HandLayout, Strategy | str]]] | None,
+            say: Callable[[str], None]) -> list[tuple[HandLayout, Strategy | str]]:
+    """The hand layouts planned (none where there are none to plan, or their planning failed: the
+    search's plan stands alone then)."""
+    if hands is None:
+        return []
+    say("hand layouts")
+    try:
+        return hands()
+    except MeshplanError as e:  # a comparison, never a reason to lose the search's plan
+        say(f"hand layouts not compared: {str(e).splitlines()[0]}")
+        return []
+
+
+def against_hand_layouts(plan: Strategy | None, tried: list[tuple[HandLayout, Strategy | str]],
+                         limit: float) -> Strategy:
+    """The search's plan, or the fastest hand layout that fits where that is faster (or where the
+    search found none: then one must fit), with every hand layout's price recorded."""
+    records: list[HandLayoutRecord] = []
+    best = plan
+    for hand, s in tried:
+        if isinstance(s, str):
+            records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=None,
+                                            memory_bytes_per_device=None, fits=False, error=s))
+            continue
+        fits = s.cost.memory_bytes_per_device <= limit
+        records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=s.step_time_s,
+                                        memory_bytes_per_device=s.cost.memory_bytes_per_device, fits=fits))
+        if fits and (best is None or s.step_time_s < best.step_time_s):
+            best = s
+    assert best is not None
+    chosen = [replace(r, chosen=True) if best is not plan and r.layout == best.training.layout else r for r in records]
+    return replace(best, hand_layouts=tuple(chosen))

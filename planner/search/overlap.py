@@ -5,14 +5,16 @@ reduce-scatters) and its parameters' gathers for use (`CostModel.edge_time_parts
 stays in the objective; the other two leave it for two integer variables (ns), bounded below:
   E_g ≥ Σ grads·y − k Σ backward·x   the gradient reductions beyond the k micro-batches' backward
   E_g ≥ λ_c Σ grads_c·y              per collective c (all-reduce, reduce-scatter): its last bucket,
-                                     λ_c = min(1, cap_c / the model's gradient bytes)
+                                     λ_c = min(1, cap_c / B) / k, B the most gradient bytes the buckets
+                                     can hold (every axis, fp32 where reductions are forced to it)
   E_a ≥ Σ gathers·y − Σ compute·x    the parameter gathers beyond the step's compute
-  E_a ≥ Σ_y gathers_e,y·y / (2 m_e)  the first gather waits: at least one of edge e's (one y of an edge
-                                     is chosen; rows for the FIRST_GATHER_ROWS edges of the largest)
+  E_a ≥ Σ_y gathers_e,y·y / (2 a m_e) the first gather waits: at least one of edge e's (one y of an
+                                     edge is chosen; at most 2 gathers per axis of a's; rows for the
+                                     FIRST_GATHER_ROWS edges of the largest)
   E ≥ 0
-λ_c takes the unsharded gradient bytes (the composer a plan's own, fewer where tensor parallelism splits
-them), and the first-gather rows cover the largest edges only (a row per edge makes CBC far slower):
-the objective is a lower bound of the composed step, by at most a bucket's and a gather's time.
+B is at least a plan's own bytes (fewer where tensor parallelism splits them), and the first-gather rows
+cover the largest edges only (a row per edge makes CBC far slower): the objective is a lower bound of
+the composed step.
 """
 
 from __future__ import annotations
@@ -42,14 +44,17 @@ class OverlapTerms:
         for kind, t in (("allreduce", grads_ar), ("reducescatter", grads_rs), ("gathers", gathers)):
             if t:
                 self.hideable[kind].append((var, t))
-        if gathers:  # one gather of it (of at most two, each of its instances)
-            self.one_gather.setdefault(edge, []).append((var, gathers // (2 * multiplicity)))
+        if gathers:  # its gathers, per instance (the rows divide by at most two a mesh axis)
+            self.one_gather.setdefault(edge, []).append((var, gathers // multiplicity))
 
     def add_rows(self, model: LinearModel, x: Mapping[Decision, Sequence[int]],
                  backward_s: Mapping[Decision, Sequence[float]], compute_s: Mapping[Decision, Sequence[float]],
-                 fusion: CommFusion, gradient_bytes: float) -> tuple[list[tuple[int, int]], dict[str, int], int]:
+                 fusion: CommFusion, gradient_bytes: float, micro_batches: int,
+                 axes: int) -> tuple[list[tuple[int, int]], dict[str, int], int]:
         """The variables and rows above: their objective terms (coefficient, variable), the variables by
-        name, and how many rows."""
+        name, and how many rows. `gradient_bytes`: at least the bytes the composer's buckets pack;
+        `micro_batches`: k (per-micro-batch reductions are in the y's k times, the last bucket once);
+        `axes`: the mesh's (a parameter gathers at most twice per axis)."""
         out: list[tuple[int, int]] = []
         variables: dict[str, int] = {}
         rows = 0
@@ -67,11 +72,11 @@ class OverlapTerms:
             if name == "exposed_gathers":
                 largest = sorted(self.one_gather.values(), key=lambda ys: -max(ns for _, ns in ys))
                 for k, ys in enumerate(largest[:FIRST_GATHER_ROWS]):
-                    model.add(f"first_gather[{k}]", [(var, 1), *[(y, -ns) for y, ns in ys]], 0, BIG)
+                    model.add(f"first_gather[{k}]", [(var, 1), *[(y, -(ns // (2 * axes))) for y, ns in ys]], 0, BIG)
                     rows += 1
                 continue
             for kind in ("allreduce", "reducescatter"):
-                share = min(1.0, getattr(fusion, kind) / gradient_bytes) if gradient_bytes else 1.0
+                share = (min(1.0, getattr(fusion, kind) / gradient_bytes) if gradient_bytes else 1.0) / micro_batches
                 if self.hideable[kind]:
                     model.add(f"last_bucket[{kind}]",
                               [(var, 1), *[(y, -math.ceil(ns * share)) for y, ns in self.hideable[kind]]], 0, BIG)

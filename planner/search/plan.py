@@ -47,14 +47,13 @@ from planner.search.build import (
     training_settings,
 )
 from planner.search.decisions import PinError
-from planner.search.incumbents import HandLayout, incumbents
+from planner.search.incumbents import HandLayout, against_hand_layouts, incumbents, planned
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
 from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
 from planner.search.request import FUSION_CANDIDATES, Candidate, PlanRequest, Progress, mesh_candidates
 from planner.strategy import (
     CandidateRecord,
-    HandLayoutRecord,
     ProfileRef,
     SolverStats,
     Strategy,
@@ -154,14 +153,18 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 walk(below[:0:-1])
     if pipelines is not None:
         found += pipelines()
+    hand_plans = planned(hands, say)
+    limit = _memory_limit(req, profile)
     if not found:
-        raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
-                            f"recomputation {policies[-1]}, {failures[-1]}")
+        if not any(not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit for _, s in hand_plans):
+            raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
+                                f"recomputation {policies[-1]}, {failures[-1]}")
+        return against_hand_layouts(None, hand_plans, limit), []
     best = min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
-    if hands is not None:
-        say("hand layouts")
-        best = (_against_hand_layouts(req, profile, best[0], hands()), best[1])
-    return best
+    if hands is None:
+        return best
+    chosen = against_hand_layouts(best[0], hand_plans, limit)
+    return chosen, best[1] if chosen.training.layout == best[0].training.layout else []
 
 
 def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
@@ -183,26 +186,6 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
     if req.searches_pipelines():
         return lambda: job(say)
     return _beside(job, say)
-
-
-def _against_hand_layouts(req: PlanRequest, profile: HardwareProfile, plan: Strategy,
-                          tried: list[tuple[HandLayout, Strategy | str]]) -> Strategy:
-    """The search's plan, or the fastest hand layout that fits where that is faster, with every hand
-    layout's price recorded."""
-    limit = _memory_limit(req, profile)
-    records, best = [], plan
-    for hand, s in tried:
-        if isinstance(s, str):
-            records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=None,
-                                            memory_bytes_per_device=None, fits=False, error=s))
-            continue
-        fits = s.cost.memory_bytes_per_device <= limit
-        records.append(HandLayoutRecord(name=hand.name, layout=hand.layout, zero=hand.zero, step_time_s=s.step_time_s,
-                                        memory_bytes_per_device=s.cost.memory_bytes_per_device, fits=fits))
-        if fits and s.step_time_s < best.step_time_s:
-            best = s
-    chosen = [replace(r, chosen=True) if best is not plan and r.layout == best.training.layout else r for r in records]
-    return replace(best, hand_layouts=tuple(chosen))
 
 
 def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:

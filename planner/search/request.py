@@ -194,7 +194,11 @@ class PlanRequest:
             return [self.accumulation_steps]
         if self.layout is not None:  # each data-parallel rank takes whole sequences
             dp = self.data_parallel_degree()
-            return [k for k in _divisors(self.global_batch_size) if (self.global_batch_size // k) % dp == 0]
+            steps = [k for k in _divisors(self.global_batch_size) if (self.global_batch_size // k) % dp == 0]
+            if not steps:
+                raise MeshplanError(f"`global_batch_size` {self.global_batch_size} does not split over the layout's "
+                                    f"{dp} data-parallel ranks; give a multiple of {dp}")
+            return steps
         return _divisors(self.global_batch_size)
 
     def static_steps(self, batch: int) -> int:

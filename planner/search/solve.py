@@ -312,8 +312,9 @@ class ShardingILP(DecisionGraph):
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
                 for st, k in count[node].items():  # a stage holds several micro-batches' activations
-                    self.stage_mem[st][d][c] += (priced[j].activation_bytes * k * self.in_flight[st]
-                                                 + priced[j].recomputed_bytes)
+                    once = loss.workspace_bytes if (loss := priced[j].loss) is not None else 0.0  # its backward's
+                    self.stage_mem[st][d][c] += ((priced[j].activation_bytes - once) * k * self.in_flight[st]
+                                                 + once * k + priced[j].recomputed_bytes)
             if (terms := self.layer_terms.get(node)) is not None and self.recompute_model is not None:
                 for c, j in enumerate(m):  # one layer of its group recomputed: time added, memory saved
                     full, var = self.recompute_model.node_cost(gnode, strategies[j]), self.x[d][c]
@@ -324,9 +325,10 @@ class ShardingILP(DecisionGraph):
 
     def add_overlap(self) -> list[tuple[int, int]]:
         """The overlapped step's exposed-communication terms (`overlap.py`); their objective terms."""
+        cm = self.cost  # the most gradient bytes the composer's buckets can hold (over every axis, in fp32)
+        most = self.graph.num_params * max(cm.precision.grad_bytes, 4 if cm.fp32_communication else 0) * cm.mesh.ndim
         terms, self.overlap_vars, rows = self.overlap.add_rows(
-            self.model, self.x, self.backward_s, self.compute_s, self.cost.fusion,
-            self.graph.num_params * self.cost.precision.grad_bytes)
+            self.model, self.x, self.backward_s, self.compute_s, cm.fusion, most, cm.micro_batches, cm.mesh.ndim)
         self.constraint_counts["overlap"] += rows
         return terms
 
