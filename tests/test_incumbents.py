@@ -27,6 +27,8 @@ from planner.search.propagate import data_parallel_pins
 from planner.search.request import PlanRequest
 from planner.search.solve import ShardingILP
 
+pytestmark = pytest.mark.hand_layouts
+
 
 def scaled_profile(name: str, tmp: Path, *, links: float = 1.0, devices_per_node: int | None = None) -> Path:
     """A preset with every link and collective bandwidth × `links` (and its node size changed)."""

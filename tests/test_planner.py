@@ -181,6 +181,7 @@ def test_objective_prices_the_loss_when_the_output_comes_from_a_tied_layer() -> 
     ("convnet", {"batch": 16}, (4,)),
     ("llama-tiny", {"batch": 8, "seq": 32}, (2, 2)),
 ])
+@pytest.mark.hand_layouts
 def test_plan_never_worse_than_baselines(name: str, dims: dict[str, int], mesh: tuple[int, ...],
                                          zoo: Callable[[str], Path], tmp_path: Path) -> None:
     strategy, _ = make_plan(PlanRequest(model=str(zoo(name)), dims=dims, profile="h100-sxm", devices=math.prod(mesh),

@@ -16,6 +16,7 @@ best kept; the candidates are reported.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from functools import partial
@@ -171,8 +172,10 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
                   ) -> Callable[[], list[tuple[HandLayout, Strategy | str]]] | None:
     """The hand layouts to check the search's plan against (`incumbents.py`), planned beside the search
     where the machine has a core to spare and the pipelines' search does not take it; None where the
-    request leaves the planner no freedom to compare (a layout, pins, a mode other than auto, one device)."""
-    if req.layout is not None or req.mode is not Mode.AUTO or not req.decides or req.pins or req.devices == 1:
+    request leaves the planner no freedom to compare (a layout, pins, a mode other than auto, one device)
+    or MESHPLAN_HAND_LAYOUTS=0 says to skip them (faster; no never-worse check)."""
+    if req.layout is not None or req.mode is not Mode.AUTO or not req.decides or req.pins or req.devices == 1 \
+            or os.environ.get("MESHPLAN_HAND_LAYOUTS") == "0":
         return None
 
     def job(_say: Progress) -> list[tuple[HandLayout, Strategy | str]]:
