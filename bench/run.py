@@ -301,10 +301,18 @@ def bench_gpu(repeat: int) -> None:
     bench_gpu_steps(console)
 
 
+def bench_gqa(repeat: int) -> None:
+    """GQA under tensor parallelism: k and v by KV head against row-parallel, predicted and measured on 4
+    gloo ranks (bench/gqa.py)."""
+    from bench.gqa import bench_gqa as gqa
+
+    gqa(console, rounds=repeat)
+
+
 BENCHMARKS: dict[str, Callable[[int], None]] = {"collectives": bench_collectives, "fidelity": bench_fidelity,
                                                 "import": bench_import, "plan": bench_plan, "layers": bench_layers,
                                                 "pipeline": bench_pipeline, "published": bench_published_runs,
-                                                "gpu": bench_gpu}
+                                                "gpu": bench_gpu, "gqa": bench_gqa}
 
 
 def main() -> None:

@@ -186,6 +186,11 @@ ZOO: dict[str, ZooEntry] = {
         ZooEntry(name="llama-tiny-4l", build=lambda: _llama(4, 64, 172, 4, 2, 256, 128), input_kind="tokens",
                  input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
                  default_dims={"batch": 4, "seq": 32}, vocab=256, description="Llama, 4 layers, GQA 4/2 heads"),
+        # Grouped-query attention as Llama-3 has it (4 query heads per KV head), 4 KV heads: one per rank
+        # of 4 (`bench.run --only gqa`: k and v column-parallel by KV head against row-parallel).
+        ZooEntry(name="llama-gqa", build=lambda: _llama(2, 256, 688, 16, 4, 512, 256), input_kind="tokens",
+                 input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 8, "seq": 128}, vocab=512, description="Llama, 2 layers, h=256, GQA 16/4 heads"),
         ZooEntry(name="llama3-8b", build=lambda: _llama(32, 4096, 14336, 32, 8, 128256, 8192),
                  input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
                  default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,

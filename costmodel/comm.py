@@ -11,7 +11,9 @@ and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level
 from __future__ import annotations
 
 from core.collectives import Collective, LinkLevel, PricedCollective, Purpose
+from core.graph import TensorKind
 from core.mesh import DeviceMesh
+from core.placement import Spec, gradient_spec
 from costmodel.device import link_collective_time_s
 from hwprofiles.profile import HardwareProfile
 
@@ -51,3 +53,16 @@ def seen_reduction(e: PricedCollective, reduced: set[tuple[str, tuple[int, ...]]
         return True
     reduced.add(key)
     return False
+
+
+def shared_reshard(tensor: str, kind: TensorKind, have: Spec, need: Spec, consumer_split: frozenset[int],
+                   segment: object) -> tuple[object, ...] | None:
+    """The key under which an activation's redistribute runs once for all the consumers that need it in
+    the same spec with the same gradient placements (`gradient_spec`), outside any recomputed layer or
+    inside one (`segment`: its layer; a recomputed layer redistributes anew): what the executor does
+    (one redistribute, the consumers' gradients summed before its backward) and what torchtitan's
+    `PrepareModuleInput` does for q, k and v. None for what is not redistributed once so: parameters
+    (gathered per use, `states.py`), inputs and constants, and a tensor already where it is needed."""
+    if kind is not TensorKind.ACTIVATION or have == need:
+        return None
+    return tensor, have, need, gradient_spec(need, consumer_split), segment

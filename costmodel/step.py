@@ -14,8 +14,8 @@ A plan chooses one `OpStrategy` per compute node and one spec per parameter. Its
     step's conjugate runs: a slice's gradient is all-gathered, a reduce_scatter's too, an all_to_all's
     goes back by all_to_all, an all_reduce's and a gather's need nothing, R → P needs an all_reduce;
   A tensor read by several consumers has its partial gradient reduced once per axis (autograd sums
-  the partials first). The solver prices each edge alone, so for such tensors its objective is an
-  upper bound of the priced step. Parameter-gradient all-reduces are bucketed (25 MiB, DDP's default,
+  the partials first), and an activation several consumers need in one spec (with the same gradient
+  placements) is redistributed once for them (`comm.shared_reshard`; the executor does the same). Parameter-gradient all-reduces are bucketed (25 MiB, DDP's default,
   `buckets.py`): the plan is priced per bucket, each gradient carrying its share of its bucket's time;
   an edge alone pays its share of the latency of a bucket holding every gradient;
 - the loss on the output (`loss.py`), charged to the node producing it: its kernels, the collectives
@@ -51,7 +51,7 @@ from costmodel.attention import (
 )
 from costmodel.bucketing import price_buckets
 from costmodel.buckets import CommFusion
-from costmodel.comm import collective_time_s, seen_reduction
+from costmodel.comm import collective_time_s, seen_reduction, shared_reshard
 from costmodel.compose import StepCost, compose, hides_under_backward, prefetched
 from costmodel.compute import (
     ComputeCost,
@@ -392,6 +392,7 @@ class CostModel:
                                             "loss": {}}
         acts = mem["activations"]
         reduced: set[tuple[str, tuple[int, ...]]] = set()  # (tensor, axes) whose partial gradient is reduced
+        shared: set[tuple[object, ...]] = set()  # activations' redistributes, each run once (`shared_reshard`)
         recomputed: dict[tuple[int, int], float] = {}  # layer → what its recomputation holds during its backward
         for node in g.compute_nodes:
             strategy = choice[node.name]
@@ -419,6 +420,11 @@ class CostModel:
                 events = tuple(e for e in self.edge_events(t, have, need, split,
                                                            saved=self.reads_in_backward(node, i))
                                if not seen_reduction(e, reduced))
+                key = shared_reshard(t, info.kind, have, need, split, self.layer_of.get(node.name))
+                if key is not None and key in shared:  # another consumer's redistribute, and its backward
+                    events = ()
+                elif key is not None:
+                    shared.add(key)
                 if node.name in self.layer_of:  # the layer's forward runs again in backward, its reshards too;
                     # a parameter's gather among them is the one backward uses (no second re-gather)
                     events = tuple(e for e in events if e.purpose is not Purpose.REGATHER)

@@ -113,6 +113,14 @@ class SpmdRunner:
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
         self._segments = self._recomputed_segments()
         self._segment_reads, self._segment_outputs = self._segment_boundaries()
+        # A tensor's shared redistributes are dropped after the program entry that reads it last.
+        last: dict[str, int] = {}
+        for i, (node, region, *_) in enumerate(self._program):
+            reads = node.inputs if region is None else [self.graph.node_by_name[x].inputs[j] for x, j in region.inputs]
+            last.update((t, i) for t in reads if t)
+        self._last_read: dict[int, list[str]] = {}
+        for t, i in last.items():
+            self._last_read.setdefault(i, []).append(t)
         # Measuring memory (executor/measure.py's SavedMeter): told the tensors held after forward for the
         # recomputed segments, and a context each recomputation runs in.
         self.on_kept: Callable[[list[torch.Tensor]], object] | None = None
@@ -199,7 +207,9 @@ class SpmdRunner:
         local.update(feeds)
         params = self.params
         # Where the ops read and write: these two dicts, or a recomputed segment's own scope over them.
-        scope: dict[str, Any] = {"local": local, "wrapped": wrapped}
+        # Activations redistributed, each once for the consumers that need it in one spec with the same
+        # gradient placements (`costmodel.comm.shared_reshard`); a recomputed layer redistributes anew.
+        scope: dict[str, Any] = {"local": local, "wrapped": wrapped, "resharded": {}}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
@@ -224,18 +234,23 @@ class SpmdRunner:
             grad, any_partial = grad_info
             if spec[t] == want and not (any_partial and local[t].requires_grad):
                 return local[t]  # already there, nothing to reduce: no DTensor at all
+            key = (tuple(want), tuple(grad))
+            resharded = scope["resharded"].setdefault(t, {})
+            if key in resharded:
+                return resharded[key]
             if t not in wrapped:
                 shape = g.tensors[t].shape
                 wrapped[t] = DTensor.from_local(
                     local[t], mesh, spec[t], shape=torch.Size(shape), stride=contiguous_stride(shape),
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
-            return redistribute(wrapped[t], want).to_local(grad_placements=grad)
+            out = resharded[key] = redistribute(wrapped[t], want).to_local(grad_placements=grad)
+            return out
 
         attention = eager_attention if self.strategy.training.attention == Attention.EAGER else fused_attention
 
         def run(start: int, end: int) -> None:
             local = scope["local"]
-            for node, region, direct, want_out, kernels in self._program[start:end]:
+            for at, (node, region, direct, want_out, kernels) in enumerate(self._program[start:end], start):
                 if region is not None:  # the attention chain ending here, as the planned kernel(s)
                     outs = [attention(*(prepare(n, i) for n, i in region.inputs))]
                 else:
@@ -243,6 +258,8 @@ class SpmdRunner:
                                                   for i, (t, d) in enumerate(zip(node.inputs, direct, strict=True))],
                                            want_out, kernels)
                 local.update(zip(node.outputs, outs, strict=False))
+                for t in self._last_read.get(at, ()):
+                    scope["resharded"].pop(t, None)
 
         forward = [True]
 
@@ -250,7 +267,7 @@ class SpmdRunner:
             """A recomputed layer, in a scope of its own: what it makes is dropped when it returns, but
             for what is read after it (in forward; its recomputation in backward publishes nothing)."""
             outer = dict(scope)
-            scope["local"], scope["wrapped"] = ChainMap({}, local), ChainMap({}, wrapped)
+            scope["local"], scope["wrapped"], scope["resharded"] = ChainMap({}, local), ChainMap({}, wrapped), {}
             try:
                 run(start, end)
                 if forward[0]:

@@ -216,7 +216,9 @@ def test_zero_step_equals_one_process(name: str, dims: dict[str, int], global_ba
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=math.prod(mesh), mesh_shape=mesh,
                                  mode=mode, pins=pins, global_batch_size=global_batch, accumulation_steps=k,
                                  zero_stage=zero))
-    kinds = {c.kind for n in s.nodes.values() for c in n.collectives if c.purpose is not Purpose.RESHARD}
+    params = {t for t, p in s.tensors.items() if p.kind is TensorKind.PARAM}  # (an activation's gradient under
+    kinds = {c.kind for n in s.nodes.values() for c in n.collectives  # tensor parallelism is all-reduced)
+             if c.purpose is not Purpose.RESHARD and c.tensor in params}
     assert {Collective.REDUCE_SCATTER, Collective.ALL_GATHER} <= kinds and Collective.ALL_REDUCE not in kinds
     run_equals_one_process(s, model, tmp_path, optimizer)
 

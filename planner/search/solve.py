@@ -29,10 +29,12 @@ Objective (integer nanoseconds of one training step)
   the edges inside d (producer → follower; layer i → layer i + 1 of one tied node); C_e: the forward
   reshard of t and the backward work on its gradient (`CostModel.edge_events`; per-micro-batch
   collectives × k, a parameter's gradient reduction once, or at ZeRO-1/2 its reduce-scatters and
-  gathers, `CostModel.zero_events`). Each edge is priced
-  alone: a tensor whose several consumers all leave its gradient partial is charged one reduction
-  per consumer, where execution (and `CostModel.price`) reduces once — the objective is then an upper
-  bound of the priced step.
+  gathers, `CostModel.zero_events`). An activation redistributed alike for several consumers (q, k
+  and v reading one gathered input) is redistributed once (`costmodel.comm.shared_reshard`): for its
+  edges into one layer, each (from, to) pair that costs anything is charged on z ≥ y of every such
+  edge (`shared[·]`, z ∈ {0,1}) instead of on the y's. Otherwise each edge is priced alone: a tensor
+  whose consumers need it in different specs and all leave its gradient partial is charged one
+  reduction per consumer, where execution (and `CostModel.price`) reduces once — an upper bound.
   Under the overlapped step (`compose.overlap`, GPU profiles) each edge's gradient reductions and
   parameter gathers leave that sum for two exposed terms, integer variables (`add_overlap`):
     E_g ≥ Σ grads·y − k Σ backward·x,  E_g ≥ λ_c Σ grads_c·y,  E_a ≥ Σ gathers·y − Σ compute·x,
@@ -211,6 +213,21 @@ class ShardingILP(DecisionGraph):
         terms: list[tuple[int, int]] = []
         self.inner_cost = {d: [0.0] * k for d, k in self.decisions.items()}
         self.overlap = OverlapTerms()  # under the overlapped step, the hideable parts of the y
+
+        def charge(var: int, entry: tuple[int, ...], k: int, multiplicity: int, terms_g: GroupTerms | None) -> None:
+            ns, extra, *hide = entry
+            if ns:
+                terms.append((ns, var))
+            if any(hide):
+                self.overlap.add_edge(k, var, multiplicity, *hide)
+            if terms_g is not None and extra:
+                terms_g.time_ns[var] += extra
+
+        shared = self._shared_edges()
+        shared_first: dict[tuple[object, ...], int] = {}
+        for k, group in shared.items():
+            shared_first.setdefault(group, k)
+        pending: dict[tuple[tuple[object, ...], object], list[tuple[int, tuple[int, ...]]]] = defaultdict(list)
         for k, e in enumerate(self.edges):
             if e.producer == e.consumer:
                 for c in range(self.decisions[e.producer]):
@@ -228,11 +245,15 @@ class ShardingILP(DecisionGraph):
             for c in range(self.decisions[e.consumer]):
                 consumer_class[self._consumer_class(e, c)].append(c)
             # Cost matrix over classes, then merge classes with identical rows (columns): exact, and
-            # it shrinks y several-fold where many specs reshard alike.
+            # it shrinks y several-fold where many specs reshard alike. An edge whose redistribute is
+            # shared keeps each of its (from, to) pairs apart where they cost anything.
             terms_g = self.layer_terms.get(e.consumer_node)
             cost = [[self._edge_ns(e, src, dst, split, terms_g) for (dst, split) in consumer_class] for src in producer_class]
-            rows = merge_identical([tuple(r) for r in cost], list(producer_class.values()))
-            cols = merge_identical([tuple(cost[i][j] for i in range(len(cost))) for j in range(len(consumer_class))],
+            key = [[(src[0], *dst) if k in shared and c is not None and any(c) else None
+                    for dst, c in zip(consumer_class, row, strict=True)] for src, row in zip(producer_class, cost, strict=True)]
+            rows = merge_identical([tuple(zip(r, kr, strict=True)) for r, kr in zip(cost, key, strict=True)],
+                                   list(producer_class.values()))
+            cols = merge_identical([tuple((cost[i][j], key[i][j]) for i in range(len(cost))) for j in range(len(consumer_class))],
                                     list(consumer_class.values()))
             y = {}
             for a, (ra, _) in enumerate(rows):
@@ -241,13 +262,10 @@ class ShardingILP(DecisionGraph):
                     if entry is None:
                         continue
                     y[a, b] = var = self.model.bool_var(f"y[{k},{a},{b}]")
-                    ns, extra, *hide = entry
-                    if ns:
-                        terms.append((ns, var))
-                    if any(hide):
-                        self.overlap.add_edge(k, var, e.multiplicity, *hide)
-                    if terms_g is not None and extra:
-                        terms_g.time_ns[var] += extra
+                    if key[ra][cb] is not None:  # charged once for the edges that share it, below
+                        pending[shared[k], key[ra][cb]].append((var, entry))
+                    else:
+                        charge(var, entry, k, e.multiplicity, terms_g)
             for a, (_, members) in enumerate(rows):
                 self.model.add_equal(f"edge_producer[{k},{a}]", [y[a, b] for b in range(len(cols)) if (a, b) in y],
                                      [self.x[e.producer][i] for i in members])
@@ -256,7 +274,29 @@ class ShardingILP(DecisionGraph):
                 self.model.add_equal(f"edge_consumer[{k},{b}]", [y[a, b] for a in range(len(rows)) if (a, b) in y],
                                      [self.x[e.consumer][j] for j in members])
                 self.constraint_counts["edge_consumer"] += 1
+        for n, ((group, _), ys) in enumerate(pending.items()):  # one redistribute: z ≥ y of every edge
+            var, entry = ys[0]
+            if len(ys) > 1:
+                var = self.model.bool_var(f"shared[{n}]")
+                for i, (y_, _) in enumerate(ys):
+                    self.model.add(f"shared[{n},{i}]", [(var, 1), (y_, -1)], 0, 1)
+                self.constraint_counts["shared"] += len(ys)
+            first = shared_first[group]
+            charge(var, entry, first, self.edges[first].multiplicity, self.layer_terms.get(self.edges[first].consumer_node))
         return terms
+
+    def _shared_edges(self) -> dict[int, tuple[object, ...]]:
+        """Edges whose redistribute one other edge shares where both need the same spec with the same
+        gradient placements (`costmodel.comm.shared_reshard`): an activation's edges to consumers in the
+        same layer (each recomputed layer redistributes anew), tied alike. Edge → its group."""
+        groups: dict[tuple[object, ...], list[int]] = defaultdict(list)
+        for k, e in enumerate(self.edges):
+            if e.producer == e.consumer or self.graph.tensors[e.tensor].kind is not TensorKind.ACTIVATION:
+                continue
+            terms = self.layer_terms.get(e.consumer_node)
+            groups[e.tensor, e.multiplicity, self.cost.layer_of.get(e.consumer_node),
+                   terms.prefix if terms is not None else None].append(k)
+        return {k: g for g, ks in groups.items() if len(ks) > 1 for k in ks}
 
     def _costs_and_memory(self) -> tuple[dict[Decision, list[float]], dict[Decision, list[float]]]:
         """Per choice of every decision: seconds (compute of its nodes, inner edges) and bytes
