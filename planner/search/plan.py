@@ -359,6 +359,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                     # its saving, it is held at stage 0 and the ILP solved again
                     ilp = sharding_ilp(req, graph, rules, base, mesh, layout, pins=pins,
                                        memory_limit_bytes=None if layout is not None else limit, no_zero=no_zero,
+                                       floor_limit_bytes=limit if req.must_fit else None,
                                        recompute_model=model(Recompute.FULL) if counted else None,
                                        recompute_layers=req.recompute_layers)
                     sol = ilp.solve()

@@ -104,7 +104,7 @@ class ShardingILP(DecisionGraph):
                  zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
                  recompute_model: CostModel | None = None, recompute_layers: int | None = None,
                  stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = (),
-                 shard_freely: bool = True) -> None:
+                 shard_freely: bool = True, floor_limit_bytes: float | None = None) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `shard_freely`: each parameter may also be split over every axis it would be whole on (ZeRO-3
@@ -115,7 +115,9 @@ class ShardingILP(DecisionGraph):
         group to recompute is decided too (`planner/search/recompute.py`; `cost` must recompute none), or held
         at `recompute_layers` (the first N of each group). `stages`: each compute node's pipeline stage —
         given, the memory row is one per stage (its nodes' parameters' states, and their activations
-        times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`)."""
+        times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`).
+        `floor_limit_bytes`: without a memory row, a limit the memory floor is checked against before
+        the edges are built (a hand layout that must fit: its infeasible micro-step counts told fast)."""
         super().__init__(graph, rules, cost, pins=pins or {}, param_layout=param_layout, no_zero=no_zero, follow=follow,
                          zero_options=zero_stages if zero_stages is not None else (cost.zero_stage,),
                          shard_freely=shard_freely)
@@ -127,6 +129,7 @@ class ShardingILP(DecisionGraph):
         self.gradients_held = cost.micro_batches > 1 or stages is not None
         self.recompute_model = recompute_model
         self.memory_limit_bytes = memory_limit_bytes
+        self.floor_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else floor_limit_bytes
         self.options = options or SolverOptions()
         self.model = LinearModel()
         self.constraint_counts: dict[str, int] = defaultdict(int)
@@ -376,13 +379,13 @@ class ShardingILP(DecisionGraph):
         """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
         where the ILP may) does not: the memory row is separable, its minimum the sum of per-decision
         minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
-        if self.memory_limit_bytes is None or self.stage_mem:
+        if self.floor_limit_bytes is None or self.stage_mem:
             return
         floor = max(self.min_memory_bytes(self._with_all_recomputed(mem)), self.min_memory_bytes(self.end_mem))
-        if floor > self.memory_limit_bytes:
+        if floor > self.floor_limit_bytes:
             raise InfeasiblePlanError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
-                f"as its rules allow) but `memory_limit_gib` is {self.memory_limit_bytes / 2**30:.1f} GiB; raise "
+                f"as its rules allow) but `memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise "
                 "`memory_limit_gib` or add devices")
 
     def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
