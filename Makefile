@@ -41,7 +41,7 @@ demo: $(STAMP)
 # test loads the cores. pytest exits 5 when it collected no test: that is a failure, not a pass.
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not timing and not draws"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not timing and not draws and not extended"; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; \
 	$(PY) -m pytest -q -m timing; rc2=$$?; if [ $$rc -ne 0 ]; then exit $$rc; fi; exit $$rc2
 
 # The gate on meshplan's own plans against the baselines in .ci/ (meshplan check; README).
@@ -49,7 +49,7 @@ check: $(STAMP)
 	$(PY) -m bench.zoo gpt2-tiny llama-tiny gpt2-tiny-4l llama3-8b llama3-70b
 	$(VENV)/bin/meshplan check --config .ci/meshplan-check.toml
 	$(VENV)/bin/meshplan check --config examples/ci/meshplan-check.toml
-	$(PY) -m pytest -q -m draws -p no:cacheprovider
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "draws or extended" -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
