@@ -31,7 +31,7 @@ from planner.export import export as export_module
 from planner.export import export_config, logits_module, quiet
 
 # Bump when an export recipe changes: cached files of another version are rebuilt.
-ZOO_VERSION = 4
+ZOO_VERSION = 3
 DEFAULT_DIR = Path(os.environ.get("MESHPLAN_ZOO_DIR", Path.home() / ".cache" / "meshplan" / "zoo"))
 
 
@@ -91,13 +91,11 @@ class ConvNet(nn.Module):
 # transformers builders (imported lazily: transformers is a zoo-only dependency)
 
 
-def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, n_pos: int, activation: str = "gelu_new",
-          ) -> tuple[nn.Module, Any]:
+def _gpt2(n_layer: int, n_embd: int, n_head: int, vocab: int, n_pos: int) -> tuple[nn.Module, Any]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, vocab_size=vocab, n_positions=n_pos,
-                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", use_cache=False,
-                     activation_function=activation)
+                     bos_token_id=0, eos_token_id=0, attn_implementation="sdpa", use_cache=False)
     return logits_module(GPT2LMHeadModel(cfg), "input_ids"), cfg
 
 
@@ -213,8 +211,7 @@ for _layers in (4, 8, 16, 80):
 # GPT shapes of published runs (Megatron-LM SC'21, GPT-3, llm-foundry's MPT; ../shared/published-runs.md and
 # bench/published_runs.toml), shape-only, for the pipeline search and the published-runs benchmarks:
 # name → (layers, hidden, heads, vocab, sequence). A transformers GPT-2 of the size stands in for MPT
-# (same matmuls; MPT has ALiBi and no biases) and for Megatron's GPT, with their GELU: one kernel that
-# saves its input (GPT-2's own tanh form, eight element-wise ops, saves four tensors of the MLP's width).
+# (same matmuls; MPT has ALiBi and no biases) and for Megatron's GPT.
 GPT_SHAPES = {"gpt-1.3b": (24, 2048, 16, 50257, 2048), "gpt3-175b": (96, 12288, 96, 50257, 2048),
               "gpt-145b": (80, 12288, 96, 51200, 2048), "gpt-1t": (128, 25600, 160, 51200, 2048),
               "gpt-1.7b": (24, 2304, 24, 51200, 2048), "gpt-7.5b": (36, 4096, 32, 51200, 2048),
@@ -224,7 +221,7 @@ GPT_SHAPES = {"gpt-1.3b": (24, 2048, 16, 50257, 2048), "gpt3-175b": (96, 12288, 
               "mpt-30b": (48, 7168, 56, 50368, 2048), "mpt-70b": (80, 8192, 64, 50368, 2048)}
 for _name, (_n, _h, _heads, _vocab, _seq) in GPT_SHAPES.items():
     ZOO[_name] = ZooEntry(
-        name=_name, build=lambda n=_n, h=_h, a=_heads, v=_vocab, q=_seq: _gpt2(n, h, a, v, q, "gelu"), input_kind="tokens",
+        name=_name, build=lambda n=_n, h=_h, a=_heads, v=_vocab, q=_seq: _gpt2(n, h, a, v, q), input_kind="tokens",
         input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 8, "seq": _seq},
         vocab=_vocab, with_weights=False, dim_max={"seq": _seq},
         description=f"GPT, {_n} layers, h={_h}, shape-only (benchmark)")
