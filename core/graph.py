@@ -168,6 +168,12 @@ class OpGraph:
     def layers(self) -> tuple[LayerGroup, ...]:
         return find_repeated_layers(self)
 
+    @cached_property
+    def layer_of(self) -> dict[str, tuple[int, int]]:
+        """Each node of a repeated layer → (its group's index, the layer's index in the group)."""
+        return {n: (gi, li) for gi, group in enumerate(self.layers) for li, names in enumerate(group.nodes)
+                for n in names}
+
     @property
     def num_params(self) -> int:
         return sum(t.numel for t in self.params)

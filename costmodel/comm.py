@@ -58,10 +58,11 @@ def seen_reduction(e: PricedCollective, reduced: set[tuple[str, tuple[int, ...]]
 def shared_reshard(tensor: str, kind: TensorKind, have: Spec, need: Spec, consumer_split: frozenset[int],
                    segment: object) -> tuple[object, ...] | None:
     """The key under which an activation's redistribute runs once for all the consumers that need it in
-    the same spec with the same gradient placements (`gradient_spec`), outside any recomputed layer or
-    inside one (`segment`: its layer; a recomputed layer redistributes anew): what the executor does
-    (one redistribute, the consumers' gradients summed before its backward) and what torchtitan's
-    `PrepareModuleInput` does for q, k and v. None for what is not redistributed once so: parameters
+    the same spec with the same gradient placements (`gradient_spec`) within one repeated layer
+    (`segment`: the consumer's layer, `OpGraph.layer_of`; None outside the layers): what the executor
+    does (one redistribute, the consumers' gradients summed before its backward) and what torchtitan's
+    `PrepareModuleInput` does for q, k and v. Per layer, because a recomputed layer redistributes anew
+    and a pipeline's stages each their own. None for what is not redistributed once so: parameters
     (gathered per use, `states.py`), inputs and constants, and a tensor already where it is needed."""
     if kind is not TensorKind.ACTIVATION or have == need:
         return None

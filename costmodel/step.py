@@ -420,7 +420,7 @@ class CostModel:
                 events = tuple(e for e in self.edge_events(t, have, need, split,
                                                            saved=self.reads_in_backward(node, i))
                                if not seen_reduction(e, reduced))
-                key = shared_reshard(t, info.kind, have, need, split, self.layer_of.get(node.name))
+                key = shared_reshard(t, info.kind, have, need, split, g.layer_of.get(node.name))
                 if key is not None and key in shared:  # another consumer's redistribute, and its backward
                     events = ()
                 elif key is not None:

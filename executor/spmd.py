@@ -207,9 +207,12 @@ class SpmdRunner:
         local.update(feeds)
         params = self.params
         # Where the ops read and write: these two dicts, or a recomputed segment's own scope over them.
-        # Activations redistributed, each once for the consumers that need it in one spec with the same
-        # gradient placements (`costmodel.comm.shared_reshard`); a recomputed layer redistributes anew.
-        scope: dict[str, Any] = {"local": local, "wrapped": wrapped, "resharded": {}}
+        # Activations redistributed, each once for the consumers of one layer that need it in one spec
+        # with the same gradient placements (`costmodel.comm.shared_reshard`); a recomputed layer
+        # redistributes anew. Dropped after the tensor's last reader (from a recomputed layer's dict and
+        # the step's), and all of them when the forward ends.
+        resharded: dict[str, dict[Any, Any]] = {}
+        scope: dict[str, Any] = {"local": local, "wrapped": wrapped, "resharded": resharded}
 
         def prepare(node_name: str, i: int) -> Any:
             """Input i of a node, local, as the node's strategy requires it."""
@@ -234,16 +237,16 @@ class SpmdRunner:
             grad, any_partial = grad_info
             if spec[t] == want and not (any_partial and local[t].requires_grad):
                 return local[t]  # already there, nothing to reduce: no DTensor at all
-            key = (tuple(want), tuple(grad))
-            resharded = scope["resharded"].setdefault(t, {})
-            if key in resharded:
-                return resharded[key]
+            key = (g.layer_of.get(node_name), tuple(want), tuple(grad))  # once per layer, as priced
+            cached = scope["resharded"].setdefault(t, {})
+            if key in cached:
+                return cached[key]
             if t not in wrapped:
                 shape = g.tensors[t].shape
                 wrapped[t] = DTensor.from_local(
                     local[t], mesh, spec[t], shape=torch.Size(shape), stride=contiguous_stride(shape),
                     grad_placements=[Replicate() if isinstance(p, Partial) else p for p in spec[t]])
-            out = resharded[key] = redistribute(wrapped[t], want).to_local(grad_placements=grad)
+            out = cached[key] = redistribute(wrapped[t], want).to_local(grad_placements=grad)
             return out
 
         attention = eager_attention if self.strategy.training.attention == Attention.EAGER else fused_attention
@@ -260,6 +263,7 @@ class SpmdRunner:
                 local.update(zip(node.outputs, outs, strict=False))
                 for t in self._last_read.get(at, ()):
                     scope["resharded"].pop(t, None)
+                    resharded.pop(t, None)
 
         forward = [True]
 
@@ -280,6 +284,7 @@ class SpmdRunner:
         with self.regather.saving():
             self._run_program(run, segment, start, end)
         forward[0] = False
+        resharded.clear()
         result = [local[t] for t in outputs]
         if self._segments:  # the checkpoints hold `run` until backward, and with it these dicts: keep only
             keep = self._segment_reads  # what the recomputed layers read (their inputs), and constants

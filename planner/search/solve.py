@@ -30,8 +30,8 @@ Objective (integer nanoseconds of one training step)
   reshard of t and the backward work on its gradient (`CostModel.edge_events`; per-micro-batch
   collectives × k, a parameter's gradient reduction once, or at ZeRO-1/2 its reduce-scatters and
   gathers, `CostModel.zero_events`). An activation redistributed alike for several consumers (q, k
-  and v reading one gathered input) is redistributed once (`costmodel.comm.shared_reshard`): for its
-  edges into one layer, each (from, to) pair that costs anything is charged on z ≥ y of every such
+  and v reading one gathered input) is redistributed once per layer (`costmodel.comm.shared_reshard`):
+  for its edges into one layer, each (from, to) pair that costs anything is charged on z ≥ y of every such
   edge (`shared[·]`, z ∈ {0,1}) instead of on the y's. Otherwise each edge is priced alone: a tensor
   whose consumers need it in different specs and all leave its gradient partial is charged one
   reduction per consumer, where execution (and `CostModel.price`) reduces once — an upper bound.
@@ -291,14 +291,14 @@ class ShardingILP(DecisionGraph):
     def _shared_edges(self) -> dict[int, tuple[object, ...]]:
         """Edges whose redistribute one other edge shares where both need the same spec with the same
         gradient placements (`costmodel.comm.shared_reshard`): an activation's edges to consumers in the
-        same layer (each recomputed layer redistributes anew), tied alike. Edge → its group."""
+        same layer, tied alike. Edge → its group."""
         groups: dict[tuple[object, ...], list[int]] = defaultdict(list)
         for k, e in enumerate(self.edges):
             if e.producer == e.consumer or self.graph.tensors[e.tensor].kind is not TensorKind.ACTIVATION:
                 continue
             terms = self.layer_terms.get(e.consumer_node)
-            groups[e.tensor, e.multiplicity, self.cost.layer_of.get(e.consumer_node),
-                   terms.prefix if terms is not None else None].append(k)
+            groups[e.tensor, e.multiplicity, self.graph.layer_of.get(e.consumer_node),
+                   self.cost.layer_of.get(e.consumer_node), terms.prefix if terms is not None else None].append(k)
         return {k: g for g, ks in groups.items() if len(ks) > 1 for k in ks}
 
     def _costs_and_memory(self) -> tuple[dict[Decision, list[float]], dict[Decision, list[float]]]:
