@@ -298,11 +298,14 @@ class CostModel:
                 events = [e for e in events if e not in synced] + [
                     replace(z, time_s=self._bucket_share(z.kind, z.axes[0], z.size_bytes, z.time_s))
                     for z in self.states.events(tensor, src, axes, synced[0].size_bytes, stage)]
+            # A parameter used in a spec other than the one it is stored in is reduced in every
+            # micro-batch (`_resharded_params_per_micro_batch`), its per-step events k times.
+            moved = info.kind is TensorKind.PARAM and src != dst
             parts = [0.0, 0.0, 0.0, 0.0]
             for e in events:
                 part = (1 if e.purpose is Purpose.GRAD_SYNC else 2) if hides_under_backward(e, self.param_owner) else \
                     3 if prefetched(e, self.param_owner) else 0
-                parts[part] += e.time_s * (k if e.cadence is Cadence.MICRO_BATCH else 1) * (
+                parts[part] += e.time_s * (k if e.cadence is Cadence.MICRO_BATCH or moved else 1) * (
                     2 if recomputed and e.phase is Phase.FORWARD else 1)
             t = self._edge_time_cache[key] = (parts[0], parts[1], parts[2], parts[3])
         return t
