@@ -467,6 +467,9 @@ def profile_calibrate(nproc: int, backend: str | None, quick: bool, out_path: st
     from hwprofiles.calibrate import CalibrationConfig
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        _calibrate_gpu(nproc, quick, out_path, base, compute_only, name)
+        return
     from hwprofiles.files import load_profile, save_profile
     from hwprofiles.report import dump_report, plot_report
     from planner.search.baselines import data_parallel_strategy
@@ -494,6 +497,41 @@ def profile_calibrate(nproc: int, backend: str | None, quick: bool, out_path: st
     render_calibration(report, nproc, backend)
     plot = f"{out.with_suffix('.png')}, " if report.collectives else ""
     console.print(f"wrote {out}, {plot}{out.with_suffix('.report.json')}")
+
+
+def _calibrate_gpu(nproc: int, quick: bool, out_path: str, base: str | None, compute_only: bool,
+                   name: str | None) -> None:
+    """calibrate on GPUs: the device's microbenchmarks, sized from it (`hwprofiles/gpu_sweeps.py`), fitted
+    as `--from` fits a file; with 2 or more ranks and not --compute-only, the links measured too."""
+    from pathlib import Path
+
+    import torch
+
+    from hwprofiles.calibrate import CalibrationConfig, CalibrationError
+    from hwprofiles.files import load_profile
+    from hwprofiles.gpu_sweeps import CudaTimer, measure
+    from hwprofiles.measured import calibrate_measured
+    from hwprofiles.profile import profile_to_json
+
+    cfg = CalibrationConfig(nproc=nproc, backend="nccl", quick=quick, base=base, name=name, compute_only=compute_only)
+    if not torch.cuda.is_available():
+        raise CalibrationError("--backend nccl needs CUDA, and torch sees no GPU here; calibrate with --backend gloo")
+    if torch.cuda.device_count() < nproc and not compute_only:
+        raise CalibrationError(f"--nproc {nproc} needs {nproc} GPUs and torch sees {torch.cuda.device_count()}; "
+                               "pass --nproc up to that, or --compute-only with --base for the links")
+    if base:
+        load_profile(base)  # fail before measuring
+    links = None
+    if nproc >= 2 and not compute_only:
+        from executor.calibrate import calibrate
+        from planner.search.baselines import data_parallel_strategy
+
+        links = profile_to_json(calibrate(cfg, plan_data_parallel=data_parallel_strategy)[0])
+    device = torch.device("cuda", torch.cuda.current_device())
+    data = measure(CudaTimer(device), quick=quick, progress=lambda what: err_console.print(f"measured {what}"))
+    out = Path(out_path)
+    render_fits(calibrate_measured(data, out, base=base, name=name, links=links), "this GPU's measurements")
+    console.print(f"wrote {out} and its measurements, {out.with_suffix('.micro.json')}")
 
 
 if __name__ == "__main__":

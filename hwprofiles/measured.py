@@ -115,6 +115,25 @@ def calibrate_from(path: str | Path, out: str | Path, *, base: str | None = None
     return lines
 
 
+def calibrate_measured(data: Mapping[str, Any], out: str | Path, *, base: str | None = None, name: str | None = None,
+                       links: Mapping[str, Any] | None = None) -> list[FitLine]:
+    """`calibrate` on a GPU: the profile fitted from `data` (the device's own measurements,
+    `gpu_sweeps.measure`), written to `out` with the file beside it (`out` with suffix .micro.json, its
+    provenance); `links` (a profile's JSON) gives the node, network and collectives where they were
+    measured too, else the base's stay."""
+    from hwprofiles.files import save_profile
+    from hwprofiles.profile import profile_from_json
+
+    out = Path(out)
+    micro = out.with_suffix(".micro.json")
+    micro.write_text(json.dumps(data, indent=1))
+    fitted, lines = fit_measurements(data, base=base, name=name, origin=micro.name)
+    if links is not None:
+        fitted.update({k: links[k] for k in ("node", "network", "collectives") if k in links})
+    save_profile(profile_from_json(fitted, origin_hint=str(micro)), out)
+    return lines
+
+
 def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: str | None = None,
                      origin: str = "measurements") -> tuple[dict[str, Any], list[FitLine]]:
     """A profile (JSON, the base's with every accepted fit replacing its value) and the fits' lines."""

@@ -155,25 +155,117 @@ def test_vocab_alignment_in_a_whole_step(tmp_path: Path, measured: dict) -> None
     assert abs(ratio - 123.3 / 98.0) < 0.05, ratio
 
 
-def test_gpu_sweep_reaches_saturation(measured: dict) -> None:
-    """calibrate's matmul sweep on a GPU, sized by `saturating_sizes` against a timer that answers from
-    the file (a fake H100: its bf16 squares, interpolated log-log), grows past the launch-bound sizes
-    to ≥ 8192³ and ≥ 1 ms a call; the curve fitted to it has its peak within 5% of the file's best."""
-    import numpy as np
+class FakeH100:
+    """A `gpu_sweeps.KernelTimer` answering from the measurement file: a kernel the file timed at its
+    time, a GEMM it did not from its squares in the same dtype (log-log in FLOPs), an element-wise op
+    at another size from its sizes (log-log in elements; past the largest, in proportion)."""
 
-    from hwprofiles.fit import fit_efficiency
-    from hwprofiles.sweeps import saturating_sizes
+    def __init__(self, data: dict) -> None:
+        self.data = data
+        self.gemms = {(r["m"], r["n"], r["k"], r["dtype"]): r["s"] for r in data["matmul"] if "layout" not in r}
 
-    squares = {r["m"]: r["s"] for r in measured["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"]}
-    ns = np.array(sorted(squares), dtype=float)
-    ts = np.array([squares[int(n)] for n in ns])
+    def _at(self, xs: list[float], ys: list[float], x: float) -> float:
+        """Log-log between the file's points; past the largest, time in proportion (saturated)."""
+        if x > xs[-1]:
+            return ys[-1] * x / xs[-1]
+        return float(np.exp(np.interp(np.log(x), np.log(xs), np.log(ys))))
 
-    def fake_h100(n: int) -> float:
-        return float(np.exp(np.interp(np.log(n), np.log(ns), np.log(ts))))
+    def info(self) -> dict:
+        return {"device": self.data["device"], "torch": self.data["torch"], "sm_count": self.data["sm_count"],
+                "memory_bytes": 80 << 30}
 
-    sizes = saturating_sizes(fake_h100)
-    assert sizes[-1] >= 8192 and fake_h100(sizes[-1]) >= 1e-3 and sizes[0] <= 512
-    flops = [2.0 * n**3 for n in sizes]
-    fit = fit_efficiency(flops, [f / fake_h100(n) for f, n in zip(flops, sizes, strict=True)])
-    best = max(2.0 * n**3 / t for n, t in squares.items())
-    assert fit.peak_achieved_flops_per_s == pytest.approx(best, rel=0.05)
+    def launch(self) -> float:
+        return float(self.data["launch_s"])
+
+    def gemm(self, m: int, n: int, k: int, dtype: str) -> float:
+        if (m, n, k, dtype) in self.gemms:
+            return float(self.gemms[m, n, k, dtype])
+        sq = sorted((2.0 * a**3, t) for (a, b, c, d), t in self.gemms.items() if a == b == c and d == dtype)
+        return self._at([f for f, _ in sq], [t for _, t in sq], 2.0 * m * n * k)
+
+    def elementwise(self, op: str, dtype: str, numel: int) -> tuple[float, float]:
+        rows = sorted((r for r in self.data["elementwise"] if r["op"] == op and r["dtype"] == dtype),
+                      key=lambda r: r["numel"])
+        n = [r["numel"] for r in rows]
+        return self._at(n, [r["fwd_s"] for r in rows], numel), self._at(n, [r["fwd_bwd_s"] for r in rows], numel)
+
+    def attention(self, batch: int, heads: int, kv_heads: int, seq: int, head_dim: int,
+                  causal: bool) -> tuple[float, float]:
+        r = next(r for r in self.data["attention_sdpa"] if (r["batch"], r["heads"], r["kv_heads"], r["seq"],
+                 r["head_dim"], r["causal"]) == (batch, heads, kv_heads, seq, head_dim, causal))
+        return r["fwd_s"], r["fwd_bwd_s"]
+
+    def cross_entropy(self, tokens: int, vocab: int, dtype: str) -> float:
+        return next(r["fwd_bwd_s"] for r in self.data["cross_entropy"]
+                    if (r["tokens"], r["vocab"], r["logits_dtype"]) == (tokens, vocab, dtype))
+
+    def embedding(self, tokens: int, vocab: int, hidden: int) -> float:
+        return next(r["fwd_bwd_s"] for r in self.data["embedding"] if (r["tokens"], r["vocab"], r["hidden"]) ==
+                    (tokens, vocab, hidden))
+
+    def adamw(self, params: int, tensors: int, impl: str) -> float:
+        return next(r["step_s"] for r in self.data["adamw"] if (r["params"], r["tensors"], r["impl"]) ==
+                    (params, tensors, impl))
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_gpu_sweep_reaches_saturation(measured: dict, quick: bool) -> None:
+    """calibrate's sweep on a GPU (`gpu_sweeps.measure`), against a fake H100 answering from the file:
+    its GEMM squares grow past the launch-bound sizes to >= 8192³ and >= 1 ms a call, its element-wise
+    ops reach 2^26 elements in bf16, and the profile fitted from what it measured has its GEMM peak
+    within 5% of the fastest square the file measured, every fit written."""
+    from hwprofiles.gpu_sweeps import measure
+
+    fake = FakeH100(measured)
+    data = measure(fake, quick=quick)
+    squares = sorted(r["m"] for r in data["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"])
+    assert squares[0] <= 512 and squares[-1] >= 8192
+    assert max(r["s"] for r in data["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"]) >= 1e-3
+    assert max(r["numel"] for r in data["elementwise"] if r["dtype"] == "bf16") >= 1 << 26
+    assert any(min(align_bytes(r["k"], 2), align_bytes(r["n"], 2)) < 16 for r in data["matmul"])
+    fitted, lines = fit_measurements(load_measurements_dict(data))
+    assert all(line.accepted for line in lines), [line for line in lines if not line.accepted]
+    peak = fitted["device"]["matmul_efficiency"]["max_fraction"]["value"] * fitted["device"]["peak_flops_per_s"]["bf16"]["value"]
+    best = max(2.0 * r["m"] ** 3 / r["s"] for r in measured["matmul"]
+               if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"])
+    assert peak == pytest.approx(best, rel=0.05), (peak / 1e12, best / 1e12)
+    assert {line.what.split(" (")[0] for line in lines} >= {"kernel launch", "GEMM curve", "GEMM alignment",
+                                                             "FlashAttention forward", "AdamW"}
+
+
+def load_measurements_dict(data: dict) -> dict:
+    """`data` through the file checks `calibrate --from` runs (a written file's round trip)."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(data, f)
+    return load_measurements(f.name)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="asserts the refusal on a machine without a GPU")
+def test_calibrate_nccl_without_a_gpu_is_one_line(tmp_path: Path) -> None:
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--backend", "nccl", "--nproc", "1", "--compute-only",
+                                  "--base", "h100-sxm", "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and "needs CUDA" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+
+
+def test_calibrate_on_a_gpu_writes_the_profile_and_its_measurements(tmp_path: Path, measured: dict,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`calibrate --backend nccl --nproc 1 --compute-only` end to end, the device a fake H100 answering
+    from the file: the profile written, its measurements beside it (the provenance `--from` re-fits)."""
+    import torch
+
+    import hwprofiles.gpu_sweeps as sweeps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(sweeps, "CudaTimer", lambda device: FakeH100(measured))
+    out = tmp_path / "h100.json"
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--backend", "nccl", "--nproc", "1", "--compute-only",
+                                  "--base", "h100-sxm", "--quick", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    p = load_profile(out)
+    assert p.device.async_launch and p.device.optimizer_step is not None and "GEMM curve" in r.output
+    again, _ = fit_measurements(load_measurements(out.with_suffix(".micro.json")))
+    assert again["device"]["matmul_efficiency"]["max_fraction"]["value"] == pytest.approx(p.device.matmul_efficiency.max_fraction)
