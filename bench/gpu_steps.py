@@ -60,15 +60,16 @@ def exported(name: str) -> Path:
     return path
 
 
-def predictions() -> list[dict[str, Any]]:
-    """Every measured row of steps.json with meshplan's prediction beside it (None where not priced)."""
+def predictions(profile: str | None = None) -> list[dict[str, Any]]:
+    """Every measured row of steps.json with meshplan's prediction beside it (None where not priced), on
+    `profile` (default: the one fitted from micro.json)."""
     from planner.search.plan import make_plan
     from planner.search.request import PlanRequest
 
     runs = json.loads((GPU / "h100" / "steps.json").read_text())["runs"]
     out = []
     with tempfile.TemporaryDirectory() as tmp:
-        profile = fitted_profile(Path(tmp))
+        profile = profile or str(fitted_profile(Path(tmp)))
         for r in runs:
             if "step_s" not in r:  # out of memory on the H100
                 continue
@@ -83,8 +84,15 @@ def predictions() -> list[dict[str, Any]]:
 
 
 def bench_gpu_steps(console: Console) -> None:
-    rows = predictions()
-    table = Table(title="one H100: steps.json against meshplan (profile fitted from micro.json alone)")
+    """The steps on the profile fitted from micro.json, then on `h100-sxm-calibrated` (calibrate run on
+    an H100 on 2026-11-26: the same kind of GPU, another machine and day)."""
+    for profile, title in ((None, "profile fitted from micro.json alone"),
+                           ("h100-sxm-calibrated", "preset h100-sxm-calibrated: calibrate on an H100, 2026-11-26")):
+        _table(console, predictions(profile), title)
+
+
+def _table(console: Console, rows: list[dict[str, Any]], title: str) -> None:
+    table = Table(title=f"one H100: steps.json against meshplan ({title})")
     for col in ("model", "batch × seq", "precision", "step measured", "predicted", "error",
                 "peak memory measured", "predicted", "error"):
         table.add_column(col, justify="left" if col in ("model", "precision") else "right")

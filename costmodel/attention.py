@@ -45,6 +45,23 @@ class AttentionRegion:
     inputs: tuple[tuple[str, int], ...]  # (node, input index) where q, kᵀ, mask and v enter the chain
 
 
+def grouped_kv(graph: OpGraph, region: AttentionRegion, depth: int = 8) -> bool:
+    """Whether the chain's k reaches it through an Expand within `depth` producers (transformers'
+    `repeat_kv`): grouped-query attention, which SDPA runs on its math kernel (the s×s scores in
+    memory) where no fused kernel takes the dtype and grouped heads (fp32 on an H100: FlashAttention
+    takes bf16/fp16 only, the memory-efficient kernel no grouped heads)."""
+    t: str | None = region.kt
+    for _ in range(depth):
+        name = graph.producer.get(t) if t else None
+        if name is None:
+            return False
+        node = graph.node_by_name[name]
+        if node.op_type == "Expand":
+            return True
+        t = node.inputs[0] if node.inputs else None
+    return False
+
+
 def attention_regions(graph: OpGraph) -> dict[str, AttentionRegion]:
     """Every exporter-decomposed attention in the graph, by the name of its last node."""
     consumers: dict[str, list[Any]] = {}

@@ -32,9 +32,12 @@ def matmul_time_s(device: DeviceSpec, flops: float, dtype: str, narrow: float | 
     fraction for GEMMs whose k or n is aligned to only `align_bytes` bytes."""
     if flops <= 0:
         return 0.0
-    t = flops / (device.peak_for(dtype) * device.matmul_efficiency.fraction(flops))
-    if device.matmul_narrow_efficiency is not None and narrow:
-        t = max(t, flops / (device.peak_for(dtype) * device.matmul_narrow_efficiency.fraction(narrow)))
+    curve = device.matmul_curve(dtype)
+    t = flops / (device.peak_for(dtype) * curve.fraction(flops))
+    narrow_curve = device.matmul_narrow_efficiency
+    if narrow_curve is not None and narrow:  # at this dtype's own ceiling where it has its own curve
+        ceiling = curve.max_fraction / device.matmul_efficiency.max_fraction
+        t = max(t, flops / (device.peak_for(dtype) * narrow_curve.fraction(narrow) * ceiling))
     return t / device.alignment_fraction(align_bytes)
 
 

@@ -46,6 +46,7 @@ from costmodel.attention import (
     AttentionRegion,
     attention_regions,
     causal_regions,
+    grouped_kv,
     kernels_s,
     materialized_kernels,
 )
@@ -156,11 +157,15 @@ class CostModel:
         self.backward_readers = {t: tuple(ns) for t, ns in readers.items()}
         self.on_chip = attention_score_tensors(graph)
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
-        self.materialized: dict[str, AttentionRegion] = {} if attention is Attention.FLASH else {
-            n: r for r in attention_regions(graph).values() for n in r.nodes}
+        # Under FlashAttention, a grouped-query chain in fp32 on a GPU runs SDPA's math kernel: as eager.
+        regions = attention_regions(graph).values()
+        math = [r for r in regions if grouped_kv(graph, r)] if (
+            attention is Attention.FLASH and profile.device.is_gpu and self.precision.compute_dtype == "fp32") else []
+        self.materialized: dict[str, AttentionRegion] = {
+            n: r for r in (regions if attention is not Attention.FLASH else math) for n in r.nodes}
         # FlashAttention where the profile measured it: each chain priced as the kernel, at its last node.
         measured = attention is Attention.FLASH and profile.device.attention_forward is not None
-        self.flash = {n: r for r in attention_regions(graph).values() for n in r.nodes} if measured else {}
+        self.flash = {n: r for r in regions for n in r.nodes if n not in self.materialized} if measured else {}
         self.causal = causal_regions(graph) if self.flash else frozenset()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
@@ -207,7 +212,7 @@ class CostModel:
         scores = float(np.prod(probs, dtype=np.float64))
         head_dim = float(v[-1])
         fwd, bwd, saved = materialized_kernels(
-            self.attention, scores=scores, q=scores / probs[-1] * head_dim, kv=float(np.prod(v, dtype=np.float64)),
+            Attention.EAGER if self.attention is Attention.FLASH else self.attention, scores=scores, q=scores / probs[-1] * head_dim, kv=float(np.prod(v, dtype=np.float64)),
             head_dim=head_dim, element_bytes=self.precision.activation_bytes, masked=region.mask is not None,
             dropout=self.attention_dropout > 0)
         dev = self.profile.device

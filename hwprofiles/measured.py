@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -170,6 +170,11 @@ def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: 
         dev["matmul_narrow_efficiency"] = {
             "max_fraction": q(gemm.fraction, "1", "GEMM curve fit: achieved peak / datasheet"),
             "half_channels": q(gemm.half_dim, "1", "GEMM curve fit: the narrowest dim at half the rate")}
+        if gemm.by_dtype:
+            dev["matmul_efficiency_by_dtype"] = {
+                dtype: {"max_fraction": q(frac, "1", f"GEMM curve fit in {dtype}: achieved peak / datasheet"),
+                        "half_flops": q(half, "FLOP", f"GEMM curve fit in {dtype}")}
+                for dtype, (frac, half) in sorted(gemm.by_dtype.items())}
         if gemm.alignment:
             dev["matmul_alignment"] = {str(b): q(f, "1", f"GEMMs with k or n aligned to {b} bytes: median fraction "
                                                          "of the aligned curve's rate")
@@ -216,6 +221,7 @@ class _GemmFit:
     half_dim: float
     alignment: dict[int, float]
     lines: list[FitLine]
+    by_dtype: dict[str, tuple[float, float]] = field(default_factory=dict)  # dtype → (fraction, F½) of its own curve
 
 
 def align_bytes(dim: int, element_bytes: int) -> int:
@@ -268,19 +274,39 @@ def _fit_gemm(rows: Sequence[Mapping[str, Any]], launch: float, peak: float,
             lines.append(FitLine("GEMM alignment (k or n not a multiple of 16 bytes)",
                                  ", ".join(f"{b}-byte aligned at {f:.2f}" for b, f in sorted(alignment.items())),
                                  len(errs), float(np.median(errs)), float(np.max(errs)), True))
+    by_dtype: dict[str, tuple[float, float]] = {}
     for dtype, dtype_peak in sorted(other_peaks.items()):
         other = [r for r in rows if r["dtype"] == dtype and
                  min(align_bytes(r["k"], ELEMENT_BYTES.get(dtype, 4)), align_bytes(r["n"], ELEMENT_BYTES.get(dtype, 4))) == 16]
-        if other and ok:  # the same curve, scaled to the dtype's datasheet peak: how far off it is
-            f = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in other])
-            d = np.array([float(min(r["m"], r["n"], r["k"])) for r in other])
-            t = np.array([float(r["s"]) for r in other])
-            model = launch + (curve(x, f, d) - launch) * peak / dtype_peak
-            e = np.abs(model / t - 1)
-            lines.append(FitLine(f"GEMMs in {dtype} (aligned)", f"not fitted: the {TRAINING_DTYPE} curve at {dtype}'s "
-                                 f"datasheet peak ({dtype_peak / 1e12:.1f} TFLOP/s)", len(other),
-                                 float(np.median(e)), float(np.max(e)), True))
-    return _GemmFit(ok, fraction, half, dhalf, alignment, lines)
+        if not ok or not other:
+            continue
+        f = np.array([2.0 * r["m"] * r["n"] * r["k"] for r in other])
+        d = np.array([float(min(r["m"], r["n"], r["k"])) for r in other])
+        t = np.array([float(r["s"]) for r in other])
+        if len(other) < 4:  # the training dtype's curve at this dtype's datasheet peak: how far off it is
+            e = np.abs((launch + (curve(x, f, d) - launch) * peak / dtype_peak) / t - 1)
+            lines.append(FitLine(f"GEMMs in {dtype} (aligned)", f"not fitted (needs 4 or more): the {TRAINING_DTYPE} "
+                                 f"curve at {dtype}'s datasheet peak", len(other), float(np.median(e)), float(np.max(e)), True))
+            continue
+
+        def own(v: np.ndarray, f: np.ndarray = f, d: np.ndarray = d) -> np.ndarray:  # its own P and F½, bf16's d½
+            return launch + f / np.exp(v[0]) * np.maximum((f + np.exp(v[1])) / f, (d + dhalf) / d)
+
+        def residuals(v: np.ndarray, t: np.ndarray = t, own: Callable[..., np.ndarray] = own) -> np.ndarray:
+            return np.log(own(v)) - np.log(t)
+
+        v = levenberg_marquardt(residuals, [float(np.log(0.75 * dtype_peak)), float(np.log(1e9))])
+        e = np.abs(own(v) / t - 1)
+        p_own, half_own = float(np.exp(v[0])), float(np.exp(v[1]))
+        accepted = float(np.median(e)) <= REFUSE_MEDIAN_ERROR and p_own <= dtype_peak
+        if accepted:
+            by_dtype[dtype] = (p_own / dtype_peak, half_own)
+        lines.append(FitLine(f"GEMM curve ({dtype}, aligned)", f"{p_own / 1e12:.1f} TFLOP/s ({p_own / dtype_peak:.0%} of "
+                             f"the datasheet's {dtype_peak / 1e12:.1f}), half at {half_own / 1e9:.2f} GFLOP", len(other),
+                             float(np.median(e)), float(np.max(e)), accepted,
+                             "" if accepted else f"median error above {REFUSE_MEDIAN_ERROR:.0%} or above the datasheet: "
+                                                 f"the {TRAINING_DTYPE} curve at {dtype}'s peak kept"))
+    return _GemmFit(ok, fraction, half, dhalf, alignment, lines, by_dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

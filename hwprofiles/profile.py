@@ -89,6 +89,10 @@ class DeviceSpec:
     # H100 a bf16 LM head with vocab 50257, 2-byte aligned, runs at 0.17 of vocab 50304's). By
     # alignment in bytes (2, 4, 8); a dim aligned to 16 bytes or more, and alignments not listed, at 1.
     matmul_alignment: Mapping[int, float] | None = None
+    # A dtype's own GEMM curve, calibrated (fp32 GEMMs run on CUDA cores, not tensor cores: they
+    # saturate sooner and at another fraction of their datasheet peak); dtypes not listed:
+    # `matmul_efficiency`.
+    matmul_efficiency_by_dtype: Mapping[str, EfficiencyCurve] | None = None
     # The host issues kernels ahead of the device (CUDA streams): an op costs the longer of its kernel
     # and its launch, not their sum, and a view (no kernel) costs the device nothing. False (a CPU
     # rank): the host runs the kernels, so an op costs its launch plus its work.
@@ -163,6 +167,11 @@ class DeviceSpec:
     def is_gpu(self) -> bool:
         """A device with bf16 tensor cores (every GPU preset); a CPU profile lists fp32 only."""
         return "bf16" in self.peak_flops_per_s
+
+    def matmul_curve(self, dtype: str) -> EfficiencyCurve:
+        """The GEMM efficiency curve matmuls in `dtype` run on."""
+        own = self.matmul_efficiency_by_dtype
+        return own.get(dtype, self.matmul_efficiency) if own else self.matmul_efficiency
 
     def alignment_fraction(self, align_bytes: int) -> float:
         """The fraction of the aligned GEMM rate at a k or n aligned to `align_bytes` bytes (one the
@@ -307,6 +316,10 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
             async_launch=bool(dev.get("async_launch", False)),
             attention_forward=_attention(r, dev, "attention_forward"),
             attention_backward=_attention(r, dev, "attention_backward"),
+            matmul_efficiency_by_dtype=({k: EfficiencyCurve(
+                max_fraction=r.q(c, "max_fraction", f"device.matmul_efficiency_by_dtype.{k}.max_fraction"),
+                half_flops=r.q(c, "half_flops", f"device.matmul_efficiency_by_dtype.{k}.half_flops"))
+                for k, c in dev["matmul_efficiency_by_dtype"].items()} if "matmul_efficiency_by_dtype" in dev else None),
             matmul_alignment=({int(k): r.q(dev["matmul_alignment"], k, f"device.matmul_alignment.{k}")
                                for k in dev["matmul_alignment"]} if "matmul_alignment" in dev else None),
             optimizer_step=(OptimizerStep(**{k: r.q(dev["optimizer_step"], k, f"device.optimizer_step.{k}")
@@ -432,6 +445,10 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
             **{key: {k: q(getattr(c, k), unit, f"device.{key}.{k}") for k, unit in ATTENTION_FIELDS.items()}
                for key, c in (("attention_forward", d.attention_forward), ("attention_backward", d.attention_backward))
                if c is not None},
+            **({"matmul_efficiency_by_dtype": {
+                k: {"max_fraction": q(c.max_fraction, "1", f"device.matmul_efficiency_by_dtype.{k}.max_fraction"),
+                    "half_flops": q(c.half_flops, "FLOP", f"device.matmul_efficiency_by_dtype.{k}.half_flops")}
+                for k, c in sorted(d.matmul_efficiency_by_dtype.items())}} if d.matmul_efficiency_by_dtype else {}),
             **({"matmul_alignment": {str(k): q(v, "1", f"device.matmul_alignment.{k}")
                                      for k, v in sorted(d.matmul_alignment.items())}}
                if d.matmul_alignment else {}),

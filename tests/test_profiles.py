@@ -140,7 +140,7 @@ def test_validation_names_the_field(mutate: Any, message: str) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["show", "h200"], "unknown profile 'h200'; known presets: a100-40gb-roce, a100-sxm, a100-sxm-roce, cpu, h100-sxm"),
+        (["show", "h200"], "unknown profile 'h200'; known presets: a100-40gb-roce, a100-sxm, a100-sxm-roce, cpu, h100-sxm, h100-sxm-calibrated"),
         (["show", "{missing}.json"], "no such profile file"),
         (["show", "{bad}"], "malformed JSON at line 1"),
         (["show", "{negative}"], "field device.mem_capacity_bytes.value"),
