@@ -83,21 +83,29 @@ class ApplyReport:
     fallback_saves_s: float = 0.0  # the plan's time of the collectives a fallback does not run
     bindings: tuple[Binding, ...] = ()
     precision: str = "fp32"  # the plan's (`amp`: run forward and loss under `autocast()`)
+    mixed_policy: bool = False  # fully_shard's MixedPrecisionPolicy(bf16, fp32) applied (a `mixed` plan)
     device: str = "cpu"  # the mesh's device type
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The context the training loop runs forward and loss in: torch.autocast(bfloat16) for an amp
-        plan, on the module's device; nothing to do otherwise (mixed: fully_shard's policy casts)."""
-        if self.precision != "amp":
+        plan, and a mixed one not under fully_shard (DDP, tensor parallelism, one device), on the
+        module's device; nothing to do otherwise (mixed under fully_shard: its policy casts)."""
+        if not self.runs_autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device, dtype=torch.bfloat16)
+
+    @property
+    def runs_autocast(self) -> bool:
+        return self.precision == "amp" or (self.precision == "mixed" and not self.mixed_policy)
 
     def lines(self) -> list[str]:
         out = [f"data parallel: {self.data_parallel or 'none'} over {self.dp_axis}" if self.dp_axis
                else "data parallel: none"]
         if self.precision != "fp32":
             out.append(f"precision: {self.precision}" + (" (run forward and loss under report.autocast())"
-                                                         if self.precision == "amp" else ""))
+                                                         if self.runs_autocast else
+                                                         " (fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 "
+                                                         "reductions)" if self.mixed_policy else ""))
         if self.tp_axis and self.styles:
             cols = sum(1 for s in self.styles.values() if s == "colwise")
             out.append(f"tensor parallel over {self.tp_axis}: {cols} column-wise, {len(self.styles) - cols} row-wise "
@@ -349,7 +357,13 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if dp_big:
         _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
-    if s.settings.dtype in ("mixed", "bf16", "fp16") and report.data_parallel != "fully_shard":
+    elif s.settings.dtype == "mixed" and not tp_axes:  # one device: the policy alone, as a user's FSDP2 run has it
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        fully_shard(module, mesh=mesh[names[0]] if len(names) > 1 else mesh,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+        report.mixed_policy = True
+    if s.settings.dtype in ("bf16", "fp16") and report.data_parallel != "fully_shard":
         report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (a mixed-precision policy "
                                 "comes with fully_shard only; plan with `dtype` amp to run under report.autocast())")
     module.meshplan_report = report  # type: ignore[assignment]
@@ -411,6 +425,7 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
 
             fully_shard(module, mesh=sub, reshard_after_forward=again,
                         mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            report.mixed_policy = True
         else:
             fully_shard(module, mesh=sub, reshard_after_forward=again)
         report.data_parallel = "fully_shard"

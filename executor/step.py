@@ -89,10 +89,17 @@ class Loss:
         return self.local(y, self.labels)
 
 
+# The precisions the executor runs under torch.autocast(bfloat16). `mixed` (FSDP2's MixedPrecisionPolicy)
+# too: the interpreter has no fully_shard, so its weights stay fp32 and autocast casts them where a
+# matmul reads them (a gathered one once, after its gather), gradients reduced in fp32 as the policy's.
+AUTOCAST = ("amp", "mixed")
+
+
 def precision_context(dtype: str, device: torch.device) -> contextlib.AbstractContextManager[object]:
-    """How the step runs the plan's precision: `amp` under torch.autocast(bfloat16) on the rank's device
-    (fp32 weights, gradients and optimizer states; CPU autocast on gloo ranks), the rest as fp32."""
-    if dtype == "amp":
+    """How the step runs the plan's precision: `amp` and `mixed` under torch.autocast(bfloat16) on the
+    rank's device (fp32 weights, gradients and optimizer states; CPU autocast on gloo ranks), the rest
+    as fp32."""
+    if dtype in AUTOCAST:
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
 
@@ -110,6 +117,9 @@ def clock(device: torch.device | None = None) -> float:
 def make_optimizer(params: Any, opts: RunOptions) -> torch.optim.Optimizer:
     if opts.optimizer == "sgd":
         return torch.optim.SGD(params, lr=opts.lr)
+    params = list(params)
+    if params and all(p.is_cuda for p in params):  # the fused kernel on GPUs, as the GPU profiles price it
+        return torch.optim.AdamW(params, lr=opts.lr, fused=True)
     return torch.optim.AdamW(params, lr=opts.lr, foreach=False)
 
 
@@ -212,7 +222,7 @@ def verify_tolerance(dtype: str, opts: RunOptions, loss: float, steps: int) -> d
     each rank's bf16 matmuls round partial sums the one process rounds whole; the parameters to 2·lr a
     step, AdamW's update being about lr in size whatever the gradient's, so a gradient near zero whose
     sign the rounding flips moves its parameter by up to 2·lr (SGD: lr times the gradients' tolerance)."""
-    if dtype != "amp":
+    if dtype not in AUTOCAST:
         return None
     per_step = 2 * opts.lr if opts.optimizer == "adamw" else opts.lr * 1e-2
     return {"loss": 1e-3 * max(abs(loss), 1.0), "grads": 1e-2, "params_after_step": per_step + 1e-6,

@@ -48,3 +48,13 @@ def test_amp_plan_trains_in_bf16_as_one_process_does(zoo: Callable[[str], Path],
         fp32 = _run(zoo, tmp_path, "dp", "fp32")  # fp32), and fp32 agrees exactly (no bf16 tolerance)
         assert 1e-6 < abs(r["single_process_loss"] - fp32["single_process_loss"]) < 1e-1
         assert "tolerance" not in fp32 and fp32["max_abs_diff"] < 1e-5
+
+
+def test_mixed_plan_trains_under_autocast_as_one_process_does(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """A `mixed` plan (FSDP2's bf16/fp32 policy) under ZeRO-3: the executor runs it under autocast (it has
+    no fully_shard), equal to one process in the same precision within the bf16 tolerance, its
+    collectives the planned ones, parameter gradients reduced in fp32 (the policy's reduce dtype)."""
+    r = _run(zoo, tmp_path, "fsdp", "mixed")
+    assert r["within_tolerance"], r
+    assert r["collectives_executed"] == r["collectives_planned"] and "reduce_scatter" in r["collectives_executed"]
+    assert "float32" in r["reduce_dtypes"]
