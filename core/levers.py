@@ -41,6 +41,13 @@ class Dtype(enum.StrEnum):
     FP32 = "fp32"
 
 
+def default_dtype(gpu: bool) -> Dtype:
+    """The precision a plan trains in unless told: on a GPU what FSDP2's MixedPrecisionPolicy and
+    torchtitan run (bf16 compute on weights cast where gathered, fp32 master weights, gradients
+    reduced and AdamW states in fp32), fp32 on a CPU."""
+    return Dtype.MIXED if gpu else Dtype.FP32
+
+
 class Runtime(enum.StrEnum):
     """How the framework runs the model's ops (`costmodel/fusion.py`)."""
 

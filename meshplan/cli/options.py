@@ -68,18 +68,17 @@ def mesh_options(fn: F) -> F:
                      help="Training precision: amp (torch.autocast bf16 over fp32 weights, gradients and "
                           "AdamW states), mixed (FSDP2's MixedPrecisionPolicy bf16/fp32: the model in bf16 on weights "
                           "cast where gathered, the same fp32 states), bf16 (Megatron's: bf16 weights, fp32 master weights in the optimizer), "
-                          "fp16, fp32 (default: bf16 on GPU profiles, fp32 on cpu)."),
+                          "fp16, fp32 (default: mixed on GPU profiles, fp32 on cpu)."),
     ]):
         fn = opt(fn)
     return fn
 
 
 def precision_for(dtype: str | None, profile: Any) -> Any:
+    from core.levers import default_dtype
     from costmodel.memory import PRECISIONS
 
-    if dtype is None:
-        dtype = "bf16" if profile.device.is_gpu else "fp32"
-    return PRECISIONS[dtype]
+    return PRECISIONS[dtype or default_dtype(profile.device.is_gpu).value]
 
 
 def parse_export_dims(_ctx: click.Context, _param: click.Parameter, values: tuple[str, ...]) -> dict[str, int | None]:

@@ -18,6 +18,7 @@ from core.levers import (
     Runtime,
     Schedule,
     Search,
+    default_dtype,
     lever,
 )
 from core.mesh import DeviceMesh
@@ -159,12 +160,11 @@ class PlanRequest:
                                 "(the batch per optimizer step) instead of `dims` batch")
 
     def for_profile(self, gpu: bool) -> PlanRequest:
-        """The request with the levers left to the profile decided: bf16 on a GPU profile (Megatron's:
-        bf16 weights and activations, fp32 master weights in the optimizer), fp32 on a CPU one; the
-        step overlapped on a GPU (NCCL's streams: `compose.overlap`, which the ILP minimises), the
-        serial sum on a CPU (gloo runs every collective in line). (Torch's mixed precision as the GPU
-        default waits for the executor to run FSDP2's policy.)"""
-        return replace(self, dtype=self.dtype or (Dtype.BF16 if gpu else Dtype.FP32),
+        """The request with the levers left to the profile decided: the precision (`default_dtype`:
+        mixed on a GPU profile, fp32 on a CPU one); the step overlapped on a GPU (NCCL's streams:
+        `compose.overlap`, which the ILP minimises), the serial sum on a CPU (gloo runs every
+        collective in line)."""
+        return replace(self, dtype=self.dtype or default_dtype(gpu),
                        composer=self.composer or (Composer.OVERLAP if gpu else Composer.SERIAL))
 
     @property
