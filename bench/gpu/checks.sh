@@ -3,32 +3,40 @@
 # what its image lacks in .whl/, a pre-exported GPT-2-124M in .dev/): calibrate on the GPU, `run` a
 # zoo plan in amp (bf16 autocast over fp32 weights), examples/train_hf.py on GPT-2-124M in amp, and
 # the native steps of bench/gpu/configs in amp the same hour. Everything it prints and writes lands
-# in $OUT (profile, its measurements, logs).
+# in $OUT (profile, its measurements, logs). CALIBRATE=0: the committed preset h100-sxm-calibrated;
+# DTYPES: the precisions run and trained (default "amp mixed"); NATIVE=0: no native steps.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MESHPLAN_ZOO_DIR=/tmp/zoo
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+export PYTHONPATH=/tmp/site:$PWD
 printf '#!/bin/sh\nexec python3 %s/cli.py "$@"\n' "$PWD" > /usr/local/bin/meshplan && chmod +x /usr/local/bin/meshplan
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 step() { echo "=== $1 ($(date +%T))"; }
 P=$OUT/h100-sxm-calibrated.json
 
-step calibrate
-meshplan profile calibrate --backend nccl --nproc 1 --compute-only --base h100-sxm --name h100-sxm-calibrated \
-  --out "$P" 2>&1 | tee "$OUT/calibrate.log"
-[ -f "$P" ] || P=h100-sxm
+if [ "${CALIBRATE:-1}" = 1 ]; then
+  step calibrate
+  meshplan profile calibrate --backend nccl --nproc 1 --compute-only --base h100-sxm --name h100-sxm-calibrated \
+    --out "$P" 2>&1 | tee "$OUT/calibrate.log"
+fi
+[ -f "$P" ] || P=h100-sxm-calibrated
 
-step "plan + run, gpt2-124m 16x1024 amp"
-meshplan plan .dev/gpt2-124m.onnx --devices 1 --dim batch=16 --dim seq=1024 --profile "$P" --dtype amp \
-  -o /tmp/gpt2.strategy.json 2>&1 | tail -12
-meshplan run /tmp/gpt2.strategy.json --model .dev/gpt2-124m.onnx --nproc 1 --steps 5 --json > "$OUT/run-amp.json"
-python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('loss','measured_step_s','predicted_step_s','measured_phases_s','measured_memory_bytes','predicted_memory_bytes')})" "$OUT/run-amp.json"
+for D in ${DTYPES:-amp mixed}; do
+  step "plan + run, gpt2-124m 16x1024 $D"
+  meshplan plan .dev/gpt2-124m.onnx --devices 1 --dim batch=16 --dim seq=1024 --profile "$P" --dtype $D \
+    -o /tmp/gpt2-$D.strategy.json 2>&1 | grep -E "step time|at the peak"
+  meshplan run /tmp/gpt2-$D.strategy.json --model .dev/gpt2-124m.onnx --nproc 1 --steps 5 --json > "$OUT/run-$D.json"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print({k: r[k] for k in ('loss','measured_step_s','predicted_step_s','measured_phases_s','measured_memory_bytes','predicted_memory_bytes')})" "$OUT/run-$D.json"
 
-step "examples/train_hf.py, gpt2-124m 16x1024 amp"
-python3 -m torch.distributed.run --nproc-per-node 1 examples/train_hf.py --config bench/gpu/configs/gpt2-124m.json \
-  --batch 16 --seq 1024 --profile "$P" --dtype amp --steps 8 --workdir /tmp/hf 2>&1 | grep -v "^\[" | tail -14
+  step "examples/train_hf.py, gpt2-124m 16x1024 $D"
+  python3 -m torch.distributed.run --nproc-per-node 1 examples/train_hf.py --config bench/gpu/configs/gpt2-124m.json \
+    --batch 16 --seq 1024 --profile "$P" --dtype $D --steps 8 --workdir /tmp/hf-$D 2>&1 | grep -E "^apply|^step|^error|Error"
+done
 
-step "native steps, amp (bench/gpu/measure_steps.py)"
-PRECISIONS=amp NATIVE_OUT=native-amp.json timeout 200 python3 bench/gpu/measure_steps.py 2>&1 | tail -5
+if [ "${NATIVE:-1}" = 1 ]; then
+  step "native steps, amp (bench/gpu/measure_steps.py)"
+  PRECISIONS=amp NATIVE_OUT=native-amp.json timeout 200 python3 bench/gpu/measure_steps.py 2>&1 | tail -5
+fi
+[ -f .dev/sustained.py ] && { step "GEMMs: burst against sustained"; PYTHONPATH=$PYTHONPATH:$PWD python3 .dev/sustained.py; }
 step done
