@@ -43,7 +43,9 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "recompute": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full"},
                                     # amp: the loop runs forward and loss under report.autocast() (bf16)
                                     "dp-amp": {"mode": "data-parallel", "zero_stage": 0, "dtype": "amp"},
-                                    "tp-amp": {"mode": "semi", "dtype": "amp"}}
+                                    "tp-amp": {"mode": "semi", "dtype": "amp"},
+                                    # mixed under fully_shard: its MixedPrecisionPolicy(bf16, fp32) casts
+                                    "zero3-mixed": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed"}}
 
 
 def hf_module(zoo_json: Path) -> Any:
@@ -154,7 +156,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "recompute")] + \
-    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp")]  # amp under fully_shard: tests/test_amp_run.py
+    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")]
 
 
 @pytest.mark.slow
@@ -169,14 +171,25 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
     ref = hf_module(zoo_json)
     ids, labels = _data(ref.config.vocab_size)
     optim = torch.optim.SGD(ref.parameters(), lr=0.1)
-    amp = kind.endswith("-amp")
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):  # the one process in the same precision
-        ref_loss = _loss(ref, ids, labels)
-    ref_loss.backward()
+    amp, mixed = kind.endswith("-amp"), kind.endswith("-mixed")
+    if mixed:  # the policy's arithmetic in one process: a bf16 copy computes, its gradients cast to fp32
+        import copy
+
+        with torch.no_grad():
+            fp32_loss = float(_loss(ref, ids, labels))
+        low = copy.deepcopy(ref).to(torch.bfloat16)
+        ref_loss = _loss(low, ids, labels)
+        ref_loss.backward()
+        for p, q in zip(ref.parameters(), low.parameters(), strict=True):
+            p.grad = q.grad.float()
+    else:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):  # the one process in the same precision
+            ref_loss = _loss(ref, ids, labels)
+        ref_loss.backward()
     optim.step()
     # fp32: equal to rounding; amp: the bf16 tolerance `run --verify` states (loss 1e-3 of itself,
     # gradients 1e-2, SGD's parameters lr times that).
-    tol_loss, tol_grad, tol_param = (1e-3 * abs(float(ref_loss)), 1e-2, 0.1 * 1e-2) if amp else (1e-5, 1e-5, 1e-5)
+    tol_loss, tol_grad, tol_param = (1e-3 * abs(float(ref_loss)), 1e-2, 0.1 * 1e-2) if amp or mixed else (1e-5, 1e-5, 1e-5)
     assert abs(loss - float(ref_loss)) < tol_loss
     for n, p in ref.named_parameters():
         assert float(abs(grads[n] - p.grad.numpy()).max()) < tol_grad, n
@@ -185,6 +198,10 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
     if amp:
         assert "precision: amp" in " ".join(lines)
         kind = kind.removesuffix("-amp")
+    if mixed:
+        assert "precision: mixed (fully_shard's MixedPrecisionPolicy" in " ".join(lines), lines
+        assert abs(loss - float(ref_loss)) < abs(loss - fp32_loss)  # bf16 arithmetic ran, not fp32's
+        kind = kind.removesuffix("-mixed")
     if kind == "tp":  # the MLPs run Megatron's column / row split, as pinned, with no fallback
         layers = "transformer.h" if name == "gpt2-tiny" else "model.layers"
         up = ("c_fc",) if name == "gpt2-tiny" else ("gate_proj", "up_proj")
