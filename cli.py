@@ -439,7 +439,8 @@ def profile_show(name_or_path: str, as_json: bool) -> None:
               help="nccl where CUDA is present (one GPU per rank), else gloo.")
 @click.option("--quick", is_flag=True, help="Fewer sizes and repetitions (under 2 minutes at --nproc 2 on a CPU).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default="calibrated.json", show_default=True,
-              help="Profile JSON to write; a PNG plot and a report JSON are written next to it.")
+              help="Profile JSON to write; beside it a PNG plot and a report JSON (gloo), or the GPU's "
+                   "measurements, OUT.micro.json (nccl).")
 @click.option("--base", default=None, help="Start from this preset and keep what is not measured.")
 @click.option("--compute-only", is_flag=True,
               help="Measure compute only (all ranks at once) and keep --base's links: seconds, not minutes.")
@@ -510,7 +511,7 @@ def _calibrate_gpu(nproc: int, quick: bool, out_path: str, base: str | None, com
     from hwprofiles.calibrate import CalibrationConfig, CalibrationError
     from hwprofiles.files import load_profile
     from hwprofiles.gpu_sweeps import CudaTimer, measure
-    from hwprofiles.measured import calibrate_measured
+    from hwprofiles.measured import BASES, calibrate_measured
     from hwprofiles.profile import profile_to_json
 
     cfg = CalibrationConfig(nproc=nproc, backend="nccl", quick=quick, base=base, name=name, compute_only=compute_only)
@@ -519,8 +520,13 @@ def _calibrate_gpu(nproc: int, quick: bool, out_path: str, base: str | None, com
     if torch.cuda.device_count() < nproc and not compute_only:
         raise CalibrationError(f"--nproc {nproc} needs {nproc} GPUs and torch sees {torch.cuda.device_count()}; "
                                "pass --nproc up to that, or --compute-only with --base for the links")
-    if base:
-        load_profile(base)  # fail before measuring
+    if base is None:  # the preset the device's name implies, before minutes of measuring
+        device_name = torch.cuda.get_device_name(torch.cuda.current_device())
+        base = next((b for key, b in BASES.items() if key in device_name), None)
+        if base is None:
+            raise CalibrationError(f"{device_name} has no preset to start from; pass --base (a preset or a profile "
+                                   "JSON with the device's datasheet peaks)")
+    load_profile(base)  # fail before measuring
     links = None
     if nproc >= 2 and not compute_only:
         from executor.calibrate import calibrate

@@ -56,9 +56,11 @@ def grouped_kv(graph: OpGraph, region: AttentionRegion, depth: int = 8) -> bool:
         if name is None:
             return False
         node = graph.node_by_name[name]
-        if node.op_type == "Expand":
-            return True
-        t = node.inputs[0] if node.inputs else None
+        if node.op_type == "Expand":  # repeat_kv's: more elements out than in (n_rep > 1)
+            src = graph.tensors.get(node.inputs[0])
+            return src is not None and graph.tensors[node.outputs[0]].numel > src.numel
+        floats = [i for i in node.inputs if i in graph.tensors and graph.tensors[i].kind is TensorKind.ACTIVATION]
+        t = floats[0] if floats else None  # along the activation (a scale's constant may come first)
     return False
 
 

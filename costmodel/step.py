@@ -159,10 +159,10 @@ class CostModel:
         # Materialised attention: each chain priced as its runtime's kernels, at its last node.
         # Under FlashAttention, a grouped-query chain in fp32 on a GPU runs SDPA's math kernel: as eager.
         regions = attention_regions(graph).values()
-        math = [r for r in regions if grouped_kv(graph, r)] if (
+        math_kernel = [r for r in regions if grouped_kv(graph, r)] if (
             attention is Attention.FLASH and profile.device.is_gpu and self.precision.compute_dtype == "fp32") else []
         self.materialized: dict[str, AttentionRegion] = {
-            n: r for r in (regions if attention is not Attention.FLASH else math) for n in r.nodes}
+            n: r for r in (regions if attention is not Attention.FLASH else math_kernel) for n in r.nodes}
         # FlashAttention where the profile measured it: each chain priced as the kernel, at its last node.
         measured = attention is Attention.FLASH and profile.device.attention_forward is not None
         self.flash = {n: r for r in regions for n in r.nodes if n not in self.materialized} if measured else {}

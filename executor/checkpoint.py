@@ -270,9 +270,11 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
 def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
     """AdamW's states, zero, for every parameter the optimizer steps (a ZeRO bucket's shard for its
     parameters; torch creates them at the first step, loading needs them to exist)."""
+    group = optim.param_groups[0]
+    on_device = bool(group.get("fused") or group.get("capturable"))  # the fused kernel reads `step` there
     for p in runner.optimizer_parameters():
         if not optim.state[p]:
-            optim.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+            optim.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                               **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}}
 
 

@@ -170,6 +170,7 @@ def fit_measurements(data: Mapping[str, Any], *, base: str | None = None, name: 
         dev["matmul_narrow_efficiency"] = {
             "max_fraction": q(gemm.fraction, "1", "GEMM curve fit: achieved peak / datasheet"),
             "half_channels": q(gemm.half_dim, "1", "GEMM curve fit: the narrowest dim at half the rate")}
+        dev.pop("matmul_efficiency_by_dtype", None)  # a base's own curves belong to its bf16 curve, not this one
         if gemm.by_dtype:
             dev["matmul_efficiency_by_dtype"] = {
                 dtype: {"max_fraction": q(frac, "1", f"GEMM curve fit in {dtype}: achieved peak / datasheet"),

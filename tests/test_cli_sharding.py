@@ -18,7 +18,7 @@ def test_reshard_json_lists_the_collectives() -> None:
     assert r.exit_code == 0, r.output
     steps = json.loads(r.stdout)["steps"]
     assert [(s["op"], s["axis"]) for s in steps] == [("reduce_scatter", "tp"), ("all_gather", "dp")]
-    # bf16 on h100: the reduce-scatter's input is the local 2048×4096 block = 16 MiB.
+    # h100's default precision (mixed) computes in bf16: the reduce-scatter's input is the local 2048×4096 block = 16 MiB.
     assert steps[0]["bytes"] == 2048 * 4096 * 2
 
 

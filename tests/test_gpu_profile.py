@@ -33,9 +33,8 @@ def h100(measured: dict) -> HardwareProfile:
 
 def _gemm_s(p: HardwareProfile, m: int, n: int, k: int, dtype: str = "bf16") -> float:
     """One GEMM called alone, as the file timed it: its launch, then its kernel."""
-    eb = 2 if dtype == "bf16" else 4
-    return p.device.kernel_launch_s + matmul_time_s(p.device, 2.0 * m * n * k, dtype, min(m, n, k),
-                                                    min(align_bytes(k, eb), align_bytes(n, eb)))
+    aligned = min(align_bytes(k, 2), align_bytes(n, 2)) if dtype == "bf16" else 16  # fp32: no tensor cores
+    return p.device.kernel_launch_s + matmul_time_s(p.device, 2.0 * m * n * k, dtype, min(m, n, k), aligned)
 
 
 def test_calibrate_from_writes_a_gpu_profile(tmp_path: Path) -> None:
@@ -68,6 +67,7 @@ def test_fp32_gemms_have_their_own_curve(h100: HardwareProfile, measured: dict) 
     rows = [r for r in measured["matmul"] if r["dtype"] == "fp32"]
     err = np.array([_gemm_s(h100, r["m"], r["n"], r["k"], "fp32") / r["s"] - 1 for r in rows])
     assert np.median(np.abs(err)) < 0.06, np.median(np.abs(err))
+    assert np.mean(np.abs(err) < 0.25) > 0.9
 
 
 @pytest.mark.parametrize(("tokens", "hidden", "odd", "even"), [(4096, 768, 50257, 50304), (16384, 768, 50257, 50304),
@@ -225,14 +225,15 @@ def test_gpu_sweep_reaches_saturation(measured: dict, quick: bool) -> None:
     its GEMM squares grow past the launch-bound sizes to >= 8192³ and >= 1 ms a call, its element-wise
     ops reach 2^26 elements in bf16, and the profile fitted from what it measured has its GEMM peak
     within 5% of the fastest square the file measured, every fit written."""
-    from hwprofiles.gpu_sweeps import measure
+    from hwprofiles.gpu_sweeps import SATURATED, measure
 
     fake = FakeH100(measured)
     data = measure(fake, quick=quick)
-    squares = sorted(r["m"] for r in data["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"])
-    assert squares[0] <= 512 and squares[-1] >= 8192
-    assert max(r["s"] for r in data["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"]) >= 1e-3
-    assert max(r["numel"] for r in data["elementwise"] if r["dtype"] == "bf16") >= 1 << 26
+    squares = {r["m"]: r["s"] for r in data["matmul"] if r["dtype"] == "bf16" and r["m"] == r["n"] == r["k"]}
+    assert min(squares) <= 512 and squares[max(squares)] >= 1e-3 and squares[max(squares) // 2] < 1e-3  # stops there
+    adds = {r["numel"]: r["fwd_s"] for r in data["elementwise"] if r["op"] == "add" and r["dtype"] == "bf16"}
+    last = max(adds)  # doubled from 2^26 until flat: twice the time at twice the size
+    assert last > 1 << 26 and adds[last] >= SATURATED * adds[last // 2] and adds[last // 2] < SATURATED * adds[last // 4]
     assert any(min(align_bytes(r["k"], 2), align_bytes(r["n"], 2)) < 16 for r in data["matmul"])
     fitted, lines = fit_measurements(load_measurements_dict(data))
     assert all(line.accepted for line in lines), [line for line in lines if not line.accepted]
@@ -280,3 +281,22 @@ def test_calibrate_on_a_gpu_writes_the_profile_and_its_measurements(tmp_path: Pa
     assert p.device.async_launch and p.device.optimizer_step is not None and "GEMM curve" in r.output
     again, _ = fit_measurements(load_measurements(out.with_suffix(".micro.json")))
     assert again["device"]["matmul_efficiency"]["max_fraction"]["value"] == pytest.approx(p.device.matmul_efficiency.max_fraction)
+
+
+def test_calibrate_on_a_gpu_without_a_preset_stops_before_measuring(tmp_path: Path, measured: dict,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU no preset names, and no --base (links measured on 2 GPUs): one line, exit 2, before any
+    kernel or link is timed."""
+    import torch
+
+    import hwprofiles.gpu_sweeps as sweeps
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda _i=None: "NVIDIA L4")
+    timed: list[str] = []
+    monkeypatch.setattr(sweeps, "CudaTimer", lambda device: timed.append("timer") or FakeH100(measured))
+    r = CliRunner().invoke(main, ["profile", "calibrate", "--backend", "nccl", "--nproc", "2", "--quick",
+                                  "--out", str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and "NVIDIA L4 has no preset" in r.output and not timed, r.output
