@@ -34,7 +34,8 @@ def test_kv_split_by_kv_head_on_h100(zoo: Callable[[str], Path]) -> None:
     path = zoo("llama-gqa")
     free, column, row = (_plan(path, "h100-sxm", p) for p in (None, "S(0)", "S(1)"))
     assert kv_placement(free) == "column" and kv_placement(row) == "row"
-    assert free.step_time_s == pytest.approx(column.step_time_s, rel=1e-9) and row.step_time_s > column.step_time_s
+    # (The ILP's own plan is at least as fast as the pinned column one: the same k and v, the rest free.)
+    assert free.step_time_s <= column.step_time_s * (1 + 1e-9) and row.step_time_s > column.step_time_s
 
 
 @pytest.mark.slow

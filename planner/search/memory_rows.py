@@ -1,0 +1,96 @@
+"""The sharding ILP's memory rows (`ShardingILP`'s, split out): the memory limit at the step's peak,
+one row per binding pipeline stage and one at the end of backward, and the infeasibility check that
+needs no solver (the row is separable: its minimum is the sum of per-decision minima)."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+
+import numpy as np
+
+from planner.search.decisions import KIB, Decision, InfeasiblePlanError
+from planner.search.milp import LinearModel
+from planner.search.recompute import BIG, GroupTerms
+
+
+class MemoryRows:
+    """Mixed into `ShardingILP`, which sets these."""
+
+    decisions: dict[Decision, int]
+    x: dict[Decision, list[int]]
+    model: LinearModel
+    constraint_counts: dict[str, int]
+    layer_terms: dict[str, GroupTerms]
+    memory_limit_bytes: float | None
+    floor_limit_bytes: float | None
+    gradients_held: bool
+    stage_mem: list[dict[Decision, list[float]]]
+    end_mem: dict[Decision, list[float]]
+
+    def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
+        """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
+        where the ILP may) does not: the memory row is separable, its minimum the sum of per-decision
+        minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
+        if self.floor_limit_bytes is None or self.stage_mem:
+            return
+        floor = max(self.min_memory_bytes(self._with_all_recomputed(mem)), self.min_memory_bytes(self.end_mem))
+        if floor > self.floor_limit_bytes:
+            raise InfeasiblePlanError(
+                f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
+                f"as its rules allow) but `memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise "
+                "`memory_limit_gib` or add devices")
+
+    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
+        """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation counts."""
+        if self.memory_limit_bytes is None:
+            return
+        rows = dict(enumerate(self.stage_mem or [mem]))
+        if self.stage_mem:
+            rows = {i: self.stage_mem[i] for i in self._binding_stages()}
+        for i, row in rows.items():
+            if self.stage_mem:
+                floor = self.min_memory_bytes(row)
+                if floor > self.memory_limit_bytes:
+                    raise InfeasiblePlanError(
+                        f"memory: pipeline stage {i} needs at least {floor / 2**30:.1f} GiB per device but "
+                        f"`memory_limit_gib` is {self.memory_limit_bytes / 2**30:.1f} GiB; raise `memory_limit_gib`, add "
+                        "stages or devices, or recompute")
+            terms = [(x, math.ceil(b / KIB)) for v, bs in row.items() for b, x in zip(bs, self.x[v], strict=True) if b]
+            self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra], -BIG,
+                           int(self.memory_limit_bytes // KIB))
+            self.constraint_counts["memory"] += 1
+        if not self.gradients_held:
+            terms = [(x, math.ceil(b / KIB)) for v, bs in self.end_mem.items() for b, x in zip(bs, self.x[v], strict=True)
+                     if b]
+            self.model.add("memory[end of backward]", terms, -BIG, int(self.memory_limit_bytes // KIB))
+            self.constraint_counts["memory"] += 1
+
+    def _binding_stages(self) -> list[int]:
+        """The pipeline stages whose memory rows are not implied by another's: row i is implied by row j
+        when each of its coefficients is at most j's (every variable is 0/1, the recomputation terms the
+        same in both), so the ILP keeps j's alone — exactly the same feasible set. Under 1F1B the first
+        stage holds the most micro-batches of the same layers and implies every middle stage of no more
+        layers; deep pipelines keep two or three rows of p."""
+        keys = list(self.decisions)
+        flat = np.array([[b for d in keys for b in row[d]] for row in self.stage_mem])
+        kept: list[int] = []
+        for i in sorted(range(len(flat)), key=lambda i: -float(flat[i].sum())):
+            if not any(np.all(flat[i] <= flat[j]) for j in kept):
+                kept.append(i)
+        return sorted(kept)
+
+    def _with_all_recomputed(self, mem: dict[Decision, list[float]]) -> dict[Decision, list[float]]:
+        """Each choice's memory less what recomputing every layer of its group could save (a lower bound
+        for the infeasibility check: the transient layer left out)."""
+        saved: dict[int, float] = defaultdict(float)
+        for terms in {id(t): t for t in self.layer_terms.values()}.values():
+            for var, kib in terms.saved_kib.items():
+                saved[var] += max(kib, 0.0) * KIB * terms.layers
+        return {d: [b - saved.get(x, 0.0) for b, x in zip(bs, self.x[d], strict=True)] for d, bs in mem.items()}
+
+    @staticmethod
+    def min_memory_bytes(mem: dict[Decision, list[float]]) -> float:
+        return sum(min(bs) for bs in mem.values() if bs)
+
