@@ -363,9 +363,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         fully_shard(module, mesh=mesh[names[0]] if len(names) > 1 else mesh,
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
         report.mixed_policy = True
-    if s.settings.dtype in ("bf16", "fp16") and report.data_parallel != "fully_shard":
-        report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (a mixed-precision policy "
-                                "comes with fully_shard only; plan with `dtype` amp to run under report.autocast())")
+    if s.settings.dtype in ("bf16", "fp16"):  # no policy is applied for them, under fully_shard or not
+        report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (plan with `dtype` mixed "
+                                "for fully_shard's MixedPrecisionPolicy, or amp to run under report.autocast())")
     module.meshplan_report = report  # type: ignore[assignment]
     return module
 

@@ -76,15 +76,23 @@ class FitLine:
 _REQUIRED = {"matmul": ("m", "n", "k", "dtype", "s"), "elementwise": ("op", "dtype", "numel", "fwd_s", "fwd_bwd_s")}
 
 
+WHAT = "give a file written by measure_micro.py or calibrate on a GPU (the format of shared/gpu/h100/micro.json)"
+
+
 def load_measurements(path: str | Path) -> dict[str, Any]:
     """The measurement file at `path`, checked for what the fits read."""
-    what = "give a file written by measure_micro.py (the format of shared/gpu/h100/micro.json)"
     try:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
-        raise MeasurementError(f"measurement file {path} does not exist; {what}") from None
+        raise MeasurementError(f"measurement file {path} does not exist; {WHAT}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise MeasurementError(f"{path} is not JSON ({e}); {what}") from None
+        raise MeasurementError(f"{path} is not JSON ({e}); {WHAT}") from None
+    return check_measurements(data, path)
+
+
+def check_measurements(data: Any, path: str | Path) -> dict[str, Any]:
+    """`data` (a file's, or a sweep's just measured) checked for what the fits read."""
+    what = WHAT
     if not isinstance(data, dict):
         raise MeasurementError(f"{path} is not a measurement file (a JSON object is expected); {what}")
     for key, fields in _REQUIRED.items():
@@ -127,7 +135,7 @@ def calibrate_measured(data: Mapping[str, Any], out: str | Path, *, base: str | 
     out = Path(out)
     micro = out.with_suffix(".micro.json")
     micro.write_text(json.dumps(data, indent=1))
-    fitted, lines = fit_measurements(data, base=base, name=name, origin=micro.name)
+    fitted, lines = fit_measurements(check_measurements(dict(data), micro), base=base, name=name, origin=micro.name)
     if links is not None:
         fitted.update({k: links[k] for k in ("node", "network", "collectives") if k in links})
     save_profile(profile_from_json(fitted, origin_hint=str(micro)), out)
