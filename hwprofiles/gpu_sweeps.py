@@ -4,7 +4,7 @@ a profile measured here and one fitted from someone else's file come out of one 
 
 What is measured (`measure`), each a median of CUDA-event timings after warm-up (`CudaTimer`):
 - square GEMMs in bf16 from 256, doubling (with the sizes half-way between), until one is at least
-  8192 and takes at least 1 ms (`sweeps.saturating_sizes`); fp32 squares as far;
+  8192 and takes at least 1 ms (`saturating_sizes`); fp32 squares as far;
 - transformer GEMM shapes (tokens × hidden, × 3·hidden, × the MLP's width and back) and dims that
   are not multiples of 8/64/128: LM heads of 50257 and 32001 beside 50304 and 32000, k or n of 4095,
   4100, 4104;
@@ -24,7 +24,24 @@ import statistics
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from hwprofiles.sweeps import GPU_ELEMENTS, saturating_sizes
+# The matmul sweep grows from here until it saturates (`saturating_sizes`); element-wise ops from
+# 2^16 elements to at least this many (past every cache, each call a few hundred µs on an H100).
+GPU_MATMUL_START, GPU_MATMUL_MIN, GPU_MATMUL_MAX, GPU_MATMUL_MIN_S = 256, 8192, 32768, 1e-3
+GPU_ELEMENTS = 1 << 26
+
+
+def saturating_sizes(time_s: Callable[[int], float], *, start: int = GPU_MATMUL_START, min_size: int = GPU_MATMUL_MIN,
+                     min_time_s: float = GPU_MATMUL_MIN_S, max_size: int = GPU_MATMUL_MAX) -> list[int]:
+    """Square matmul sizes from `start`, doubling, until one is at least `min_size` and takes at least
+    `min_time_s` a call (`time_s(n)`: one n³ matmul), or `max_size`: a device's curve up to where it
+    saturates, not a CPU's fixed sizes (on an H100 those stop at 0.9 GFLOP, 18 µs, all launch)."""
+    sizes, n = [], start
+    while True:
+        sizes.append(n)
+        if (n >= min_size and time_s(n) >= min_time_s) or n >= max_size:
+            return sizes
+        n *= 2
+
 
 DTYPES = ("bf16", "fp32")
 # The element-wise ops a transformer's step runs, as the measurement file names them (`measured.py`'s

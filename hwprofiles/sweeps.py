@@ -31,25 +31,6 @@ def conv_flops(c: int) -> float:
     return 2.0 * 8 * 32 * 32 * c * c * 9
 
 
-# A GPU's matmul sweep grows from here until it saturates (`saturating_sizes`); element-wise kernels
-# run on this many elements there (past every cache, each call a few hundred µs on an H100).
-GPU_MATMUL_START, GPU_MATMUL_MIN, GPU_MATMUL_MAX, GPU_MATMUL_MIN_S = 256, 8192, 32768, 1e-3
-GPU_ELEMENTS = 1 << 26
-
-
-def saturating_sizes(time_s: Callable[[int], float], *, start: int = GPU_MATMUL_START, min_size: int = GPU_MATMUL_MIN,
-                     min_time_s: float = GPU_MATMUL_MIN_S, max_size: int = GPU_MATMUL_MAX) -> list[int]:
-    """Square matmul sizes from `start`, doubling, until one is at least `min_size` and takes at least
-    `min_time_s` a call (`time_s(n)`: one n³ matmul), or `max_size`: a device's curve up to where it
-    saturates, not a CPU's fixed sizes (on an H100 those stop at 0.9 GFLOP, 18 µs, all launch)."""
-    sizes, n = [], start
-    while True:
-        sizes.append(n)
-        if (n >= min_size and time_s(n) >= min_time_s) or n >= max_size:
-            return sizes
-        n *= 2
-
-
 def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -> dict[str, float]:
     """Median seconds by name: "matmul n" per size, "copy per byte" of a buffer copy, "bare op" (a
     one-element op), "element-wise per byte" of the kernel mix, "element-wise OP per byte" and
@@ -61,9 +42,9 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     torch.set_num_threads(1)  # one rank = one process on one core
     dtype = torch.float32 if cfg.backend == "gloo" else torch.bfloat16
     fns: dict[str, Callable[[], object]] = {}
-    gpu = getattr(device, "type", "cpu") == "cuda"
-    sizes = saturating_sizes(functools.partial(_matmul_s, device, dtype)) if gpu else cfg.matmul_sizes
-    for n in sizes:
+    # (A GPU's compute is measured by `gpu_sweeps`, which replaces these figures; under nccl they are
+    # taken only beside the collectives, at the CPU's sizes.)
+    for n in cfg.matmul_sizes:
         fns[f"matmul {n}"] = functools.partial(torch.matmul, torch.randn(n, n, device=device, dtype=dtype),
                                                torch.randn(n, n, device=device, dtype=dtype))
     nbytes = (32 if cfg.quick else 128) * MiB
@@ -72,7 +53,7 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     fns["copy"] = functools.partial(dst.copy_, src)
     one = torch.ones(1, device=device)
     fns["bare op"] = functools.partial(one.add, 1.0)
-    kernels = elementwise_kernels(device, GPU_ELEMENTS, pool=2) if gpu else elementwise_kernels(device)
+    kernels = elementwise_kernels(device)
     fns.update({f"element-wise {op}": fn for op, (fn, _) in kernels.items()})
     for tag, elems in BACKWARD_SIZES.items():  # the difference of two sizes: autograd's per-call cost out
         fns.update({f"backward {op} {tag}": fn for op, fn in elementwise_backward_kernels(device, elems).items()})
@@ -98,14 +79,6 @@ def compute_medians(cfg: CalibrationConfig, device: Any, progress: ProgressFn) -
     out["optimizer per parameter"] = optimizer_param_s(device)
     progress("compute", 1, 3)
     return out
-
-
-def _matmul_s(device: Any, dtype: Any, n: int) -> float:
-    """One n³ matmul on `device`, median of a few timed calls (the sweep's sizing probe)."""
-    import torch
-
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return time_interleaved({"mm": functools.partial(torch.matmul, a, b)}, device, min_time_s=0.05, repeats=5)["mm"]
 
 
 def reduce_max(medians: dict[str, float]) -> dict[str, float]:
