@@ -137,38 +137,56 @@ def test_a_device_without_a_preset_needs_a_base(measured: dict) -> None:
         fit_measurements({**measured, "device": "Some Accelerator"}, origin="f.json")
 
 
-def _gpt2_step_s(tmp: Path, profile: Path | str, vocab: int) -> float:
+def _step_s(tmp: Path, profile: Path | str, config: str, vocab: int, dims: dict[str, int]) -> float:
+    """One eager amp step on one device of bench/gpu/configs/<config>.json at `vocab`."""
     from bench.gpu_steps import exported
     from planner.export import export_hf_config
     from planner.search.plan import make_plan
     from planner.search.request import PlanRequest
 
-    config = json.loads((MICRO.parents[1] / "configs" / "gpt2-124m.json").read_text())
-    model = exported("gpt2-124m")  # vocab 50257, shared with bench --only gpu and its test
-    if config["vocab_size"] != vocab:
-        (tmp / f"gpt2-{vocab}.json").write_text(json.dumps({**config, "vocab_size": vocab}))
-        model = tmp / f"gpt2-{vocab}.onnx"
-        export_hf_config(tmp / f"gpt2-{vocab}.json", model, dims={"batch": None, "seq": None})
-    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 16, "seq": 1024}, profile=str(profile), devices=1,
-                                 dtype="amp"))
+    raw = json.loads((MICRO.parents[1] / "configs" / f"{config}.json").read_text())
+    model = exported(config)  # shared with bench --only gpu and its test
+    if raw["vocab_size"] != vocab:
+        (tmp / f"{config}-{vocab}.json").write_text(json.dumps({**raw, "vocab_size": vocab}))
+        model = tmp / f"{config}-{vocab}.onnx"
+        export_hf_config(tmp / f"{config}-{vocab}.json", model, dims={"batch": None, "seq": None})
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile=str(profile), devices=1, dtype="amp"))
     return s.step_time_s
+
+
+def _native_vocab_ratio() -> float:
+    """Llama-2-7B widths, 2 layers, 4 × 2048 tokens, eager amp on the H100 (2026-11-26 13:50 UTC,
+    bench/gpu/h100/session-2026-11-26-1347/native-vocab.json): the step at vocab 32001 over 32000."""
+    rows = json.loads((MICRO.parents[1] / "h100" / "session-2026-11-26-1347" / "native-vocab.json").read_text())
+    step = {r["model"]: r["step_s"] for r in rows if r["precision"] == "amp"}
+    return step["llama2-7b-2l-v32001"] / step["llama2-7b-2l-v32000"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("which", ["micro.json", "h100-sxm", "h100-sxm-calibrated"])
-def test_vocab_alignment_in_a_whole_step(tmp_path: Path, measured: dict, which: str) -> None:
-    """GPT-2-124M, 16 × 1024 tokens, eager amp on the H100: 123.3 ms a step with vocab 50257
-    (bench/gpu/h100/steps.json) against 98 ms with 50304 (shared/gpu/README.md), 1.26×. Priced from
-    the profile fitted to the microbenchmarks alone, the datasheet preset (its alignment from those
-    measurements) and the preset calibrated on an H100, the ratio is within 5 points of it (1.278,
-    1.233, 1.257)."""
+@pytest.mark.parametrize("case", ["gpt2-50257", "llama2-32001"])
+def test_vocab_alignment_in_a_whole_step(tmp_path: Path, measured: dict, which: str, case: str) -> None:
+    """Two whole steps measured on the H100 in eager amp, priced on the profile fitted to the
+    microbenchmarks alone, the datasheet preset (its alignment from those measurements) and the preset
+    calibrated on an H100:
+    - GPT-2-124M, 16 × 1024 tokens: 123.3 ms with vocab 50257 (bench/gpu/h100/steps.json) against 98 ms
+      with 50304 (shared/gpu/README.md), 1.26×; priced 1.278, 1.233, 1.255 — within 5 points;
+    - Llama-2-7B widths, 2 layers, 4 × 2048 tokens: 117.0 ms with vocab 32001 against 74.4 ms with
+      32000, 1.572× (fp32: 1.003×, no tensor cores); priced 1.513, 1.527, 1.535 — within 6 points."""
     profile: Path | str = which
     if which == "micro.json":
         fitted, _ = fit_measurements(measured, origin=str(MICRO))
         profile = tmp_path / "h100.json"
         profile.write_text(json.dumps(fitted))
-    ratio = _gpt2_step_s(tmp_path, profile, 50257) / _gpt2_step_s(tmp_path, profile, 50304)
-    assert abs(ratio - 123.3 / 98.0) < 0.05, ratio
+    if case == "gpt2-50257":
+        dims = {"batch": 16, "seq": 1024}
+        ratio = _step_s(tmp_path, profile, "gpt2-124m", 50257, dims) / _step_s(tmp_path, profile, "gpt2-124m", 50304, dims)
+        assert abs(ratio - 123.3 / 98.0) < 0.05, ratio
+    else:
+        dims = {"batch": 4, "seq": 2048}
+        config = "llama2-7b-2l-v32000"
+        ratio = _step_s(tmp_path, profile, config, 32001, dims) / _step_s(tmp_path, profile, config, 32000, dims)
+        assert abs(ratio - _native_vocab_ratio()) < 0.06, ratio
 
 
 class FakeH100:

@@ -4,7 +4,8 @@
 # zoo plan in amp (bf16 autocast over fp32 weights), examples/train_hf.py on GPT-2-124M in amp, and
 # the native steps of bench/gpu/configs in amp the same hour. Everything it prints and writes lands
 # in $OUT (profile, its measurements, logs). CALIBRATE=0: the committed preset h100-sxm-calibrated;
-# DTYPES: the precisions run and trained (default "amp mixed"); NATIVE=0: no native steps.
+# DTYPES: the precisions run and trained (default "amp mixed"); NATIVE=0: no native steps; VOCAB=1: whole
+# steps at vocab 32000 and 32001 (configs/runs-vocab.json).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 MESHPLAN_ZOO_DIR=/tmp/zoo
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,6 +38,10 @@ done
 if [ "${NATIVE:-1}" = 1 ]; then
   step "native steps, amp (bench/gpu/measure_steps.py)"
   PRECISIONS=amp NATIVE_OUT=native-amp.json timeout 200 python3 bench/gpu/measure_steps.py 2>&1 | tail -5
+fi
+if [ "${VOCAB:-0}" = 1 ]; then
+  step "native steps, vocab 32000 against 32001 (Llama-2-7B widths, 2 layers), amp and fp32"
+  RUNS=runs-vocab.json PRECISIONS=amp,fp32 NATIVE_OUT=native-vocab.json timeout 200 python3 bench/gpu/measure_steps.py 2>&1 | tail -5
 fi
 [ -f .dev/sustained.py ] && { step "GEMMs: burst against sustained"; PYTHONPATH=$PYTHONPATH:$PWD python3 .dev/sustained.py; }
 step done
