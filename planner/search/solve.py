@@ -45,15 +45,19 @@ Constraints (every one named)
   one_choice[d]:         Σ_i x[d,i] = 1
   edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
   edge_consumer[e,b]:    Σ_a y[e,a,b] = Σ_{i∈b} x[d(v),i]
-  memory:                Σ mem[d,i]·x[d,i] ≤ limit (KiB), at the step's peak (`compose.peak_memory`):
+  memory:                Σ mem[d,i]·x[d,i] − over ≤ limit (KiB), at the step's peak (`compose.peak_memory`):
                          the loss's backward — weights and optimizer states (ZeRO-sharded over the
                          axes a parameter is stored replicated on), one micro-batch's saved
                          activations (a sum, not a liveness peak) and the loss's workspace, and the
                          gradients only when accumulation (or a pipeline) holds them; without, a
-                         second row for the end of backward: weights, gradients, optimizer states
+                         second row for the end of backward: weights, gradients, optimizer states.
+                         Each row's excess over ≥ 0 (integer KiB) costs `OVER_NS_PER_KIB` in the
+                         objective, so every rounding is a solution (CBC takes no start solution); a
+                         solution with over = 0 is optimal for the hard rows, one with over > 0 is
+                         solved again with over held to 0
   pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
-The replicated plan is given as a hint. Infeasible memory is diagnosed without the solver: the
+The replicated plan is given as a hint (CP-SAT and SCIP take it; OR-Tools' CBC takes none). Infeasible memory is diagnosed without the solver: the
 memory row is separable, so its minimum is the sum of per-decision minima.
 """
 
@@ -85,7 +89,7 @@ from planner.search.decisions import (
     merge_identical,
     takes,
 )
-from planner.search.memory_rows import MemoryRows
+from planner.search.memory_rows import OVER_NS_PER_KIB, MemoryRows
 from planner.search.milp import LinearModel
 from planner.search.overlap import OverlapTerms
 from planner.search.recompute import GroupTerms, add_counts
@@ -131,6 +135,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self.options = options or SolverOptions()
         self.model = LinearModel()
         self.constraint_counts: dict[str, int] = defaultdict(int)
+        self.over_vars: list[int] = []  # the memory rows' excess (`MemoryRows._over`)
         # A recomputed group's representative nodes (its first layer's) → the group's per-layer terms.
         self.layer_terms: dict[str, GroupTerms] = {}
         if recompute_model is not None:
@@ -438,8 +443,12 @@ class ShardingILP(MemoryRows, DecisionGraph):
         # real difference in time (reported costs come from pricing the plan, not from this sum).
         tie_break = [(max(1, round(b / 2**20)), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
         self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
+        self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
+        if result.status in ("OPTIMAL", "FEASIBLE") and any(result.values[v] for v in self.over_vars):
+            self.hold_memory_hard()  # the best plan priced its excess: none fits, or one fits at a higher price
+            result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
         if result.status == "INFEASIBLE":
             families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
