@@ -209,13 +209,13 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
 
 def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel, mesh: DeviceMesh,
                  layout: Layout | None, *, pins: Mapping[str, Spec], memory_limit_bytes: float | None,
-                 time_limit_s: float | None = None, **shape: Any) -> ShardingILP:
+                 time_limit_s: float | None = None, cutoff_s: float | None = None, **shape: Any) -> ShardingILP:
     """The ILP as the request asks for it: its solver and limits, the parameter placements its layout
     (and ZeRO-3) allow — exactly those where the user gave a layout or a ZeRO stage —, the ZeRO stages
-    it allows; `shape`: the search's own (pipeline stages,
+    it allows; `cutoff_s`: an objective a plan must beat; `shape`: the search's own (pipeline stages,
     recomputation counts, parameters held at stage 0)."""
     return ShardingILP(graph, rules, cm, memory_limit_bytes=memory_limit_bytes, pins=pins, follow=req.follow,
                        options=SolverOptions(time_limit_s=time_limit_s or req.time_limit_s, backend=req.solver,
-                                             num_workers=req.workers),
+                                             num_workers=req.workers, cutoff_s=cutoff_s),
                        param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(),
                        shard_freely=req.layout is None and req.zero_stage is None, **shape)

@@ -25,6 +25,10 @@ class InfeasiblePlanError(MeshplanError):
     """No plan satisfies the constraints (memory limit, pins)."""
 
 
+class NotBetterError(InfeasiblePlanError):
+    """No plan of the ILP beats the cutoff it was given (a plan the search already holds)."""
+
+
 class PinError(MeshplanError):
     """A pin names an unknown tensor or a spec no strategy can produce."""
 
@@ -35,6 +39,7 @@ class SolverOptions:
     backend: str = "cbc"  # see planner/search/milp.py for the measurements behind the default
     num_workers: int = 2
     log: bool = False
+    cutoff_s: float | None = None  # a plan must price below this objective (s) to be wanted (`ShardingILP.solve`)
 
     def __post_init__(self) -> None:
         if self.time_limit_s <= 0:

@@ -37,6 +37,7 @@ class LinearModel:
     objective: list[tuple[int, int]] = field(default_factory=list)
     hints: dict[int, bool] = field(default_factory=dict)
     bounds: dict[int, tuple[int, int]] = field(default_factory=dict)  # integer variables' ranges
+    cutoff: int | None = None  # the objective must not exceed it (a plan already found): else INFEASIBLE
     _names: set[str] = field(default_factory=set)
 
     def bool_var(self, name: str) -> int:
@@ -85,6 +86,8 @@ class LinearModel:
         for v, value in self.hints.items():
             m.add_hint(xs[v], value)
         m.minimize(sum(c * xs[v] for v, c in self.objective))
+        if self.cutoff is not None:
+            m.add(sum(c * xs[v] for v, c in self.objective) <= self.cutoff)
         solver = cp_model.CpSolver()
         p = solver.parameters
         p.max_time_in_seconds = time_limit_s
@@ -120,6 +123,10 @@ class LinearModel:
         for v, c in self.objective:
             obj.SetCoefficient(xs[v], obj.GetCoefficient(xs[v]) + c)
         obj.SetMinimization()
+        if self.cutoff is not None:  # (CBC through OR-Tools takes no cutoff parameter: a row)
+            ct = solver.Constraint(-solver.infinity(), self.cutoff, "cutoff")
+            for v, c in self.objective:
+                ct.SetCoefficient(xs[v], ct.GetCoefficient(xs[v]) + c)
         if self.hints:
             solver.SetHint(xs, [float(self.hints.get(i, False)) for i in range(len(xs))])
         solver.SetTimeLimit(int(time_limit_s * 1000))

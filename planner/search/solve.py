@@ -57,6 +57,8 @@ Constraints (every one named)
                          solved again with over held to 0
   pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
+Given a cutoff (a plan the search already holds, `SolverOptions.cutoff_s`), a row holds the
+objective to it: an ILP whose relaxation already loses is then proved so without a search.
 The replicated plan is given as a hint (CP-SAT and SCIP take it; OR-Tools' CBC takes none). Infeasible memory is diagnosed without the solver: the
 memory row is separable, so its minimum is the sum of per-decision minima.
 """
@@ -81,6 +83,7 @@ from planner.search.decisions import (
     Edge,
     InfeasiblePlanError,
     NodeDecision,
+    NotBetterError,
     ParamDecision,
     PinError,
     Solution,
@@ -445,10 +448,14 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
         self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
+        if o.cutoff_s is not None:
+            self.model.cutoff = round(o.cutoff_s * NS_PER_S)
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
         if result.status in ("OPTIMAL", "FEASIBLE") and any(result.values[v] for v in self.over_vars):
             self.hold_memory_hard()  # the best plan priced its excess: none fits, or one fits at a higher price
             result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
+        if result.status == "INFEASIBLE" and o.cutoff_s is not None:
+            raise NotBetterError(f"no plan beats {o.cutoff_s:.6g} s (a plan already found)")
         if result.status == "INFEASIBLE":
             families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
