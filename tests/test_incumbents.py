@@ -4,6 +4,7 @@ as incumbents, hand layouts priced as written."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from collections.abc import Callable
@@ -140,3 +141,23 @@ def test_a_global_batch_the_hand_layouts_cannot_split(zoo: Callable[[str], Path]
     assert {h.name for h in s.hand_layouts if "does not split" in h.error} == {"DDP", "FSDP"}
     with pytest.raises(MeshplanError, match="does not split over the layout's 8 data-parallel ranks"):
         make_plan(PlanRequest(**req, layout="dp_shard=8"))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_layout_splits_every_matrix(zoo: Callable[[str], Path], tp: int) -> None:
+    # A layout's tp axis is tensor parallelism as Megatron-LM runs it: every parameter of two or more dims
+    # (linear weights, embedding tables) split over tp, never held whole there with the batch split
+    # instead (which made tp a data-parallel axis: Megatron's published 18.4B run priced with 33.7 GB
+    # of whole parameters a device). Parameters in memory: the matrices' elements / tp plus the vectors'.
+    from core.graph import TensorKind
+    from core.placement import Shard
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": 8, "seq": 64}, devices=8,
+                                 layout=f"dp_replicate={8 // tp},tp={tp}", profile="h100-sxm", dtype="fp32"))
+    axis = s.mesh.axis_names.index("tp")
+    params = {n: t for n, t in s.tensors.items() if t.kind is TensorKind.PARAM}
+    matrices = {n: t for n, t in params.items() if len(t.shape) >= 2}
+    assert matrices and all(isinstance(t.spec.placements[axis], Shard) for t in matrices.values())
+    local = sum(math.prod(t.shape) / (tp if isinstance(t.spec.placements[axis], Shard) else 1) for t in params.values())
+    assert s.cost.memory["parameters"] == pytest.approx(4 * local, rel=1e-9)  # fp32: 4 bytes each
+    assert local < sum(math.prod(t.shape) for t in params.values()) / tp * 1.1

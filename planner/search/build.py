@@ -14,7 +14,7 @@ from core.graph import OpGraph, TensorKind
 from core.layout import Layout
 from core.levers import Composer, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
-from core.placement import OpStrategy, Replicate, Spec, fully_sharded
+from core.placement import OpStrategy, Replicate, Shard, Spec, fully_sharded
 from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
@@ -188,22 +188,32 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
 
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
-    """The rules a user's layout leaves: on its data-parallel axes (dp_replicate, dp_shard) every op
-    uses its parameters whole, as DDP and FSDP run them (FSDP gathers them for use); no op may split
-    a weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for.
-    A node no strategy of which uses its parameters whole keeps its strategies."""
+    """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
+    uses its parameters whole, as DDP and FSDP run them (FSDP gathers them for use): no op may split a
+    weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
+    tp every op splits its matrices (parameters of two or more dims: linear weights, embedding tables),
+    as Megatron-LM runs them: an op holding them whole there would make tp a data-parallel axis the
+    layout did not ask for. A node no strategy of which does either keeps its strategies."""
     if layout is None:
         return rules
-    axes = [a for a, name in enumerate(layout.axis_names) if name in ("dp_replicate", "dp_shard")]
-    if not axes:
+    dp = [a for a, name in enumerate(layout.axis_names) if name in ("dp_replicate", "dp_shard")]
+    tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
+    if not dp and not tp:
         return rules
     out = RuleSet(rules.mesh)
     for name, ns in rules.by_node.items():
         params = [i for i, t in enumerate(ns.node.inputs) if t in graph.tensors and graph.tensors[t].kind is TensorKind.PARAM]
-        whole = tuple(st for st in ns.strategies if all(
-            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in axes)
+        strategies = ns.strategies
+        whole = tuple(st for st in strategies if all(
+            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in dp)
             for i in params))
-        out.by_node[name] = replace(ns, strategies=whole) if whole and params else ns
+        strategies = whole if whole and params else strategies
+        matrices = [i for i in params if len(graph.tensors[ns.node.inputs[i]].shape or ()) >= 2]
+        split = tuple(st for st in strategies if all(
+            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Shard) for a in tp)
+            for i in matrices))
+        strategies = split if split and matrices and tp else strategies
+        out.by_node[name] = replace(ns, strategies=strategies)
     return out
 
 

@@ -333,9 +333,10 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     if layout is not None and layout.pipeline > 1:
         return plan_pipelined(req, graph, profile, precision, steps, recompute, layout, limit, say,
                               enforce_limit=req.must_fit)
-    # A layout is solved without the memory row (its degrees leave the solver little to trade for memory,
-    # and proving a tight row infeasible takes a MIP minutes on hundreds of devices); a user's is priced
-    # fitting or not (the table says which), the planner's hand layouts must fit as priced.
+    # A layout is solved with its memory rows soft (`ShardingILP(memory_soft=True)`): where its degrees
+    # leave placements open (inside tp), the plan that fits, else the one over by the least — never a
+    # proof of infeasibility (minutes of MIP on hundreds of devices). A user's is priced fitting or not
+    # (the table says which), the planner's hand layouts must fit as priced.
     priced_as_is = layout is not None and not req.must_fit
     shapes = [layout.mesh_shape] if layout is not None else \
         [req.mesh_shape] if req.mesh_shape and req.mode is not Mode.STAND_ALONE else \
@@ -374,7 +375,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                     ilp = sharding_ilp(req, graph, rules, base, mesh, layout, pins=pins,
                                        cutoff_s=bound * (1 + CUTOFF_MARGIN) if bound is not None and layout is None
                                        else None,
-                                       memory_limit_bytes=None if layout is not None else limit, no_zero=no_zero,
+                                       memory_limit_bytes=limit, memory_soft=layout is not None, no_zero=no_zero,
                                        floor_limit_bytes=limit if req.must_fit else None,
                                        recompute_model=model(Recompute.FULL) if counted else None,
                                        recompute_layers=req.recompute_layers)

@@ -109,7 +109,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
                  zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
                  recompute_model: CostModel | None = None, recompute_layers: int | None = None,
                  stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = (),
-                 shard_freely: bool = True, floor_limit_bytes: float | None = None) -> None:
+                 shard_freely: bool = True, floor_limit_bytes: float | None = None, memory_soft: bool = False) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `shard_freely`: each parameter may also be split over every axis it would be whole on (ZeRO-3
@@ -122,7 +122,10 @@ class ShardingILP(MemoryRows, DecisionGraph):
         given, the memory row is one per stage (its nodes' parameters' states, and their activations
         times the micro-batches `in_flight[stage]` it holds at once, `costmodel/pipeline.py`).
         `floor_limit_bytes`: without a memory row, a limit the memory floor is checked against before
-        the edges are built (a hand layout that must fit: its infeasible micro-step counts told fast)."""
+        the edges are built (a hand layout that must fit: its infeasible micro-step counts told fast).
+        `memory_soft`: the memory rows' excess is only priced, never solved again held to 0 — the plan
+        that fits where one does, else the one over by the least (a layout priced as written: proving a
+        tight row infeasible takes a MIP minutes on hundreds of devices)."""
         super().__init__(graph, rules, cost, pins=pins or {}, param_layout=param_layout, no_zero=no_zero, follow=follow,
                          zero_options=zero_stages if zero_stages is not None else (cost.zero_stage,),
                          shard_freely=shard_freely)
@@ -134,7 +137,8 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self.gradients_held = cost.micro_batches > 1 or stages is not None
         self.recompute_model = recompute_model
         self.memory_limit_bytes = memory_limit_bytes
-        self.floor_limit_bytes = memory_limit_bytes if memory_limit_bytes is not None else floor_limit_bytes
+        self.memory_soft = memory_soft
+        self.floor_limit_bytes = floor_limit_bytes if memory_soft or memory_limit_bytes is None else memory_limit_bytes
         self.options = options or SolverOptions()
         self.model = LinearModel()
         self.constraint_counts: dict[str, int] = defaultdict(int)
@@ -451,7 +455,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         if o.cutoff_s is not None:
             self.model.cutoff = round(o.cutoff_s * NS_PER_S)
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
-        if result.status in ("OPTIMAL", "FEASIBLE") and any(result.values[v] for v in self.over_vars):
+        if result.status in ("OPTIMAL", "FEASIBLE") and not self.memory_soft and any(result.values[v] for v in self.over_vars):
             self.hold_memory_hard()  # the best plan priced its excess: none fits, or one fits at a higher price
             result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
         if result.status == "INFEASIBLE" and o.cutoff_s is not None:
