@@ -200,9 +200,14 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
     tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
     if not dp and not tp:
         return rules
+    # A parameter read through a view or cast (Llama exports: W -> Transpose -> MatMul) is a parameter too.
+    held = {t for t, info in graph.tensors.items() if info.kind is TensorKind.PARAM}
+    for node in graph.compute_nodes:
+        if node.op_type in ("Transpose", "Cast", "Reshape", "Identity") and node.inputs and node.inputs[0] in held:
+            held.update(node.outputs)
     out = RuleSet(rules.mesh)
     for name, ns in rules.by_node.items():
-        params = [i for i, t in enumerate(ns.node.inputs) if t in graph.tensors and graph.tensors[t].kind is TensorKind.PARAM]
+        params = [i for i, t in enumerate(ns.node.inputs) if t in held]
         strategies = ns.strategies
         whole = tuple(st for st in strategies if all(
             (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in dp)
