@@ -99,7 +99,7 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 raise DimBindingError(f"`global_batch_size` binds the model's dim 'batch' per micro-step: {e}") from e
         try:
             plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say,
-                                cutoff_s=min((f[1][0].step_time_s for f in found), default=None))
+                                cutoff_s=min((_incumbent_s(f[1][0]) for f in found), default=None))
         except PinError:
             raise
         except MeshplanError as e:  # out of memory
@@ -320,6 +320,12 @@ def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
 CUTOFF_MARGIN = 0.05
 
 
+def _incumbent_s(plan: Strategy) -> float:
+    """What a later ILP must beat: the plan's step, or its ILP objective where pricing came out lower
+    (bucketed ZeRO stages, fusion, a simpler plan of the same price: `_plan_meshes`)."""
+    return max(plan.step_time_s, plan.solver.objective)
+
+
 def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
                  recompute: Recompute, say: Progress, *,
                  cutoff_s: float | None = None) -> tuple[Strategy, list[Candidate]]:
@@ -371,7 +377,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                 while True:  # ZeRO-1/2 shards a parameter's states only where its gradient is reduced where
                     # stored: where a parameter the solver sharded is not, and the plan does not fit without
                     # its saving, it is held at stage 0 and the ILP solved again
-                    bound = min((c for c in (cutoff_s, best[0] if best else None) if c is not None), default=None)
+                    bound = min((c for c in (cutoff_s, max(best[0], best[6].objective) if best else None)
+                                 if c is not None), default=None)
                     ilp = sharding_ilp(req, graph, rules, base, mesh, layout, pins=pins,
                                        cutoff_s=bound * (1 + CUTOFF_MARGIN) if bound is not None and layout is None
                                        else None,

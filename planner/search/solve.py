@@ -59,8 +59,9 @@ Constraints (every one named)
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
 Given a cutoff (a plan the search already holds, `SolverOptions.cutoff_s`), a row holds the
 objective to it: an ILP whose relaxation already loses is then proved so without a search.
-The replicated plan is given as a hint (CP-SAT and SCIP take it; OR-Tools' CBC takes none). Infeasible memory is diagnosed without the solver: the
-memory row is separable, so its minimum is the sum of per-decision minima.
+The replicated plan is given as a hint (CP-SAT and SCIP take it; OR-Tools' CBC takes none).
+Infeasible memory is diagnosed without the solver: the memory row is separable, so its minimum is the
+sum of per-decision minima.
 """
 
 from __future__ import annotations
@@ -455,11 +456,15 @@ class ShardingILP(MemoryRows, DecisionGraph):
         if o.cutoff_s is not None:
             self.model.cutoff = round(o.cutoff_s * NS_PER_S)
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
-        if result.status in ("OPTIMAL", "FEASIBLE") and not self.memory_soft and any(result.values[v] for v in self.over_vars):
-            self.hold_memory_hard()  # the best plan priced its excess: none fits, or one fits at a higher price
-            result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
+        held = result.status in ("OPTIMAL", "FEASIBLE") and not self.memory_soft and \
+            any(result.values[v] for v in self.over_vars)
+        if held:  # the best plan priced its excess: none fits, or one fits at a higher price (in the time left)
+            self.hold_memory_hard()
+            result = self.model.solve(o.backend, time_limit_s=max(1.0, o.time_limit_s - result.time_s),
+                                      num_workers=o.num_workers, log=o.log)
         if result.status == "INFEASIBLE" and o.cutoff_s is not None:
-            raise NotBetterError(f"no plan beats {o.cutoff_s:.6g} s (a plan already found)")
+            raise NotBetterError(f"no plan {'fits the memory limit and ' if held else ''}beats {o.cutoff_s:.6g} s "
+                                 "(a plan already found)")
         if result.status == "INFEASIBLE":
             families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
