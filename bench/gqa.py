@@ -47,12 +47,25 @@ def _pins(graph: Any, placement: str | None) -> dict[str, str]:
 
 
 def kv_placement(strategy: Any) -> str:
-    """Which of LAYOUTS a plan holds the k and v projections in ("other" for neither)."""
-    names = {str(strategy.tensors[f"model.model.layers.{i}.self_attn.{p}_proj.weight"].spec) for i in range(2) for p in "kv"}
+    """Which of LAYOUTS a plan computes the k and v projections in ("other" for neither): each weight's
+    spec where its MatMul reads it (a weight stored split but gathered for use computes replicated)."""
+    used = {str(_used_spec(strategy, f"model.model.layers.{i}.self_attn.{p}_proj.weight")) for i in range(2) for p in "kv"}
     for name, placement in LAYOUTS.items():
-        if names == {placement}:
+        if used == {placement}:
             return name
-    return "other: " + ", ".join(sorted(names))
+    return "other: " + ", ".join(sorted(used))
+
+
+def projection_placement(strategy: Any, proj: str) -> str:
+    """The spec both layers compute projection `proj` ("k", "v") with, or "mixed"."""
+    used = {str(_used_spec(strategy, f"model.model.layers.{i}.self_attn.{proj}_proj.weight")) for i in range(2)}
+    return used.pop() if len(used) == 1 else "mixed"
+
+
+def _used_spec(strategy: Any, weight: str) -> Any:
+    """The spec a weight is used in: where the plan re-places it for its reader, else where it is stored."""
+    moved = [r.dst for r in strategy.reshards if r.tensor == weight]
+    return moved[0] if moved else strategy.tensors[weight].spec
 
 
 def bench_gqa(console: Console, rounds: int = 3) -> None:
