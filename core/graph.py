@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import math
 import re
 from collections import defaultdict
 from collections.abc import Mapping
@@ -64,7 +65,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def itemsize_bytes(self) -> int:

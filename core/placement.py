@@ -9,10 +9,11 @@ dim, the mesh axis that splits it or −1. String form, as on the CLI and in JSO
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from core.errors import MeshplanError
 
@@ -53,6 +54,17 @@ class Spec:
     """Placements of one tensor, one per mesh axis."""
 
     placements: tuple[Placement, ...]
+    # Its hash, taken once: specs key the planner's caches, ~10^6 lookups for an 80-layer model
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self.placements))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[Spec], tuple[tuple[Placement, ...]]]:
+        return Spec, (self.placements,)  # (a string's hash differs between processes: taken again)
 
     def __str__(self) -> str:
         return ",".join(map(str, self.placements))
@@ -94,7 +106,7 @@ class Spec:
 
     def local_shape(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
         """The largest local shard (rank 0's under torch.chunk), the one that bounds time and memory."""
-        return tuple(chunk(size, self.num_shards(d, mesh_shape), 0)[1] if size else 0 for d, size in enumerate(shape))
+        return _local_shape(self, tuple(shape), tuple(mesh_shape))
 
     def normalized(self, mesh_shape: tuple[int, ...]) -> Spec:
         """On a mesh axis of one device every placement holds the same data: call it replicated."""
@@ -198,3 +210,9 @@ class OpStrategy:
     @property
     def is_replicated(self) -> bool:
         return all(s is None or s.is_replicated for s in (*self.input_specs, *self.output_specs))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """`Spec.local_shape`, memoised: the planner asks it of the same few (spec, shape) pairs ~10^5 times."""
+    return tuple(chunk(size, spec.num_shards(d, mesh_shape), 0)[1] if size else 0 for d, size in enumerate(shape))

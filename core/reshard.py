@@ -17,9 +17,9 @@ plan lists exactly the collectives it runs.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
-
-import numpy as np
 
 from core.collectives import Collective
 from core.placement import Partial, Placement, R, Replicate, Shard, Spec
@@ -50,11 +50,18 @@ class ReshardPlan:
 
 
 def _local_bytes(spec: list[Placement], shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int) -> float:
-    return float(np.prod(Spec(tuple(spec)).local_shape(shape, mesh_shape), dtype=np.float64)) * itemsize
+    return float(math.prod(Spec(tuple(spec)).local_shape(shape, mesh_shape))) * itemsize
 
 
 def plan_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int = 4,
                  *, enable_all_to_all: bool = True) -> ReshardPlan:
+    return _plan_reshard(src, dst, tuple(shape), tuple(mesh_shape), itemsize, enable_all_to_all)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _plan_reshard(src: Spec, dst: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...], itemsize: int,
+                  enable_all_to_all: bool) -> ReshardPlan:
+    """`plan_reshard`, memoised (the planner prices the same few reshards for every tied edge)."""
     n = len(mesh_shape)
     if src == dst:
         return ReshardPlan(src, dst, ())

@@ -20,10 +20,9 @@ stay on chip, so they cost FLOPs but no memory traffic.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import numpy as np
 
 from core.graph import OpGraph, OpNode, TensorInfo
 from core.mesh import DeviceMesh
@@ -86,7 +85,7 @@ class ComputeCost:
 
 
 def tensor_bytes(info: TensorInfo, shape: tuple[int, ...], precision: Precision) -> float:
-    return float(np.prod(shape, dtype=np.float64)) * precision.bytes_of(info)
+    return float(math.prod(shape)) * precision.bytes_of(info)
 
 
 def local_shapes(node: OpNode, graph: OpGraph, specs: Mapping[str, Spec | None], mesh: DeviceMesh) -> dict[str, tuple[int, ...]]:
@@ -151,7 +150,7 @@ def compute_cost(node: OpNode, graph: OpGraph, shapes: Mapping[str, tuple[int, .
         for t in precision.cast_inputs[node.name]:  # autocast's casts to bf16, and back in backward
             if t not in shapes:  # an attention chain's q or k: priced with the chain (`attention.flash_cost`)
                 continue
-            c_fwd, c_bwd = cast_s(dev, float(np.prod(shapes[t], dtype=np.float64)))
+            c_fwd, c_bwd = cast_s(dev, float(math.prod(shapes[t])))
             fwd += c_fwd
             bwd += c_bwd if needs_grad is None or t in needs_grad else 0.0
     return ComputeCost(fwd_flops=flops.total, fwd_matmul_flops=flops.matmul, bwd_matmul_flops=mm_grads * flops.matmul,

@@ -11,6 +11,7 @@ Two classes, kept apart because the field reports them apart:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,7 +35,7 @@ def register_flops(*op_types: str) -> Callable[[FlopsFn], FlopsFn]:
 
 
 def _numel(shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64))
+    return math.prod(shape)
 
 
 @register_flops("MatMul")

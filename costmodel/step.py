@@ -169,6 +169,7 @@ class CostModel:
         self.causal = causal_regions(graph) if self.flash else frozenset()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        self._latency: dict[tuple[Collective, int], float] = {}
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
             for t in n.inputs:
@@ -244,7 +245,7 @@ class CostModel:
         info = self.graph.tensors[t]
         need = loss_input_spec(self.loss, spec, len(info.shape))
         events = tuple(replace(e, purpose=Purpose.LOSS) for e in self.edge_events(t, spec, need, frozenset()))
-        numel = float(np.prod(need.local_shape(info.shape, self.mesh.shape), dtype=np.float64))
+        numel = float(math.prod(need.local_shape(info.shape, self.mesh.shape)))
         return loss_cost(self.loss, numel, self.precision, info, self.profile.device, events,
                          fused=self.runtime is Runtime.COMPILED)
 
@@ -258,18 +259,26 @@ class CostModel:
                     saved: bool = True) -> tuple[PricedCollective, ...]:
         """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient;
         `saved`: the consumer's backward reads the tensor (a gathered parameter is then gathered again)."""
+        return tuple(replace(e, tensor=tensor) for e in self._edge_events_alike(tensor, src, dst, consumer_split, saved))
+
+    def _edge_events_alike(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
+                           saved: bool) -> tuple[PricedCollective, ...]:
+        """`edge_events`, cached by shape: the events of the first tensor priced alike, under its name
+        (a parameter's as a parameter's: `hides_under_backward` and `prefetched` ask)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, saved)
+        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, src, dst, consumer_split, saved)
         hit = self._edge_cache.get(key)
         if hit is None:
             hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split, saved)
-        return tuple(replace(e, tensor=tensor) for e in hit)  # cached by shape: the name is this edge's
+        return hit
 
     def _bucket_share(self, kind: Collective, axis: int, size: float, t: float) -> float:
         """A bucketed collective's time `t` for `size` bytes as one member of a bucket pays it alone (the
         solver's view): its bandwidth term and its bytes' share of one bucket's latency."""
-        one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
-        latency = 2 * one - two  # the intercept of the affine α-β time
+        latency = self._latency.get((kind, axis))
+        if latency is None:  # the intercept of the affine α-β time
+            one, two = (collective_time_s(self.profile, self.mesh, kind, b, (axis,)) for b in (1.0, 2.0))
+            latency = self._latency[kind, axis] = 2 * one - two
         fill = self.bucket_fill.get(kind, self.bucket_fill[Collective.ALL_REDUCE])
         return t - latency * (1.0 - min(1.0, size / fill))
 
@@ -291,11 +300,12 @@ class CostModel:
         under compute (`compose.prefetched`)."""
         info = self.graph.tensors[tensor]
         stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
-        key = (info.shape, info.dtype, info.kind, src, dst, consumer_split, recomputed, saved, stage)
+        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, src, dst, consumer_split, recomputed,
+               saved, stage)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches
-            events = [e for e in self.edge_events(tensor, src, dst, consumer_split, saved=saved)
+            events = [e for e in self._edge_events_alike(tensor, src, dst, consumer_split, saved)
                       if not (recomputed and e.purpose is Purpose.REGATHER)]
             synced = [e for e in events if e.purpose is Purpose.GRAD_SYNC and e.kind is Collective.ALL_REDUCE]
             if stage and synced:
@@ -350,7 +360,7 @@ class CostModel:
             add(step.collective, step.axis, step.size_bytes, Phase.FORWARD, Purpose.RESHARD)
         if tensor not in self.needs_grad:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
-        grad_local = float(np.prod(dst.local_shape(info.shape, self.mesh.shape), dtype=np.float64)) * grad_item
+        grad_local = float(math.prod(dst.local_shape(info.shape, self.mesh.shape))) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
         grad = gradient_spec(dst, consumer_split)  # as the executor receives it (core/placement.py)
         for a in range(self.mesh.ndim):

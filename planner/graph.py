@@ -14,8 +14,9 @@ exporter (module paths in `/a/b/c/Op` node names, parameters recognised as float
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,7 @@ from onnx import numpy_helper
 
 from core.errors import ModelError
 from core.graph import SHAPE_ONLY_OPS, Init, OpGraph, OpNode, TensorInfo, TensorKind
-from planner.params import DroppedBias, find_parameters
+from planner.params import DroppedBias, ParameterTable, find_parameters
 from planner.shapes import bind_dims, static_shape, with_static_shapes
 
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
@@ -75,17 +76,46 @@ def load_model_proto(path: str | Path) -> onnx.ModelProto:
 
 
 def load_graph(path: str | Path, dims: Mapping[str, int] | None = None) -> OpGraph:
-    """Import an ONNX file as an OpGraph with every shape static. `dims` binds symbolic dims."""
+    """Import an ONNX file as an OpGraph with every shape static. `dims` binds symbolic dims. A file
+    imported again at other dims (the planner binds the batch once per micro-step count) is parsed once."""
+    p = Path(path).resolve()
+    stat = p.stat() if p.is_file() else None
+    if stat is None:
+        return graph_from_proto(load_model_proto(path), dims or {}, name=Path(path).stem)
+    model, structure = _parsed(p, stat.st_mtime_ns, stat.st_size)
+    return graph_from_proto(model, dims or {}, name=Path(path).stem, structure=structure)
+
+
+@dataclass(frozen=True)
+class _Structure:
+    """What an import takes from the file whatever the dims bound: its parameters and its nodes."""
+
+    table: ParameterTable
+    nodes: tuple[OpNode, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _parsed(path: Path, mtime_ns: int, size: int) -> tuple[onnx.ModelProto, _Structure]:
+    """The file's model (never changed after: `with_static_shapes` copies it) and its structure, once
+    per file version (`mtime_ns`, `size`: a file written again is parsed again)."""
     model = load_model_proto(path)
-    return graph_from_proto(model, dims or {}, name=Path(path).stem)
+    return model, _structure(model)
 
 
-def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: str = "model") -> OpGraph:
+def _structure(model: onnx.ModelProto) -> _Structure:
+    table = find_parameters(model.graph)  # before inference, which drops value_info metadata
+    return _Structure(table, tuple(_op_node(n, i, table.renamed_inputs) for i, n in enumerate(model.graph.node)))
+
+
+def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: str = "model",
+                     structure: _Structure | None = None) -> OpGraph:
+    """`model` as an OpGraph at `dims` (`structure`: `_parsed`'s for this model, else found here)."""
+    structure = structure or _structure(model)
     g = model.graph
     init_names = {t.name for t in g.initializer}
     user_inputs = [v for v in g.input if v.name not in init_names]
     bound = bind_dims(user_inputs, dims)
-    table = find_parameters(g)  # before inference, which drops value_info metadata
+    table = structure.table
     model = with_static_shapes(model, bound)
     g = model.graph
 
@@ -114,8 +144,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
             if shape is not None:
                 tensors[p.name] = TensorInfo(p.name, shape, dtype, TensorKind.PARAM)
 
-    nodes = _restore_dropped_biases([_op_node(n, i, table.renamed_inputs) for i, n in enumerate(g.node)],
-                                    table.dropped_biases, infos, tensors)
+    nodes = _restore_dropped_biases(list(structure.nodes), table.dropped_biases, infos, tensors)
     constant_nodes = _constant_nodes(nodes, tensors)
     read = {t for n in nodes for t in n.inputs if t} | {v.name for v in g.output}
     missing: list[str] = []

@@ -153,9 +153,9 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 walk(below[1:])
             else:
                 walk(below[:0:-1])
+    hand_plans = planned(hands, say)  # (here, where the pipelines' search holds the other core, beside it)
     if pipelines is not None:
         found += pipelines()
-    hand_plans = planned(hands, say)
     limit = _memory_limit(req, profile)
     if not found:
         if not any(not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit for _, s in hand_plans):

@@ -37,8 +37,8 @@ Objective (integer nanoseconds of one training step)
   reduction per consumer, where execution (and `CostModel.price`) reduces once — an upper bound.
   Under the overlapped step (`compose.overlap`, GPU profiles) each edge's gradient reductions and
   parameter gathers leave that sum for two exposed terms, integer variables (`add_overlap`):
-    E_g ≥ Σ grads·y − k Σ backward·x,  E_g ≥ λ_c Σ grads_c·y,  E_a ≥ Σ gathers·y − Σ compute·x,
-    E_a ≥ one gather of any edge chosen,  E ≥ 0
+    E_g ≥ Σ grads·y − k Σ backward·x,  E_g ≥ λ_c Σ grads_c·y,
+    E_a ≥ max(Σ gathers·y − Σ compute·x, one gather of any edge chosen),  E ≥ 0
   (reductions beyond the backward, the last bucket of each collective, gathers beyond the step's
   compute, the first gather; `overlap.py`): the objective is then a lower bound of the overlapped step.
 Constraints (every one named)
