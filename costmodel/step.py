@@ -264,9 +264,11 @@ class CostModel:
     def _edge_events_alike(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
                            saved: bool) -> tuple[PricedCollective, ...]:
         """`edge_events`, cached by shape: the events of the first tensor priced alike, under its name
-        (a parameter's as a parameter's: `hides_under_backward` and `prefetched` ask)."""
+        (a parameter's as a parameter's: `hides_under_backward` and `prefetched` ask; one that needs a
+        gradient as one that does)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, src, dst, consumer_split, saved)
+        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
+               consumer_split, saved)
         hit = self._edge_cache.get(key)
         if hit is None:
             hit = self._edge_cache[key] = self._edge_events(tensor, src, dst, consumer_split, saved)
@@ -300,8 +302,8 @@ class CostModel:
         under compute (`compose.prefetched`)."""
         info = self.graph.tensors[tensor]
         stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
-        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, src, dst, consumer_split, recomputed,
-               saved, stage)
+        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
+               consumer_split, recomputed, saved, stage)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches

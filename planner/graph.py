@@ -78,12 +78,17 @@ def load_model_proto(path: str | Path) -> onnx.ModelProto:
 def load_graph(path: str | Path, dims: Mapping[str, int] | None = None) -> OpGraph:
     """Import an ONNX file as an OpGraph with every shape static. `dims` binds symbolic dims. A file
     imported again at other dims (the planner binds the batch once per micro-step count) is parsed once."""
-    p = Path(path).resolve()
+    p = Path(path)
     stat = p.stat() if p.is_file() else None
-    if stat is None:
-        return graph_from_proto(load_model_proto(path), dims or {}, name=Path(path).stem)
-    model, structure = _parsed(p, stat.st_mtime_ns, stat.st_size)
-    return graph_from_proto(model, dims or {}, name=Path(path).stem, structure=structure)
+    if stat is None or stat.st_size > _KEPT_BYTES:
+        return graph_from_proto(load_model_proto(path), dims or {}, name=p.stem)
+    version = (str(p.resolve()), stat.st_dev, stat.st_ino, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_size)
+    model, structure = _parsed(str(path), version)
+    return graph_from_proto(model, dims or {}, name=p.stem, structure=structure)
+
+
+# Files up to this size (shape-only exports, small models with their weights inside) are kept parsed.
+_KEPT_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -95,9 +100,10 @@ class _Structure:
 
 
 @functools.lru_cache(maxsize=4)
-def _parsed(path: Path, mtime_ns: int, size: int) -> tuple[onnx.ModelProto, _Structure]:
+def _parsed(path: str, version: tuple[object, ...]) -> tuple[onnx.ModelProto, _Structure]:
     """The file's model (never changed after: `with_static_shapes` copies it) and its structure, once
-    per file version (`mtime_ns`, `size`: a file written again is parsed again)."""
+    per file version (`version`: its inode, times and size; a file written again is parsed again);
+    `path` as the user gave it, for the errors."""
     model = load_model_proto(path)
     return model, _structure(model)
 

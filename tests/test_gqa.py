@@ -37,11 +37,13 @@ def test_kv_split_by_kv_head_on_h100(zoo: Callable[[str], Path]) -> None:
     path = zoo("llama-gqa")
     free, column, row = (_plan(path, "h100-sxm", p) for p in (None, "S(0)", "S(1)"))
     assert kv_placement(column) == "column"
+    assert {str(row.tensors[f"model.model.layers.{i}.self_attn.{p}_proj.weight"].spec) for i in (0, 1) for p in "kv"} \
+        == {"S(1)"}  # the row pin held (computed with the weight re-placed: `kv_placement` says "other: P")
     assert projection_placement(free, "v") == "S(0)" and projection_placement(free, "k") == "R"
     merge = [r for r in column.reshards if r.consumer.startswith("node_Reshape") and str(r.dst) == "R"]
     assert len(merge) == 2 and all(str(r.src) == "S(1)" for r in merge)  # heads split, one per layer
     # (The ILP's own plan is at least as fast as the pinned column one: the same k and v, the rest free.)
-    assert free.step_time_s < column.step_time_s < row.step_time_s
+    assert free.step_time_s <= column.step_time_s * (1 + 1e-9) and row.step_time_s > column.step_time_s
 
 
 @pytest.mark.slow

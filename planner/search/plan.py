@@ -153,9 +153,11 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 walk(below[1:])
             else:
                 walk(below[:0:-1])
-    hand_plans = planned(hands, say)  # (here, where the pipelines' search holds the other core, beside it)
-    if pipelines is not None:
-        found += pipelines()
+    try:
+        hand_plans = planned(hands, say)  # (here, where the pipelines' search holds the other core, beside it)
+    finally:  # its process waited for, whatever the hand layouts raise
+        piped = pipelines() if pipelines is not None else []
+    found += piped
     limit = _memory_limit(req, profile)
     if not found:
         if not any(not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit for _, s in hand_plans):
