@@ -151,11 +151,13 @@ def gradient_spec(want: Spec, split: frozenset[int]) -> Spec:
                       else p for a, p in enumerate(want.placements)))
 
 
-def fully_sharded(shape: tuple[int, ...], mesh: tuple[int, ...], spec: Spec) -> Spec | None:
+def fully_sharded(shape: tuple[int, ...], mesh: tuple[int, ...], spec: Spec,
+                  over: tuple[int, ...] | None = None) -> Spec | None:
     """ZeRO-3 / FSDP as a choice per parameter: stored split on dim 0 over every axis it is replicated
-    on, gathered for use (and again in backward), its gradient reduce-scattered. None when there is no
-    such axis or dim 0 is smaller than the shards."""
-    axes = [a for a, pl in enumerate(spec.placements) if isinstance(pl, Replicate) and mesh[a] > 1]
+    on (of `over`, where given), gathered for use (and again in backward), its gradient
+    reduce-scattered. None when there is no such axis or dim 0 is smaller than the shards."""
+    axes = [a for a, pl in enumerate(spec.placements)
+            if isinstance(pl, Replicate) and mesh[a] > 1 and (over is None or a in over)]
     if not axes or not shape or shape[0] < math.prod(mesh[a] for a in axes) * spec.num_shards(0, mesh):
         return None
     return Spec(tuple(Shard(0) if a in axes else pl for a, pl in enumerate(spec.placements)))

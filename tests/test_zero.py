@@ -221,14 +221,16 @@ def test_zero_shard_group_runs_as_planned(stage: int, zoo: Callable[[str], Path]
     assert r["collectives_planned"] == {"reduce_scatter": per, "all_reduce": per, "all_gather": 1}
 
 
-@pytest.mark.parametrize(("layout", "zero"), [("dp_replicate=8", 0), ("dp_replicate=8", 1), ("dp_shard=8", 3)])
+@pytest.mark.parametrize(("layout", "zero"), [("dp_replicate=8", 0), ("dp_replicate=8", 1), ("dp_shard=8", 3),
+                                            ("dp_replicate=2,dp_shard=4", 3)])
 def test_hand_layout_states_are_the_zero_papers(layout: str, zero: int, zoo: Callable[[str], Path]) -> None:
     # A hand layout priced as written: DDP holds every parameter whole (no op may split a weight over
     # dp_replicate), ZeRO-1 shards every optimizer state over the 8 ranks, FSDP (dp_shard, ZeRO-3)
     # every weight, gradient and state. Per parameter, bf16 (Rajbhandari et al. §5, N_d = 8): weights
     # 2Ψ, gradients 2Ψ, optimizer 12Ψ; 12Ψ/8 at ZeRO-1; all /8 at ZeRO-3. The one exception at ZeRO-1
     # is the position table, whose gradient the plan reduces on its (replicated) lookup's output, of
-    # the same size, not on the table itself: nothing there for ZeRO to shard.
+    # the same size, not on the table itself: nothing there for ZeRO to shard. HSDP (2 replicas of
+    # FSDP over 4) at ZeRO-3: N_d = 4, every parameter whole over dp_replicate.
     model = zoo("gpt2-medium")
     dims = {"batch": 64, "seq": 1024}
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="h100-sxm", devices=8, layout=layout,
@@ -239,9 +241,12 @@ def test_hand_layout_states_are_the_zero_papers(layout: str, zero: int, zoo: Cal
     if zero == 1:
         assert [p.name for p in whole] == ["model.transformer.wpe.weight"]
         assert set(s.training.zero_stages.values()) == {1}
-    state = {0: (2, 2, 12), 1: (2, 2, 12 / 8), 3: (2 / 8, 2 / 8, 12 / 8)}[zero]
+    shards = 4 if layout.startswith("dp_replicate=2") else 8
+    state = {0: (2, 2, 12), 1: (2, 2, 12 / 8), 3: (2 / shards, 2 / shards, 12 / shards)}[zero]
     kept = sum(p.numel for p in whole) if zero == 1 else 0  # at stage 0: its 12 bytes whole
     want = dict(zip(("parameters", "gradients", "optimizer"), (b * psi for b in state), strict=True))
     want["optimizer"] += kept * (12 - 12 / 8)
     assert {k: s.cost.memory[k] for k in want} == pytest.approx(want, rel=1e-12)
-    assert all(s.spec_of(p.name).num_shards(0, s.mesh.shape) == (8 if zero == 3 else 1) for p in g.params)
+    assert all(s.spec_of(p.name).num_shards(0, s.mesh.shape) == (shards if zero == 3 else 1) for p in g.params)
+    replicas = [a for a, n in enumerate(s.mesh.axis_names) if n == "dp_replicate"]
+    assert all(str(s.spec_of(p.name).placements[a]) == "R" for p in g.params for a in replicas)

@@ -44,17 +44,24 @@ from planner.strategy import (
 
 def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
                   mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None] | None:
-    """How parameters may be stored: as the layout says, and under --zero 3 split on dim 0 over every
-    axis they would be replicated on (FSDP), wherever they can be."""
+    """How parameters may be stored: as the layout says, and under --zero 3 split on dim 0 (FSDP),
+    wherever they can be, over every axis they would be replicated on — with a layout, over its
+    sharding axes only: dp_shard, or dp_replicate where it has no dp_shard (DDP at ZeRO-3 is FSDP), never
+    tp (HSDP keeps a whole copy per replica, FSDP + TP a tp-replicated norm weight whole over tp)."""
     held = layout.param_layout(graph, mesh) if layout is not None else None
     if req.zero_stage != 3:
         return held
+    over = None
+    if layout is not None:
+        names = mesh.axis_names
+        over = tuple(a for a, n in enumerate(names) if n == "dp_shard") or \
+            tuple(a for a, n in enumerate(names) if n == "dp_replicate")
 
     def zero3(param: str, spec: Spec) -> Spec | None:
         stored = held(param, spec) if held is not None else spec
         if stored is None:
             return None
-        return fully_sharded(graph.tensors[param].shape, mesh.shape, stored) or stored
+        return fully_sharded(graph.tensors[param].shape, mesh.shape, stored, over) or stored
 
     return zero3
 
