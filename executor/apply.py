@@ -26,7 +26,9 @@ exporter's names. `apply`:
    replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3; ZeRO-1/2 run as
    `fully_shard(reshard_after_forward=False)`: their collectives, with parameters sharded between
    steps). Activations the plan gathers over the batch inside the model run batch-local instead
-   (the same numbers, fewer collectives); the report lists them.
+   (the same numbers, fewer collectives); the report lists them. Two data-parallel axes with every
+   parameter whole over the first and split over the second are HSDP: `fully_shard` on that 2-D mesh
+   (gradients reduce-scattered over the shards, the shard all-reduced over the replicas).
 5. **Recomputation**: each recomputed layer of the plan is wrapped with the composable
    `checkpoint` (`torch.utils.checkpoint`; names unchanged).
 
@@ -343,19 +345,21 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     big = [i for i, n in enumerate(shape) if n > 1]
     tp_axes = [i for i in big if i not in dp_axes]
     dp_big = [i for i in big if i in dp_axes]
-    if len(tp_axes) > 1 or len(dp_big) > 1 or (tp_axes and dp_big):
-        raise ApplyError(f"apply runs one data-parallel or one tensor-parallel axis; this plan's mesh "
-                         f"{list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run it with "
-                         "`meshplan run`)")
+    if len(tp_axes) > 1 or len(dp_big) > 2 or (tp_axes and dp_big):
+        raise ApplyError(f"apply runs one tensor-parallel axis or up to two data-parallel ones (HSDP); this plan's "
+                         f"mesh {list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run "
+                         "it with `meshplan run`)")
     names = s.mesh.axis_names
-    report = ApplyReport(data_parallel="", dp_axis=names[dp_big[0]] if dp_big else None,
+    report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
                          device=mesh.device_type)
     _recompute(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
-    if dp_big:
+    if len(dp_big) == 2:
+        _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report)
+    elif dp_big:
         _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
     elif s.settings.dtype == "mixed" and not tp_axes:  # one device: the policy alone, as a user's FSDP2 run has it
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -441,6 +445,39 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         report.data_parallel = "replicate"
         if s.buckets is not None:  # DDP's buckets, as the plan priced them
             report.expected["all_reduce"] = sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))
+
+
+def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh, bindings: tuple[Binding, ...],
+                  axes: list[int], report: ApplyReport) -> None:
+    """Two data-parallel axes: HSDP (`fully_shard` on the 2-D mesh, replicas over the first axis, shards
+    over the second) where the plan stores every parameter whole over one and split over the other."""
+    names = s.mesh.axis_names
+    split = {a: [isinstance(_spec(s, b.onnx).placements[a], mp.Shard) for b in bindings] for a in axes}
+    replicate, shard = axes
+    if any(split[replicate]) or not any(split[shard]):
+        raise ApplyError(f"apply runs two data-parallel axes as HSDP: every parameter whole over '{names[replicate]}' "
+                         f"and split over '{names[shard]}'; this plan stores them otherwise (plan with `layout` "
+                         f"dp_replicate={s.mesh.shape[replicate]},dp_shard={s.mesh.shape[shard]} `zero_stage` 3, or "
+                         "run it with `meshplan run`)")
+    if not all(split[shard]):
+        report.fallbacks.append(f"'{names[shard]}': {split[shard].count(False)} parameters the plan keeps whole are "
+                                "sharded too (fully_shard shards a module's parameters together)")
+    params = {b.onnx for b in bindings}
+    for r in s.reshards:  # activations the plan gathers over the batch: batch-local here
+        if _source_parameter(graph, r.tensor) not in params and any(r.src.placements[a] != r.dst.placements[a]
+                                                                   for a in axes):
+            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
+            report.fallback_saves_s += sum(c.time_s for c in r.collectives)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if s.settings.dtype == "mixed" else MixedPrecisionPolicy()
+    fully_shard(module, mesh=mesh[(names[replicate], names[shard])], reshard_after_forward=True, mp_policy=policy)
+    report.mixed_policy = s.settings.dtype == "mixed"
+    report.data_parallel = "fully_shard (HSDP)"
+    # One unit, the root: gathered over the shards for forward and again for backward, its gradients
+    # reduce-scattered over them and the shard all-reduced over the replicas.
+    report.expected.update({"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
 
 
 def _spec(s: Strategy, tensor: str) -> mp.Spec:

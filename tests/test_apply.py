@@ -45,7 +45,10 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "dp-amp": {"mode": "data-parallel", "zero_stage": 0, "dtype": "amp"},
                                     "tp-amp": {"mode": "semi", "dtype": "amp"},
                                     # mixed under fully_shard: its MixedPrecisionPolicy(bf16, fp32) casts
-                                    "zero3-mixed": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed"}}
+                                    "zero3-mixed": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed"},
+                                    # HSDP on 4 ranks: whole over dp_replicate, split over dp_shard
+                                    "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3}}
+RANKS = {"hsdp": 4}  # (the others: 2)
 
 
 def hf_module(zoo_json: Path) -> Any:
@@ -79,7 +82,7 @@ def _loss(module: Any, ids: Any, labels: Any) -> Any:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any) -> None:
+def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: int = 2) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
@@ -90,14 +93,15 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any) -> None
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         module = hf_module(Path(zoo_json))
         names = sorted(module.state_dict())
         meshplan.apply(module, strategy)
         report = module.meshplan_report
         ids, labels = _data(module.config.vocab_size)
-        if report.dp_axis:  # each rank its own rows of the batch, as a data loader gives them
-            rows = slice(rank * B // 2, (rank + 1) * B // 2)
+        if report.dp_axis:  # each rank its own rows of the batch, as a data loader gives them (the batch
+            # split over the data-parallel axes in mesh order: rank order)
+            rows = slice(rank * B // world, (rank + 1) * B // world)
             ids, labels = ids[rows], labels[rows]
         optim = torch.optim.SGD(module.parameters(), lr=0.1)
         counter = CollectiveCounter()
@@ -109,7 +113,7 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any) -> None
         total = loss.detach().clone()
         if report.dp_axis:
             dist.all_reduce(total)
-            total /= 2
+            total /= world
 
         def full(t: Any) -> Any:
             return t.full_tensor() if isinstance(t, DTensor) else t
@@ -126,7 +130,7 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any) -> None
         raise SystemExit(1) from e
 
 
-def _run(strategy: Path, zoo_json: Path) -> tuple[Any, ...]:
+def _run(strategy: Path, zoo_json: Path, world: int = 2) -> tuple[Any, ...]:
     from executor.ranks import run_ranks
 
     got: list[tuple[Any, ...]] = []
@@ -135,7 +139,7 @@ def _run(strategy: Path, zoo_json: Path) -> tuple[Any, ...]:
         got.append(msg)
         return True
 
-    run_ranks(worker, 2, lambda r, port, q: (r, port, str(strategy), str(zoo_json), q), handle, timeout_s=240,
+    run_ranks(worker, world, lambda r, port, q: (r, port, str(strategy), str(zoo_json), q, world), handle, timeout_s=240,
               error=MeshplanError, what="apply")
     return got[0]
 
@@ -147,8 +151,8 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
     kw = dict(PLANS[kind])
     if kind.startswith("tp"):
         kw["pins"] = TP_PINS[name]
-    s, _ = make_plan(PlanRequest(model=str(zoo(name)), dims={"batch": B, "seq": S}, profile="cpu", devices=2,
-                                 **kw))
+    s, _ = make_plan(PlanRequest(model=str(zoo(name)), dims={"batch": B, "seq": S}, profile="cpu",
+                                 devices=RANKS.get(kind, 2), **kw))
     path = tmp / f"{name}-{kind}.json"
     s.save(path)
     return path
@@ -156,7 +160,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "recompute")] + \
-    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")]
+    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")]
 
 
 @pytest.mark.slow
@@ -166,7 +170,8 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
 
     strategy = _plan(zoo, tmp_path, name, kind)
     zoo_json = zoo(name).with_suffix(".json")
-    _, loss, grads, params, executed, expected, lines, names_before, names_after, styles = _run(strategy, zoo_json)
+    _, loss, grads, params, executed, expected, lines, names_before, names_after, styles = _run(strategy, zoo_json,
+                                                                                                 RANKS.get(kind, 2))
     assert names_after == names_before  # nothing of the distribution leaks into the module's names
     ref = hf_module(zoo_json)
     ids, labels = _data(ref.config.vocab_size)
@@ -228,6 +233,10 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         assert [ln for ln in lines if ln.startswith("fallback: ZeRO-1 runs as fully_shard(reshard_after_forward=False)")]
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
+    if kind == "hsdp":  # and the shard's gradient all-reduced over the replicas; nothing else falls back
+        assert executed == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+        assert "data parallel: fully_shard (HSDP) over dp_replicate+dp_shard" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
 
 
 def test_bind_refuses_another_model(zoo: Callable[[str], Path], tmp_path: Path) -> None:
