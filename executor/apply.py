@@ -340,6 +340,10 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(s.mesh.axis_names))
     elif tuple(mesh.shape) != shape:
         raise ApplyError(f"the mesh given is {list(mesh.shape)}, the strategy's {list(shape)}")
+    elif tuple(mesh.mesh_dim_names or ()) != tuple(s.mesh.axis_names):
+        raise ApplyError(f"the mesh given names its axes {list(mesh.mesh_dim_names or ())}, the strategy "
+                         f"{list(s.mesh.axis_names)}; pass init_device_mesh(..., mesh_dim_names={tuple(s.mesh.axis_names)}) "
+                         "or leave `mesh` out")
     bindings = bind_parameters(s, graph, module)
     dp_axes = _data_parallel_axes(s)
     big = [i for i, n in enumerate(shape) if n > 1]
@@ -457,8 +461,9 @@ def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMe
     if any(split[replicate]) or not any(split[shard]):
         raise ApplyError(f"apply runs two data-parallel axes as HSDP: every parameter whole over '{names[replicate]}' "
                          f"and split over '{names[shard]}'; this plan stores them otherwise (plan with `layout` "
-                         f"dp_replicate={s.mesh.shape[replicate]},dp_shard={s.mesh.shape[shard]} `zero_stage` 3, or "
-                         "run it with `meshplan run`)")
+                         f"dp_replicate={s.mesh.shape[replicate]},dp_shard={s.mesh.shape[shard]}, or with `mesh_shape` "
+                         f"{s.mesh.shape[replicate] * s.mesh.shape[shard]} for one data-parallel axis, or run it with "
+                         "`meshplan run`)")
     if not all(split[shard]):
         report.fallbacks.append(f"'{names[shard]}': {split[shard].count(False)} parameters the plan keeps whole are "
                                 "sharded too (fully_shard shards a module's parameters together)")

@@ -1,5 +1,5 @@
 """`meshplan.apply` on the user's own module: a transformers GPT-2 / Llama `nn.Module` (not the ONNX
-interpreter), distributed as a plan of its exported graph says, on 2 gloo ranks.
+interpreter), distributed as a plan of its exported graph says, on 2 gloo ranks (HSDP on 4).
 
 The check is independent of meshplan's executor: one process trains the same transformers module
 (same seed, same full batch, plain eager torch) and the distributed loss, every gradient and every

@@ -52,10 +52,10 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
     if req.zero_stage != 3:
         return held
     over = None
-    if layout is not None:
+    if layout is not None:  # (a layout without data-parallel axes, tp alone, shards over what it has, as before)
         names = mesh.axis_names
         over = tuple(a for a, n in enumerate(names) if n == "dp_shard") or \
-            tuple(a for a, n in enumerate(names) if n == "dp_replicate")
+            tuple(a for a, n in enumerate(names) if n == "dp_replicate") or None
 
     def zero3(param: str, spec: Spec) -> Spec | None:
         stored = held(param, spec) if held is not None else spec
