@@ -366,11 +366,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     elif dp_big:
         _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
     elif s.settings.dtype == "mixed" and not tp_axes:  # one device: the policy alone, as a user's FSDP2 run has it
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        fully_shard(module, mesh=mesh[names[0]] if len(names) > 1 else mesh,
-                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-        report.mixed_policy = True
+        _fully_shard(s, module, mesh[names[0]] if len(names) > 1 else mesh, None, report)
     if s.settings.dtype in ("bf16", "fp16"):  # no policy is applied for them, under fully_shard or not
         report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (plan with `dtype` mixed "
                                 "for fully_shard's MixedPrecisionPolicy, or amp to run under report.autocast())")
@@ -411,31 +407,17 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
                          bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
     name = s.mesh.axis_names[axis]
     sharded = [b for b in bindings if isinstance(_spec(s, b.onnx).placements[axis], mp.Shard)]
-    params = {b.onnx for b in bindings}
-    for r in s.reshards:  # activations the plan gathers over the batch: batch-local here
-        if _source_parameter(graph, r.tensor) not in params and r.src.placements[axis] != r.dst.placements[axis]:
-            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
-            report.fallback_saves_s += sum(c.time_s for c in r.collectives)
+    _batch_local(s, graph, bindings, [axis], report)
     sub = mesh[name]
     if sharded or s.training.zero_stage:
-        from torch.distributed.fsdp import fully_shard
-
         if len(sharded) < len(bindings):
-            report.fallbacks.append(f"'{name}': {len(bindings) - len(sharded)} parameters the plan keeps whole are "
-                                    "sharded too (fully_shard shards a module's parameters together)")
+            _sharded_together(name, len(bindings) - len(sharded), report)
         zero = s.training.zero_stage
         if zero in (1, 2):
             report.fallbacks.append(f"ZeRO-{zero} runs as fully_shard(reshard_after_forward=False): its collectives, "
                                     "with parameters sharded between steps (ZeRO-3's memory at rest)")
         again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
-        if s.settings.dtype == "mixed":  # bf16 compute on the gathered weights, fp32 reductions and states
-            from torch.distributed.fsdp import MixedPrecisionPolicy
-
-            fully_shard(module, mesh=sub, reshard_after_forward=again,
-                        mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
-            report.mixed_policy = True
-        else:
-            fully_shard(module, mesh=sub, reshard_after_forward=again)
+        _fully_shard(s, module, sub, again, report)
         report.data_parallel = "fully_shard"
         report.expected.update({"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
     else:
@@ -465,24 +447,42 @@ def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMe
                          f"{s.mesh.shape[replicate] * s.mesh.shape[shard]} for one data-parallel axis, or run it with "
                          "`meshplan run`)")
     if not all(split[shard]):
-        report.fallbacks.append(f"'{names[shard]}': {split[shard].count(False)} parameters the plan keeps whole are "
-                                "sharded too (fully_shard shards a module's parameters together)")
-    params = {b.onnx for b in bindings}
-    for r in s.reshards:  # activations the plan gathers over the batch: batch-local here
-        if _source_parameter(graph, r.tensor) not in params and any(r.src.placements[a] != r.dst.placements[a]
-                                                                   for a in axes):
-            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
-            report.fallback_saves_s += sum(c.time_s for c in r.collectives)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if s.settings.dtype == "mixed" else MixedPrecisionPolicy()
-    fully_shard(module, mesh=mesh[(names[replicate], names[shard])], reshard_after_forward=True, mp_policy=policy)
-    report.mixed_policy = s.settings.dtype == "mixed"
+        _sharded_together(names[shard], split[shard].count(False), report)
+    _batch_local(s, graph, bindings, axes, report)
+    _fully_shard(s, module, mesh[(names[replicate], names[shard])], True, report)
     report.data_parallel = "fully_shard (HSDP)"
     # One unit, the root: gathered over the shards for forward and again for backward, its gradients
     # reduce-scattered over them and the shard all-reduced over the replicas.
     report.expected.update({"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
+
+
+def _batch_local(s: Strategy, graph: OpGraph, bindings: tuple[Binding, ...], axes: list[int],
+                 report: ApplyReport) -> None:
+    """Activations the plan gathers over the batch (re-placed on a data-parallel axis): batch-local here."""
+    params = {b.onnx for b in bindings}
+    for r in s.reshards:
+        if _source_parameter(graph, r.tensor) not in params and any(r.src.placements[a] != r.dst.placements[a]
+                                                                   for a in axes):
+            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
+            report.fallback_saves_s += sum(c.time_s for c in r.collectives)
+
+
+def _sharded_together(axis: str, whole: int, report: ApplyReport) -> None:
+    report.fallbacks.append(f"'{axis}': {whole} parameters the plan keeps whole are sharded too (fully_shard "
+                            "shards a module's parameters together)")
+
+
+def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
+                 report: ApplyReport) -> None:
+    """`fully_shard` on `mesh`; a mixed plan under MixedPrecisionPolicy (bf16 compute on the gathered
+    weights, fp32 reductions and states). `reshard_after_forward` None: FSDP2's default."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mixed = s.settings.dtype == "mixed"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    report.mixed_policy = mixed
 
 
 def _spec(s: Strategy, tensor: str) -> mp.Spec:
