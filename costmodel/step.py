@@ -365,17 +365,28 @@ class CostModel:
         grad_local = float(math.prod(dst.local_shape(info.shape, self.mesh.shape))) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
         grad = gradient_spec(dst, consumer_split)  # as the executor receives it (core/placement.py)
-        for a in range(self.mesh.ndim):
+
+        def scattered(a: int) -> bool:  # a gradient partial here goes back to a split parameter
+            st = by_axis.get(a)
+            return isinstance(grad.placements[a], Partial) and st is not None and st.collective is Collective.ALL_GATHER
+
+        # A split parameter's gradient is reduce-scattered over the axes it is split on first, and what is
+        # left all-reduced over the rest (FSDP2's HSDP; the executor orders DTensor's backward so,
+        # `dtensors.scatter_first`): each on what the previous left. An activation's, in axis order.
+        order = sorted(range(self.mesh.ndim), key=lambda a: not scattered(a)) if is_param else range(self.mesh.ndim)
+        left = grad_local
+        for a in order:
             st = by_axis.get(a)
             if is_param and saved and st is not None and st.collective is Collective.ALL_GATHER:
                 # ZeRO-3 / FSDP: the gathered weight is freed after forward and gathered again for
                 # the backward matmuls (dX = dY·Wᵀ) — 1.5× data parallelism's volume in all.
                 add(Collective.ALL_GATHER, a, st.size_bytes, Phase.BACKWARD, Purpose.REGATHER)
             if isinstance(grad.placements[a], Partial):  # the op is split here, the input replicated
-                if st is not None and st.collective is Collective.ALL_GATHER:
-                    add(Collective.REDUCE_SCATTER, a, grad_local, Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER)
+                if scattered(a):
+                    add(Collective.REDUCE_SCATTER, a, left, Phase.BACKWARD, Purpose.GRAD_REDUCE_SCATTER)
+                    left = left / self.mesh.shape[a] if is_param else left
                 else:
-                    add(Collective.ALL_REDUCE, a, grad_local, Phase.BACKWARD, Purpose.GRAD_SYNC)
+                    add(Collective.ALL_REDUCE, a, left, Phase.BACKWARD, Purpose.GRAD_SYNC)
             elif st is not None:
                 back = conjugate(st)
                 if back is Collective.ALL_REDUCE and isinstance(src.placements[a], Shard):

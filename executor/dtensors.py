@@ -1,5 +1,5 @@
 """meshplan's placements as DTensor's, and the DTensor moves the executor makes: the one converter
-(`to_dtensor`), redistribute with R → P, a rank's shard of a whole tensor, and the mesh coordinates
+(`to_dtensor`), redistribute with R → P, a split parameter's gradient scattered first, a rank's shard of a whole tensor, and the mesh coordinates
 every op asks for."""
 
 from __future__ import annotations
@@ -57,6 +57,36 @@ def grad_as_partial(x: torch.Tensor, mesh: DeviceMesh, axes: set[int]) -> torch.
         return x
     keep = all(mesh_coords(mesh)[a][1] == 0 for a in axes)
     out: torch.Tensor = _GradAsPartial.apply(x, keep)
+    return out
+
+
+class _ScatterFirst(torch.autograd.Function):
+    """Forward: the DTensor itself. Backward: its gradient reduce-scattered onto `mid` first (the
+    axes a parameter is split on), so that the all-reduce over the other axes that follows (in
+    redistribute's backward) carries a shard, not the whole gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, mid: tuple[Placement, ...]) -> DTensor:
+        ctx.mid = mid
+        out: DTensor = x.view_as(x)  # type: ignore[assignment]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple[DTensor, None]:
+        return grad.redistribute(grad.device_mesh, list(ctx.mid)), None
+
+
+def scatter_first(x: DTensor, stored: Sequence[Placement], grad: Sequence[Placement]) -> DTensor:
+    """`x` (a parameter redistributed from `stored` for use), whose gradient arrives as `grad`, ordered
+    so that backward reduce-scatters over the axes the parameter is stored split on before it
+    all-reduces over those it is stored whole on — FSDP2's HSDP order. DTensor's redistribute takes
+    the axes in order, all-reducing the whole gradient first where a whole axis comes before a split one."""
+    scatter = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and isinstance(s, Shard)]
+    reduce = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and not isinstance(s, Shard)]
+    if not scatter or not reduce or min(reduce) > max(scatter):
+        return x  # in axis order already
+    mid = tuple(stored[a] if a in scatter else g for a, g in enumerate(grad))
+    out: DTensor = _ScatterFirst.apply(x, mid)
     return out
 
 

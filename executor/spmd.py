@@ -35,6 +35,7 @@ from executor.dtensors import (
     local_shard,
     mesh_coords,
     redistribute,
+    scatter_first,
     shard_full,
     to_dtensor,
 )
@@ -380,7 +381,7 @@ class SpmdRunner:
             source = grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=contiguous_stride(shape), grad_placements=stored)
-        local = redistribute(wrapped[name], want).to_local(grad_placements=grad)
+        local = scatter_first(redistribute(wrapped[name], want), stored, grad).to_local(grad_placements=grad)
         if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
             autocast = low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point()
             dtype = torch.get_autocast_dtype(local.device.type) if autocast else None

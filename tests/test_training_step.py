@@ -350,6 +350,7 @@ FSDP_CASES = [
     ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd", "none"),
     ("gpt2-tiny", {"seq": 32}, 8, 2, 2, "dp_shard=2", 0, "sgd", "full"),
     ("llama-tiny", {"seq": 32}, 16, 2, 4, "dp_replicate=2,dp_shard=2", 1, "sgd", "none"),
+    ("gpt2-tiny", {"seq": 32}, 16, 2, 4, "dp_replicate=2,dp_shard=2", 0, "sgd", "none"),
 ]
 
 
@@ -361,7 +362,8 @@ def test_fsdp_and_layouts_equal_one_process(name: str, dims: dict[str, int], glo
                                             zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # ZeRO-3 (parameters stored split, gathered for use by DTensor and again for backward), FSDP by
     # layout (2 micro-steps of 2 sequences per rank; with full recomputation, the recomputed layer's
-    # gathers are the ones backward uses), and HSDP on 4 ranks with ZeRO-1 over dp_replicate.
+    # gathers are the ones backward uses), and HSDP on 4 ranks with ZeRO-1 over dp_replicate, and without
+    # (each gradient reduce-scattered over dp_shard, then its shard all-reduced over dp_replicate).
     model = zoo(name)
     s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=devices, global_batch_size=global_batch,
                                  micro_batch_size=micro, layout=layout, zero_stage=zero, recompute=recompute,

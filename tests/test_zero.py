@@ -250,3 +250,99 @@ def test_hand_layout_states_are_the_zero_papers(layout: str, zero: int, zoo: Cal
     assert all(s.spec_of(p.name).num_shards(0, s.mesh.shape) == (shards if zero == 3 else 1) for p in g.params)
     replicas = [a for a, n in enumerate(s.mesh.axis_names) if n == "dp_replicate"]
     assert all(str(s.spec_of(p.name).placements[a]) == "R" for p in g.params for a in replicas)
+
+
+def test_hsdp_gradient_is_scattered_before_it_is_reduced(zoo: Callable[[str], Path]) -> None:
+    # HSDP (2 replicas of FSDP over 4): each split parameter's gradient is reduce-scattered over dp_shard
+    # (its whole bf16 size in) and only the quarter left is all-reduced over dp_replicate, FSDP2's order;
+    # an all-reduce of the whole gradient across replicas (DTensor's axis order) would move 4× the bytes.
+    model = zoo("gpt2-medium")
+    dims = {"batch": 64, "seq": 1024}
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="h100-sxm", devices=8,
+                                 layout="dp_replicate=2,dp_shard=4", zero_stage=3, recompute="none", dtype="bf16"))
+    g = load_graph(model, dims)
+    rep, shard = s.mesh.axis_names.index("dp_replicate"), s.mesh.axis_names.index("dp_shard")
+    grads = [c for n in s.nodes.values() for c in n.collectives
+             if c.purpose in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER)]
+    checked = 0
+    for p in g.params:
+        mine = [c for c in grads if c.tensor == p.name]
+        if not mine:
+            continue  # reduced on an activation (the position table's lookup)
+        rs = [c for c in mine if c.kind is Collective.REDUCE_SCATTER]
+        ar = [c for c in mine if c.kind is Collective.ALL_REDUCE]
+        assert [c.axes for c in rs] == [(shard,)] and [c.axes for c in ar] == [(rep,)], p.name
+        assert rs[0].size_bytes == p.numel * BF16.grad_bytes
+        assert ar[0].size_bytes == p.numel * BF16.grad_bytes / 4
+        checked += 1
+    assert checked >= len(g.params) - 1
+
+
+def _scatter_first_worker(rank: int, port: int, out) -> None:  # type: ignore[no-untyped-def]
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from executor.dtensors import redistribute, scatter_first
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[str, int]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if any(t is DTensor for t in types):
+                return NotImplemented
+            name = func._overloadpacket.__name__
+            if name in ("all_reduce", "reduce_scatter_tensor"):
+                self.seen.append((name, args[0].numel()))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        stored = [Replicate(), Shard(0)]
+        results = []
+        for ordered in (False, True):
+            torch.manual_seed(0)
+            whole = torch.randn(8, 6)
+            local = whole.chunk(2)[mesh.get_local_rank(1)].clone().requires_grad_(True)
+            w = DTensor.from_local(local, mesh, stored, shape=whole.shape, stride=whole.stride(), grad_placements=stored)
+            grad = [Partial(), Partial()]
+            used = redistribute(w, [Replicate(), Replicate()])
+            used = scatter_first(used, stored, grad) if ordered else used
+            sizes = Sizes()
+            with sizes:
+                (used.to_local(grad_placements=grad) * (rank + 1)).sum().backward()
+            results.append((sizes.seen, local.grad.clone()))
+        if rank == 0:
+            out.put(("done", results[0][0], results[1][0], bool(torch.equal(results[0][1], results[1][1])),
+                     results[1][1].tolist()))
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as e:
+        out.put(("error", rank, f"{type(e).__name__}: {e}"))
+        raise SystemExit(1) from e
+
+
+def test_executor_scatters_a_split_parameters_gradient_first() -> None:
+    # The executor's order for the same: on a 2×2 mesh (4 gloo ranks), a parameter stored whole over
+    # dp_replicate and split over dp_shard, gathered for use, its gradient partial on both axes.
+    # DTensor alone all-reduces the whole 8×6 gradient then scatters it; ordered, the reduce-scatter
+    # takes the whole and the all-reduce a 4×6 shard — and the gradient is the same (Σ rank + 1 = 10).
+    from executor.ranks import run_ranks
+
+    got: list[tuple] = []
+
+    def handle(msg: tuple) -> bool:
+        got.append(msg)
+        return True
+
+    run_ranks(_scatter_first_worker, 4, lambda r, port, q: (r, port, q), handle, timeout_s=120,
+              error=MeshplanError, what="scatter_first")
+    _, plain, ordered, same, grad = got[0]
+    assert plain == [("all_reduce", 48), ("reduce_scatter_tensor", 48)]
+    assert ordered == [("reduce_scatter_tensor", 48), ("all_reduce", 24)]
+    assert same and grad == [[10.0] * 6] * 4
