@@ -169,6 +169,7 @@ class CostModel:
         self.causal = causal_regions(graph) if self.flash else frozenset()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
+        self._first_gather_cache: dict[tuple[object, ...], float] = {}
         self._latency: dict[tuple[Collective, int], float] = {}
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
@@ -325,7 +326,26 @@ class CostModel:
                 parts[part] += e.time_s * (k if e.cadence is Cadence.MICRO_BATCH or moved else 1) * (
                     2 if recomputed and e.phase is Phase.FORWARD else 1)
             t = self._edge_time_cache[key] = (parts[0], parts[1], parts[2], parts[3])
+            self._first_gather_cache[key] = k * max((e.time_s for e in events if prefetched(e, self.param_owner)),
+                                                    default=0.0)
         return t
+
+    def first_gather_s(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
+                       recomputed: bool = False, saved: bool = True, zero_stage: int = 0) -> float:
+        """The longest of one edge's gathers for use, once per micro-batch: what the overlapped step's
+        first gather waits where this edge holds the step's longest (`compose.overlap`)."""
+        self.edge_time_parts(tensor, src, dst, consumer_split, recomputed=recomputed, saved=saved, zero_stage=zero_stage)
+        info = self.graph.tensors[tensor]
+        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
+        return self._first_gather_cache[(info.shape, info.dtype, info.kind, tensor in self.param_owner,
+                                         tensor in self.needs_grad, src, dst, consumer_split, recomputed, saved, stage)]
+
+    def fixed_s(self) -> tuple[float, float]:
+        """What every plan of this model pays per step whatever its placements: the optimizer's fixed
+        cost (a calibrated optimizer step) and the executor's host overhead."""
+        dev = self.profile.device
+        return (dev.optimizer_step.fixed_s if self.param_owner and dev.optimizer_step is not None else 0.0,
+                dev.step_overhead_s or 0.0)
 
     def reads_in_backward(self, node: OpNode, index: int) -> bool:
         """Whether backward reads input `index` of an op (what decides a gathered parameter's second
@@ -475,11 +495,8 @@ class CostModel:
                 recomputed[layer] = recomputed.get(layer, 0.0) + nc.recomputed_bytes
         if recomputed:  # one layer's activations live at a time, while its backward runs
             acts["(recomputed layer)"] = max(recomputed.values())
-        dev = self.profile.device
-        if self.param_owner and dev.optimizer_step is not None:
-            priced.optimizer_fixed_s = dev.optimizer_step.fixed_s
-        priced.overhead_s = dev.step_overhead_s or 0.0
-        priced.rank_skew = dev.rank_skew or 0.0
+        priced.optimizer_fixed_s, priced.overhead_s = self.fixed_s()
+        priced.rank_skew = self.profile.device.rank_skew or 0.0
         self._resharded_params_per_micro_batch(priced)
         degree = self._apply_zero(priced, zero)
         for t in self.param_owner:

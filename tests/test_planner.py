@@ -20,10 +20,11 @@ from core.collectives import Collective, LinkLevel, Phase
 from core.graph import TensorKind
 from core.mesh import DeviceMesh
 from core.placement import Shard, Spec
+from costmodel.buckets import CommFusion
 from costmodel.memory import PRECISIONS
 from costmodel.step import CostModel
 from hwprofiles.files import load_profile
-from planner.graph import graph_from_proto
+from planner.graph import graph_from_proto, load_graph
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
 from planner.search.decisions import InfeasiblePlanError
 from planner.search.plan import make_plan
@@ -149,13 +150,10 @@ def test_objective_equals_closed_form_on_a_chain(tmp_path: Path) -> None:
     mem_s = nbytes / 3.35e12
     fwd = max(flop_s, mem_s) + 4e-6
     matmuls = 2 * fwd + max(flop_s, 2 * mem_s) + max(2 * flop_s, 2 * mem_s) + 2 * 2 * 4e-6
-    states_mib = 16 * 2 * h * 4 * h / 2**20  # the 1 ns/MiB memory tie-break: weights' model states
-    saved_mib = 2 * (t * h + t * 4 * h) / 2**20  # the inputs both matmuls keep for backward
     optimizer = 2 * (h * 4 * h * 28 / 3.35e12 + 12 * 4e-6)
     loss = 3 * (3 * t * h * 4 / 3.35e12 + 2 * 4e-6)
-    loss_mib = t * h * 4 / 2**20
-    assert sol.stats.objective == pytest.approx(matmuls + optimizer + loss + (states_mib + saved_mib + loss_mib) * 1e-9,
-                                                rel=1e-4)
+    # (the 1 ns/MiB memory tie-break is in the solver's sum, not in the step it reports)
+    assert sol.stats.objective == pytest.approx(matmuls + optimizer + loss, rel=1e-4)
 
 
 @pytest.mark.parametrize("follow", [True, False])
@@ -168,6 +166,42 @@ def test_plan_objective_is_the_priced_step(follow: bool) -> None:
     assert sol.stats.objective == pytest.approx(edge_by_edge.step_time_s, rel=1e-4, abs=2e-6)
     latency = 2 * 3 * H100.collectives[(LinkLevel.INTRA_NODE, Collective.ALL_REDUCE)].alpha_s
     assert abs(cm.price(sol.choice, sol.param_specs).step_time_s - edge_by_edge.step_time_s) <= latency
+
+
+@pytest.mark.parametrize(("name", "dims", "mesh", "profile", "composer"), [
+    ("gpt2-medium", {"batch": 16, "seq": 1024}, (4, 2), "h100-sxm", "overlap"),
+    ("mlp", {"batch": 65536}, (4,), "skewed", "serial"),
+    ("llama-tiny", {"batch": 8, "seq": 32}, (2, 2), "cpu", "serial"),
+])
+def test_ilp_objective_is_the_composed_step(name: str, dims: dict[str, int], mesh: tuple[int, ...], profile: str,
+                                            composer: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # The objective is the step the runtime runs, not a serial sum corrected afterwards: the solver's
+    # objective at its solution (less the memory tie-break, plus the optimizer's and the executor's
+    # fixed costs) equals the composed step of that plan — under `overlap` (GPT-2-medium on 4×2 H100:
+    # FSDP gathers and gradient reductions hidden under compute, the tensor-parallel ones not) the
+    # exposed reductions as the composer leaves them, the first gather the longest chosen — up to each
+    # chosen coefficient's rounding to an integer ns. "skewed": the H100 preset with a rank skew of 5%
+    # (what calibrate measures on gloo), which the composer adds to a synchronising step and the ILP
+    # to compute. Not equal: gradients packed into more buckets than one (the objective gives each
+    # gradient its bytes' share of one bucket's latency; one bucket here, 4 GiB), and a collective
+    # whose time is not affine in its bytes (the CPU's measured curve) summed into a bucket.
+    g = load_graph(zoo(name), dims)
+    if profile == "skewed":
+        data = json.loads(resources.files("hwprofiles.presets").joinpath("h100-sxm.json").read_text())
+        data["device"]["rank_skew"] = {"value": 0.05, "unit": "1", "source": "a test's"}
+        (tmp_path / "skewed.json").write_text(json.dumps(data))
+        profile = str(tmp_path / "skewed.json")
+    prof = load_profile(profile)
+    m = DeviceMesh.build(math.prod(mesh), mesh, devices_per_node=prof.devices_per_node)
+    cm = CostModel(g, m, prof, PRECISIONS["mixed"], composer=composer, fusion=CommFusion.uniform(4 * 2**30))
+    sol = ShardingILP(g, rules_for_graph(g, m), cm).solve()
+    step = cm.price(sol.choice, sol.param_specs, zero=sol.zero)
+    if composer == "overlap":
+        assert step.hidden_comm_s > 0 and all(sol.exposed_s.values())
+    elif profile != "cpu":
+        assert step.comm_s > 0.05 * step.compute_s  # the skew is charged
+    rounding = 0.5e-9 * (sol.stats.num_decision_nodes + sol.stats.num_edges + 3)
+    assert abs(step.step_time_s - sol.stats.objective) <= rounding, (step.step_time_s, sol.stats.objective)
 
 
 def test_objective_prices_the_loss_when_the_output_comes_from_a_tied_layer() -> None:

@@ -9,13 +9,16 @@ stays in the objective; the other two leave it for two integer variables (ns), b
                                      can hold (every axis, fp32 where reductions are forced to it)
   E_a ≥ E_b, E_a ≥ E_f                the exposed gathers, the larger of:
   E_b ≥ Σ gathers·y − Σ compute·x     the parameter gathers beyond the step's compute
-  E_f ≥ Σ_y gathers_e,y·y / (2 a m_e)   the first gather waits: at least one of edge e's (one y of an
-                                     edge is chosen; at most 2 gathers per axis of a's; rows for the
-                                     FIRST_GATHER_ROWS edges of the largest)
+  E_f ≥ Σ_y first_e,y·y               the first gather waits: edge e's longest gather under y (k times;
+                                     one y of an edge is chosen; rows for the FIRST_GATHER_ROWS edges of
+                                     the longest)
   E ≥ 0
-B is at least a plan's own bytes (fewer where tensor parallelism splits them), and the first-gather rows
-cover the largest edges only (a row per edge makes CBC far slower): the objective is a lower bound of
-the composed step.
+At its solution the objective is then the composed step (to each coefficient's rounding to an integer
+ns; `test_ilp_objective_is_the_composed_step`), and a lower bound of it where the composer's terms are
+not linear in y: with k > 1 micro-steps (the composer takes max(0, ·) per micro-step), where the plan's
+gradient bytes fall short of B (a ratio: the last bucket is cap_c / the plan's bytes of the
+reductions), beyond FIRST_GATHER_ROWS gathering edges, and where the plan's gradients pack into more
+buckets than one (each pays a latency; a y pays its bytes' share of one: `CostModel._bucket_share`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from planner.search.decisions import NS_PER_S, Decision
 from planner.search.milp import LinearModel
 from planner.search.recompute import BIG
 
-FIRST_GATHER_ROWS = 16
+FIRST_GATHER_ROWS = 256
 
 
 @dataclass
@@ -41,21 +44,22 @@ class OverlapTerms:
         default_factory=lambda: {"allreduce": [], "reducescatter": [], "gathers": []})
     one_gather: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # edge → (y, one gather's ns)
 
-    def add_edge(self, edge: int, var: int, multiplicity: int, grads_ar: int, grads_rs: int, gathers: int) -> None:
+    def add_edge(self, edge: int, var: int, multiplicity: int, grads_ar: int, grads_rs: int, gathers: int,
+                 first: int) -> None:
+        """`first`: the edge's longest gather (of one instance, per micro-batch × k)."""
         for kind, t in (("allreduce", grads_ar), ("reducescatter", grads_rs), ("gathers", gathers)):
             if t:
                 self.hideable[kind].append((var, t))
-        if gathers:  # its gathers, per instance (the rows divide by at most two a mesh axis)
-            self.one_gather.setdefault(edge, []).append((var, gathers // multiplicity))
+        if first:
+            self.one_gather.setdefault(edge, []).append((var, first))
 
     def add_rows(self, model: LinearModel, x: Mapping[Decision, Sequence[int]],
                  backward_s: Mapping[Decision, Sequence[float]], compute_s: Mapping[Decision, Sequence[float]],
-                 fusion: CommFusion, gradient_bytes: float, micro_batches: int,
-                 axes: int) -> tuple[list[tuple[int, int]], dict[str, int], int]:
+                 fusion: CommFusion, gradient_bytes: float,
+                 micro_batches: int) -> tuple[list[tuple[int, int]], dict[str, int], int]:
         """The variables and rows above: their objective terms (coefficient, variable), the variables by
         name, and how many rows. `gradient_bytes`: at least the bytes the composer's buckets pack;
-        `micro_batches`: k (per-micro-batch reductions are in the y's k times, the last bucket once);
-        `axes`: the mesh's (a parameter gathers at most twice per axis)."""
+        `micro_batches`: k (per-micro-batch reductions are in the y's k times, the last bucket once)."""
         out: list[tuple[int, int]] = []
         variables: dict[str, int] = {}
         rows = 0
@@ -76,7 +80,7 @@ class OverlapTerms:
                 model.add(name, [(beyond, 1), *[(y, -ns) for y, ns in hideable], *cover], 0, BIG)
                 largest = sorted(self.one_gather.values(), key=lambda ys: -max(ns for _, ns in ys))
                 for k, ys in enumerate(largest[:FIRST_GATHER_ROWS]):
-                    model.add(f"first_gather[{k}]", [(first, 1), *[(y, -(ns // (2 * axes))) for y, ns in ys]], 0, BIG)
+                    model.add(f"first_gather[{k}]", [(first, 1), *[(y, -ns) for y, ns in ys]], 0, BIG)
                 for part in (beyond, first):
                     model.add(f"exposed_gathers[{model.names[part]}]", [(var, 1), (part, -1)], 0, BIG)
                 rows += 3 + len(largest[:FIRST_GATHER_ROWS])

@@ -316,9 +316,8 @@ def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
 
 
 # How far above a plan already found an ILP's objective may be and still be solved: the objective prices
-# some redistributes per edge where execution shares them and bounds the overlap from below, so a plan it
-# prices above the incumbent can price below it composed (Llama-3-70B, 8x8, global batch 16: objective
-# 2.945 s, composed 2.971 s; GPT-1.3B on 8 A100: 6.3875 and 6.3874 s).
+# some redistributes per edge where execution shares them and gradient buckets by their bytes' share, so
+# a plan it prices above the incumbent can price below it composed.
 CUTOFF_MARGIN = 0.05
 
 

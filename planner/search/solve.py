@@ -38,9 +38,13 @@ Objective (integer nanoseconds of one training step)
   Under the overlapped step (`compose.overlap`, GPU profiles) each edge's gradient reductions and
   parameter gathers leave that sum for two exposed terms, integer variables (`add_overlap`):
     E_g ≥ Σ grads·y − k Σ backward·x,  E_g ≥ λ_c Σ grads_c·y,
-    E_a ≥ max(Σ gathers·y − Σ compute·x, one gather of any edge chosen),  E ≥ 0
+    E_a ≥ max(Σ gathers·y − Σ compute·x, the longest gather chosen),  E ≥ 0
   (reductions beyond the backward, the last bucket of each collective, gathers beyond the step's
-  compute, the first gather; `overlap.py`): the objective is then a lower bound of the overlapped step.
+  compute, the first gather; `overlap.py`, where it is exact and where a lower bound).
+  A multi-device step waits for its slowest rank: compute is charged × (1 + the profile's rank skew).
+The solver's objective also holds the tie-break and any memory excess; the one reported
+(`SolverStats.objective`) is the step at the solution: without them, with what every plan pays (the
+optimizer's fixed cost, the executor's overhead).
 Constraints (every one named)
   one_choice[d]:         Σ_i x[d,i] = 1
   edge_producer[e,a]:    Σ_b y[e,a,b] = Σ_{i∈a} x[d(u),i]
@@ -193,10 +197,12 @@ class ShardingILP(MemoryRows, DecisionGraph):
                 for ev in self.cost.edge_events(e.tensor, src[0], dst, split))):
             return None
         parts = [x * e.multiplicity * NS_PER_S for x in self._edge_parts(e, src, dst, split)]
-        if self.overlapped:  # the hideable parts go to the overlap rows (`add_overlap`)
-            ns, hide = round(parts[0]), tuple(round(x) for x in parts[1:])
+        if self.overlapped:  # the hideable parts go to the overlap rows (`add_overlap`), with one gather's
+            ns, hide = round(parts[0]), (*(round(x) for x in parts[1:]), round(self.cost.first_gather_s(
+                e.tensor, src[0], dst, split, recomputed=e.consumer_node in self.cost.layer_of,
+                saved=self._saved(e), zero_stage=src[1]) * NS_PER_S) if parts[3] else 0)
         else:
-            ns, hide = round(sum(parts)), (0, 0, 0)
+            ns, hide = round(sum(parts)), (0, 0, 0, 0)
         if terms is None:
             return ns, 0, *hide
         again = self._edge_s(e, src, dst, split, recomputed=True) - self._edge_s(e, src, dst, split)
@@ -205,9 +211,10 @@ class ShardingILP(MemoryRows, DecisionGraph):
     def _edge_parts(self, e: Edge, src: tuple[Spec, int], dst: Spec,
                     split: frozenset[int]) -> tuple[float, float, float, float]:
         return self.cost.edge_time_parts(e.tensor, src[0], dst, split, recomputed=e.consumer_node in self.cost.layer_of,
-                                         saved=self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node],
-                                                                           e.in_index),
-                                         zero_stage=src[1])
+                                         saved=self._saved(e), zero_stage=src[1])
+
+    def _saved(self, e: Edge) -> bool:
+        return self.cost.reads_in_backward(self.graph.node_by_name[e.consumer_node], e.in_index)
 
     # -- variables -----------------------------------------------------------------------------------
 
@@ -339,6 +346,10 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self.stage_mem = [{d: [0.0] * k for d, k in self.decisions.items()} for _ in self.in_flight] \
             if self.stages is not None else []
         self.end_mem: dict[Decision, list[float]] = {}  # the parameters' states with their gradients
+        # Ranks meet at collectives, and the step waits for the slowest: the profile's rank skew × compute
+        # (`compose.serial`; charged to every multi-device plan here, where the composer spares one with
+        # no collective at all: a fully replicated plan, never the best on several devices).
+        skew = 1 + ((self.cost.profile.device.rank_skew or 0.0) if self.cost.mesh.num_devices > 1 else 0.0)
         for owner, (d, m) in self.sigma.items():
             if isinstance(owner, ParamDecision):
                 p = owner.param
@@ -358,7 +369,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
-                costs[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
+                costs[d][c] += priced[j].time_s * skew * mult[node] * self.cost.micro_batches
                 self.backward_s[d][c] += (priced[j].compute.bwd_s + priced[j].recompute_s) * mult[node] \
                     * self.cost.micro_batches
                 self.compute_s[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
@@ -372,7 +383,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
             if (terms := self.layer_terms.get(node)) is not None and self.recompute_model is not None:
                 for c, j in enumerate(m):  # one layer of its group recomputed: time added, memory saved
                     full, var = self.recompute_model.node_cost(gnode, strategies[j]), self.x[d][c]
-                    terms.time_ns[var] += (full.time_s - priced[j].time_s) * self.cost.micro_batches * NS_PER_S
+                    terms.time_ns[var] += (full.time_s - priced[j].time_s) * skew * self.cost.micro_batches * NS_PER_S
                     terms.saved_kib[var] += (priced[j].activation_bytes - full.activation_bytes) / KIB
                     terms.transient_kib[var] += full.recomputed_bytes / KIB
         return costs, mem
@@ -382,7 +393,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         cm = self.cost  # the most gradient bytes the composer's buckets can hold (over every axis, in fp32)
         most = self.graph.num_params * max(cm.precision.grad_bytes, 4 if cm.fp32_communication else 0) * cm.mesh.ndim
         terms, self.overlap_vars, rows = self.overlap.add_rows(
-            self.model, self.x, self.backward_s, self.compute_s, cm.fusion, most, cm.micro_batches, cm.mesh.ndim)
+            self.model, self.x, self.backward_s, self.compute_s, cm.fusion, most, cm.micro_batches)
         self.constraint_counts["overlap"] += rows
         return terms
 
@@ -453,8 +464,9 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
         self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
+        fixed_s = sum(self.cost.fixed_s())  # in every plan's step, not in the model
         if o.cutoff_s is not None:
-            self.model.cutoff = round(o.cutoff_s * NS_PER_S)
+            self.model.cutoff = round((o.cutoff_s - fixed_s) * NS_PER_S)
         result = self.model.solve(o.backend, time_limit_s=o.time_limit_s, num_workers=o.num_workers, log=o.log)
         held = result.status in ("OPTIMAL", "FEASIBLE") and not self.memory_soft and \
             any(result.values[v] for v in self.over_vars)
@@ -480,7 +492,13 @@ class ShardingILP(MemoryRows, DecisionGraph):
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
-        obj, bound = result.objective / NS_PER_S, result.bound / NS_PER_S
+        # The step the model prices at the solution: less the tie-break and any excess's price, plus
+        # what every plan pays; the bound less the most tie-break any solution could carry.
+        aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
+                                                                       for v in self.over_vars)
+        most_tie = sum(max((max(1, round(b / 2**20)) for b in bs if b), default=0) for bs in mem.values())
+        obj = (result.objective - aside) / NS_PER_S + fixed_s
+        bound = min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
         stats = SolverStats(
             status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
             time_s=time.perf_counter() - t0, num_variables=self.model.num_variables,
