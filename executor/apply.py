@@ -23,9 +23,10 @@ exporter's names. `apply`:
    parameters are held whole).
 4. **Data parallelism** over the data-parallel axis: DDP's reducer through the composable
    `replicate` (gradient buckets of the plan's all-reduce fusion size) where parameters are
-   replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3; ZeRO-1/2 run as
-   `fully_shard(reshard_after_forward=False)`: their collectives, with parameters sharded between
-   steps). Activations the plan gathers over the batch inside the model run batch-local instead
+   replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3), and ZeRO-1/2 as
+   `fully_shard(reshard_after_forward=False)`: parameters gathered once a step and whole through
+   backward, gradients reduce-scattered, states sharded — the plan's collectives (parameters rest
+   sharded between steps). Activations the plan gathers over the batch inside the model run batch-local instead
    (the same numbers, fewer collectives); the report lists them. Two data-parallel axes with every
    parameter whole over the first and split over the second are HSDP: `fully_shard` on that 2-D mesh
    (gradients reduce-scattered over the shards, the shard all-reduced over the replicas).
@@ -86,6 +87,7 @@ class ApplyReport:
     bindings: tuple[Binding, ...] = ()
     precision: str = "fp32"  # the plan's (`amp`: run forward and loss under `autocast()`)
     mixed_policy: bool = False  # fully_shard's MixedPrecisionPolicy(bf16, fp32) applied (a `mixed` plan)
+    zero: str = ""  # how a ZeRO-1/2 plan runs (`_zero_as_fully_shard`)
     device: str = "cpu"  # the mesh's device type
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -114,6 +116,8 @@ class ApplyReport:
                        "modules")
         elif self.tp_axis:
             out.append(f"replicated over {self.tp_axis}: every rank computes the whole step, as the plan does")
+        if self.zero:
+            out.append(self.zero)
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules")
         if self.micro_batches > 1:
@@ -413,12 +417,11 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         if len(sharded) < len(bindings):
             _sharded_together(name, len(bindings) - len(sharded), report)
         zero = s.training.zero_stage
-        if zero in (1, 2):
-            report.fallbacks.append(f"ZeRO-{zero} runs as fully_shard(reshard_after_forward=False): its collectives, "
-                                    "with parameters sharded between steps (ZeRO-3's memory at rest)")
         again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
         _fully_shard(s, module, sub, again, report)
         report.data_parallel = "fully_shard"
+        if not again:
+            _zero_as_fully_shard(module, zero, report)
         report.expected.update({"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
     else:
         from torch.distributed._composable.replicate import replicate
@@ -431,6 +434,23 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         report.data_parallel = "replicate"
         if s.buckets is not None:  # DDP's buckets, as the plan priced them
             report.expected["all_reduce"] = sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))
+
+
+def _zero_as_fully_shard(module: nn.Module, zero: int, report: ApplyReport) -> None:
+    """ZeRO-1/2 as FSDP2 runs them: `reshard_after_forward=False` gathers the parameters once for the step
+    and keeps them whole through backward (ZeRO-1/2 hold them whole), the gradients are reduce-scattered
+    and each rank steps its shard of the optimizer states — the plan's reduce-scatter and all-gather,
+    the gather before forward rather than after the optimizer step. Over k micro-batches the parameters
+    stay gathered to the last (`set_reshard_after_backward(False)`): ZeRO-2 reduce-scatters every
+    micro-batch, ZeRO-1 once, on the last (the loop skips the sync before it:
+    `set_requires_gradient_sync(False)`). Between steps the parameters rest sharded: less memory than
+    the plan's, never more."""
+    if report.micro_batches > 1:
+        module.set_reshard_after_backward(False)  # type: ignore[operator]
+    report.zero = f"ZeRO-{zero} as fully_shard(reshard_after_forward=False): parameters gathered once a step, " \
+        "gradients reduce-scattered" + (" on the last micro-batch (set_requires_gradient_sync(False) before it)"
+                                       if zero == 1 and report.micro_batches > 1 else "") + \
+        ", optimizer states sharded; parameters sharded between steps"
 
 
 def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh, bindings: tuple[Binding, ...],

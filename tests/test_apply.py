@@ -40,6 +40,7 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "gathered": {"mode": "semi", "pins": GATHERED_PINS},
                                     "zero3": {"layout": "dp_shard=2", "zero_stage": 3},
                                     "zero1": {"mode": "data-parallel", "zero_stage": 1},
+                                    "zero2": {"mode": "data-parallel", "zero_stage": 2},
                                     "recompute": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full"},
                                     # amp: the loop runs forward and loss under report.autocast() (bf16)
                                     "dp-amp": {"mode": "data-parallel", "zero_stage": 0, "dtype": "amp"},
@@ -159,7 +160,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 
 
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
-    [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "recompute")] + \
+    [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")]
 
 
@@ -228,9 +229,13 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         assert executed == {"all_reduce": 1}  # one gradient bucket
     if kind == "recompute":  # both layers recomputed, as planned: checkpoint on each block
         assert "recomputed: 2 modules" in lines, lines
-    if kind == "zero1":  # the nearest torch has: fully_shard keeping its gathered parameters for backward
+    if kind in ("zero1", "zero2"):  # fully_shard keeping its gathered parameters for backward: the plan's
+        # reduce-scatter of the gradients and gather of the parameters, states sharded (the parameters the
+        # plan holds at stage 0 sharded with them: fully_shard shards a module's together)
         assert executed == {"all_gather": 1, "reduce_scatter": 1}
-        assert [ln for ln in lines if ln.startswith("fallback: ZeRO-1 runs as fully_shard(reshard_after_forward=False)")]
+        assert f"ZeRO-{kind[-1]} as fully_shard(reshard_after_forward=False): parameters gathered once a step, " \
+            "gradients reduce-scattered, optimizer states sharded; parameters sharded between steps" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback: ZeRO")], lines
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
     if kind == "hsdp":  # and the shard's gradient all-reduced over the replicas; nothing else falls back
