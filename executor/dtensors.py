@@ -76,16 +76,62 @@ class _ScatterFirst(torch.autograd.Function):
         return grad.redistribute(grad.device_mesh, list(ctx.mid)), None
 
 
+class _LowGather(torch.autograd.Function):
+    """FSDP2's MixedPrecisionPolicy on one parameter: forward, its fp32 shard cast to the compute dtype
+    and gathered in it (`redistribute` from `stored` to `want`); backward, the gradient cast up to the
+    shard's dtype and reduced in it, onto the split axes first (`scatter_first`), then to `stored`.
+    (Through autograd the cast either precedes the gather — a low-precision reduction — or follows it —
+    a full-precision gather; this runs both halves as the policy does.)"""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, mesh: DeviceMesh, stored: tuple[Placement, ...], want: tuple[Placement, ...],
+                grad: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        ctx.meta = (mesh, stored, grad, shape, p.dtype)
+        with torch.no_grad():
+            x = DTensor.from_local(p.detach().to(dtype), mesh, list(stored), shape=shape, stride=contiguous_stride(shape))
+            out: torch.Tensor = redistribute(x, want).to_local()
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        mesh, stored, grad, shape, dtype = ctx.meta
+        with torch.no_grad():
+            d = DTensor.from_local(g.to(dtype), mesh, list(grad), shape=shape, stride=contiguous_stride(shape))
+            mid = _scatter_mid(stored, grad)
+            if mid is not None:
+                d = d.redistribute(mesh, list(mid))
+            if tuple(d.placements) != tuple(stored):
+                d = d.redistribute(mesh, list(stored))
+        return d.to_local(), None, None, None, None, None, None
+
+
+def low_gather(p: torch.Tensor, mesh: DeviceMesh, stored: Sequence[Placement], want: Sequence[Placement],
+               grad: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """`p` (a parameter's local shard, stored at `stored`) gathered to `want` in `dtype`, its gradient
+    (arriving as `grad`) reduced in p's dtype (`_LowGather`)."""
+    out: torch.Tensor = _LowGather.apply(p, mesh, tuple(stored), tuple(want), tuple(grad), torch.Size(shape), dtype)
+    return out
+
+
+def _scatter_mid(stored: Sequence[Placement], grad: Sequence[Placement]) -> tuple[Placement, ...] | None:
+    """Where a gradient arriving as `grad` is first reduced to, so that it is reduce-scattered over the
+    axes its parameter is stored split on before it is all-reduced over the others; None: in axis order
+    already."""
+    scatter = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and isinstance(s, Shard)]
+    reduce = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and not isinstance(s, Shard)]
+    if not scatter or not reduce or min(reduce) > max(scatter):
+        return None
+    return tuple(stored[a] if a in scatter else g for a, g in enumerate(grad))
+
+
 def scatter_first(x: DTensor, stored: Sequence[Placement], grad: Sequence[Placement]) -> DTensor:
     """`x` (a parameter redistributed from `stored` for use), whose gradient arrives as `grad`, ordered
     so that backward reduce-scatters over the axes the parameter is stored split on before it
     all-reduces over those it is stored whole on — FSDP2's HSDP order. DTensor's redistribute takes
     the axes in order, all-reducing the whole gradient first where a whole axis comes before a split one."""
-    scatter = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and isinstance(s, Shard)]
-    reduce = [a for a, (s, g) in enumerate(zip(stored, grad, strict=True)) if isinstance(g, Partial) and not isinstance(s, Shard)]
-    if not scatter or not reduce or min(reduce) > max(scatter):
+    mid = _scatter_mid(stored, grad)
+    if mid is None:
         return x  # in axis order already
-    mid = tuple(stored[a] if a in scatter else g for a, g in enumerate(grad))
     out: DTensor = _ScatterFirst.apply(x, mid)
     return out
 

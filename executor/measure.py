@@ -35,14 +35,16 @@ _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """The collectives torch runs, by kind; and the dtypes the reducing ones (all-reduce,
-    reduce-scatter) carried, over every counter of this process (`reduce_dtypes`)."""
+    """The collectives torch runs, by kind, and by kind and dtype (`by_dtype`); and the dtypes the
+    reducing ones (all-reduce, reduce-scatter) carried, over every counter of this process
+    (`reduce_dtypes`)."""
 
     reduce_dtypes: ClassVar[set[str]] = set()
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.by_dtype: Counter[tuple[str, str]] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):
@@ -51,10 +53,12 @@ class CollectiveCounter(TorchDispatchMode):
             kind = COLLECTIVE_KINDS.get(func._overloadpacket.__name__)
             if kind is not None:
                 self.counts[kind] += 1
-                if kind in ("all_reduce", "reduce_scatter"):
-                    first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
-                    if first is not None:
-                        CollectiveCounter.reduce_dtypes.add(str(first.dtype).removeprefix("torch."))
+                first = next((a for a in pytree.tree_leaves(args) if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    dtype = str(first.dtype).removeprefix("torch.")
+                    self.by_dtype[kind, dtype] += 1
+                    if kind in ("all_reduce", "reduce_scatter"):
+                        CollectiveCounter.reduce_dtypes.add(dtype)
         return func(*args, **(kwargs or {}))
 
 

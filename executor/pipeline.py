@@ -15,6 +15,7 @@ their copies, each stage reduces its gradients over its own mesh (buckets, ZeRO)
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
@@ -128,6 +129,7 @@ class PipelinedStep:
 
     def __init__(self, strategy: Strategy, model_path: str, opts: RunOptions, device: torch.device) -> None:
         assert strategy.pipeline is not None
+        self.counted_by_dtype: Counter[tuple[str, str]] = Counter()
         pipe = self.pipe = strategy.pipeline
         p, v, m = len(pipe.stages), pipe.virtual_stages, strategy.training.micro_batches
         axes = tuple(strategy.mesh.axis_names)
@@ -232,6 +234,8 @@ class PipelinedStep:
             if self.pipe.result_broadcast:  # every stage learns the step's loss (this rank's addend of it)
                 dist.broadcast(loss, src=self.pipe.stages[-1].devices[self.place], group=self.world.get_group("pp"))
         executed = dict(comm.counts) if comm is not None else {}
+        if comm is not None:
+            self.counted_by_dtype = comm.by_dtype
         if count and CountedStage.sends:
             executed["send"] = CountedStage.sends
         # The schedule's time beyond its chunks' compute: waiting for the other stages' sends (their

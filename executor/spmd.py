@@ -33,6 +33,7 @@ from executor.dtensors import (
     grad_as_partial,
     local_shape,
     local_shard,
+    low_gather,
     mesh_coords,
     redistribute,
     scatter_first,
@@ -61,6 +62,9 @@ class SpmdRunner:
             for name in [n for n in module.param_names if n not in read]:
                 del module.params[module.param_names.pop(name)]
         self.regather = Regather(self)  # ZeRO-3 / FSDP: gathered parameters gathered again for backward
+        # A `mixed` plan (FSDP2's MixedPrecisionPolicy): split parameters gathered in bf16, their gradients
+        # reduced in fp32 (`dtensors.low_gather`); the rest under autocast (`step.precision_context`).
+        self.param_dtype = torch.bfloat16 if strategy.settings.dtype == "mixed" else None
         # ZeRO-1/2 per parameter as planned (files from before per-parameter stages: every parameter at or
         # above the threshold at the plan's stage). ZeRO-3 is in the placements: DTensor gathers them.
         tr = strategy.training
@@ -376,13 +380,28 @@ class SpmdRunner:
             here = {a for a in split if isinstance(want[a], Replicate)}
             self.partial_grads[name] |= reduced
             return grad_as_partial(p, self.mesh, reduced - here)
+        gathered = any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True))
+        whole_reduced = {a for a in reduced if isinstance(stored[a], Replicate)}
+        if self.param_dtype is not None and p.is_floating_point() and not whole_reduced and any(
+                isinstance(s, Shard) and not isinstance(w, Shard) for s, w in zip(stored, want, strict=True)):
+            # a `mixed` plan: gathered (to whole, or whole then addends) as the policy gathers
+            to_partial = {a for a, w in enumerate(want) if isinstance(w, Partial)}
+            whole = [Replicate() if a in to_partial else w for a, w in enumerate(want)]
+            arrives = [Partial() if a in to_partial else g for a, g in enumerate(grad)]  # summed over the axes
+            local = low_gather(p, self.mesh, stored, whole, arrives, self.graph.tensors[name].shape, self.param_dtype)
+            if to_partial and not all(mesh_coords(self.mesh)[a][1] == 0 for a in to_partial):
+                local = local * 0  # addends: the first rank of each group keeps the value (`redistribute`)
+            if not low:  # an op autocast runs in fp32 (a norm's weight) reads the bf16 values in fp32, as
+                local = local.to(p.dtype)  # autocast would cast them (CPU kernels refuse bf16 beside fp32)
+            self.regather.gathered(name, want, local, None if low else p.dtype, gather_dtype=self.param_dtype)
+            return local
         if name not in wrapped:
             shape = self.graph.tensors[name].shape
-            source = grad_as_partial(p, self.mesh, {a for a in reduced if isinstance(stored[a], Replicate)})
+            source = grad_as_partial(p, self.mesh, whole_reduced)
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=contiguous_stride(shape), grad_placements=stored)
         local = scatter_first(redistribute(wrapped[name], want), stored, grad).to_local(grad_placements=grad)
-        if any(isinstance(s, Shard) and isinstance(w, Replicate) for s, w in zip(stored, want, strict=True)):
+        if gathered:
             autocast = low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point()
             dtype = torch.get_autocast_dtype(local.device.type) if autocast else None
             local = local.to(dtype) if dtype is not None else local

@@ -90,8 +90,9 @@ class Loss:
 
 
 # The precisions the executor runs under torch.autocast(bfloat16). `mixed` (FSDP2's MixedPrecisionPolicy)
-# too: the interpreter has no fully_shard, so its weights stay fp32 and autocast casts them where a
-# matmul reads them (a gathered one once, after its gather), gradients reduced in fp32 as the policy's.
+# too, its split parameters gathered as the policy gathers them (`dtensors.low_gather`: cast to bf16,
+# gathered in bf16, the gradient reduced in fp32); the other weights stay fp32 and autocast casts them
+# where a matmul reads them.
 AUTOCAST = ("amp", "mixed")
 
 

@@ -61,6 +61,7 @@ class TrainingStep(Protocol):
     phases: tuple[str, ...]  # the measured phases `step` returns the seconds of, in order (then the optimizer)
     cpu_batch: list[torch.Tensor]  # the step's whole batch, for the one-process reference
     loss: Loss
+    counted_by_dtype: Counter[tuple[str, str]]  # the last counted step's collectives by kind and dtype
 
     def after_load(self) -> None:
         """After a checkpoint's parameters are loaded, before the first step."""
@@ -99,6 +100,7 @@ class PlainStep:
                     dist.broadcast(p.data, src=0)
         strategy.check_model(graph)
         check_step(strategy, graph)  # torchrun starts ranks without `run`'s checks
+        self.counted_by_dtype: Counter[tuple[str, str]] = Counter()  # the counted step's collectives by dtype
         k = self.k = strategy.training.micro_batches
         self.cpu_batch = make_batch(graph, opts.seed, k)  # the one-process reference runs on the CPU, all at once
         batch = [b.to(device) for b in self.cpu_batch]
@@ -148,6 +150,8 @@ class PlainStep:
                 loss = loss + micro_loss.detach().cpu()
             t2 = clock(self.device)
             runner.reduce_gradients()
+        if comm is not None:
+            self.counted_by_dtype = comm.by_dtype
         return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s, clock(self.device) - t2], \
             meter.peak
 
@@ -240,6 +244,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         if comm is not None:
             report["collectives_executed"] = dict(Counter(executed) + comm.counts)
             report["reduce_dtypes"] = sorted(CollectiveCounter.reduce_dtypes)
+            both = train.counted_by_dtype + comm.by_dtype
+            report["gathers_by_dtype"] = {d: n for (k, d), n in sorted(both.items()) if k == "all_gather"}
         if warm and i > 0:
             peak_saved = max(peak_saved, peak)
         elif not warm:

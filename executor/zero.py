@@ -171,7 +171,8 @@ class _Saved:
     size: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
-    dtype: Any = None  # cast to after the gather (autocast's copy for a matmul); None: as stored
+    dtype: Any = None  # cast to after the gather (autocast's copy for a matmul); None: as gathered
+    gather_dtype: Any = None  # cast to before the gather (a `mixed` plan's gather in bf16); None: as stored
 
 
 class Regather:
@@ -184,12 +185,13 @@ class Regather:
         self.runner = runner
         # This forward's gathered parameters by the id of their storage's tensor, held until forward
         # ends so that the id names them alone.
-        self._gathered: dict[int, tuple[str, list[Any], torch.Tensor, Any]] = {}
+        self._gathered: dict[int, tuple[str, list[Any], torch.Tensor, Any, bool]] = {}
         self.on_saved: Callable[[torch.Tensor], Any] | None = None
 
-    def gathered(self, name: str, want: list[Any], local: torch.Tensor, dtype: Any = None) -> None:
+    def gathered(self, name: str, want: list[Any], local: torch.Tensor, dtype: Any = None, *,
+                 gather_dtype: Any = None) -> None:
         root = local._base if local._base is not None else local  # views of it are saved as such too
-        self._gathered[id(root)] = (name, want, root, dtype)
+        self._gathered[id(root)] = (name, want, root, dtype, gather_dtype)
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -204,7 +206,7 @@ class Regather:
         hit = self._gathered.get(id(base))
         if hit is None:
             return self.on_saved(t) if self.on_saved is not None else t
-        return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), hit[3])
+        return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), hit[3], hit[4])
 
     def _unpack(self, x: Any) -> torch.Tensor:
         if not isinstance(x, _Saved):
@@ -215,7 +217,8 @@ class Regather:
         r = self.runner
         shape = r.graph.tensors[x.name].shape
         with torch.no_grad():
-            full = DTensor.from_local(r.params[x.name].detach(), r.mesh, r.stored[x.name], shape=torch.Size(shape),
-                                      stride=contiguous_stride(shape))
+            source = r.params[x.name].detach()
+            full = DTensor.from_local(source if x.gather_dtype is None else source.to(x.gather_dtype), r.mesh, r.stored[x.name],
+                                      shape=torch.Size(shape), stride=contiguous_stride(shape))
             gathered = redistribute(full, x.want).to_local()
             return (gathered if x.dtype is None else gathered.to(x.dtype)).as_strided(x.size, x.stride, x.offset)

@@ -5,16 +5,20 @@ planned ones, parameter gradients reduced in fp32."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from core.collectives import Collective
+from core.graph import TensorKind
 from executor.launch import run
 from executor.preflight import RunOptions
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
+from planner.strategy import load_strategy
 
 pytestmark = [pytest.mark.zoo, pytest.mark.slow]
 
@@ -50,11 +54,21 @@ def test_amp_plan_trains_in_bf16_as_one_process_does(zoo: Callable[[str], Path],
         assert "tolerance" not in fp32 and fp32["max_abs_diff"] < 1e-5
 
 
-def test_mixed_plan_trains_under_autocast_as_one_process_does(zoo: Callable[[str], Path], tmp_path: Path) -> None:
-    """A `mixed` plan (FSDP2's bf16/fp32 policy) under ZeRO-3: the executor runs it under autocast (it has
-    no fully_shard), equal to one process in the same precision within the bf16 tolerance, its
-    collectives the planned ones, parameter gradients reduced in fp32 (the policy's reduce dtype)."""
+def test_mixed_plan_trains_as_the_policy_does(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """A `mixed` plan (FSDP2's bf16/fp32 policy) under ZeRO-3: the executor gathers the split parameters
+    in bf16 and reduce-scatters their gradients in fp32, as the policy (and the plan's prices) do,
+    the rest under autocast; equal to one process in the same precision within the bf16 tolerance,
+    its collectives the planned ones. The amp plan gathers fp32 weights (autocast casts after)."""
     r = _run(zoo, tmp_path, "fsdp", "mixed")
     assert r["within_tolerance"], r
     assert r["collectives_executed"] == r["collectives_planned"] and "reduce_scatter" in r["collectives_executed"]
     assert "float32" in r["reduce_dtypes"]
+    s = load_strategy(tmp_path / "fsdp-mixed.json")
+    params = {t for t, v in s.tensors.items() if v.kind is TensorKind.PARAM}
+    gathers = Counter("param" if c.tensor in params else "activation" for n in s.nodes.values() for c in n.collectives
+                      if c.kind is Collective.ALL_GATHER)
+    assert gathers["param"] > 0
+    # every parameter gather of the step in bf16, the activations' as autocast made them (fp32 here)
+    assert r["gathers_by_dtype"] == {"bfloat16": gathers["param"], "float32": gathers["activation"]}, r
+    amp = _run(zoo, tmp_path, "fsdp", "amp")
+    assert amp["gathers_by_dtype"] == {"float32": gathers["param"] + gathers["activation"]}, amp
