@@ -78,11 +78,16 @@ class MemoryRows:
         """A row's excess over the limit (KiB), priced `OVER_NS_PER_KIB` in the objective: every rounding of
         the relaxation is then a solution, which CBC's heuristics otherwise fail to find on tight rows
         (Llama-3-70B, 8x8, 1 micro-step, recomputation counted: no solution in 60 s). A solution with
-        excess 0 is optimal for the rows held hard; one with any excess is solved again so (`solve`)."""
+        excess 0 is optimal for the rows held hard; one with any excess is solved again so (`solve`).
+        The excess is at most the limit itself (a rounding over twice the limit is no solution): bounded
+        only by the most every choice could hold — a giant tensor whole on every device, terabytes —,
+        its price reached 1e16 ns and CBC's simplex aborted the process (CoinError: GPT-145B on 1536
+        A100, a pipeline stage's ILP)."""
         assert self.memory_limit_bytes is not None
+        limit = int(self.memory_limit_bytes // KIB)
         most = sum(math.ceil(max(bs) / KIB) for bs in row.values() if bs) + \
             sum(c * self.model.bounds.get(v, (0, 1))[1] for v, c in extra if c > 0)
-        over = self.model.int_var(name, 0, max(1, most - int(self.memory_limit_bytes // KIB)))  # (CP-SAT: no overflow)
+        over = self.model.int_var(name, 0, max(1, min(most - limit, limit)))  # (CP-SAT: no overflow)
         self.over_vars.append(over)
         return over
 
