@@ -392,8 +392,10 @@ class CostModel:
 
         # A split parameter's gradient is reduce-scattered over the axes it is split on first, and what is
         # left all-reduced over the rest (FSDP2's HSDP; the executor orders DTensor's backward so,
-        # `dtensors.scatter_first`): each on what the previous left. An activation's, in axis order.
-        order = sorted(range(self.mesh.ndim), key=lambda a: not scattered(a)) if is_param else range(self.mesh.ndim)
+        # `dtensors.scatter_first`): each on what the previous left. An activation's, and a parameter's
+        # used as addends (a bias added once), in axis order (DTensor's).
+        first = is_param and not any(isinstance(p, Partial) for p in dst.placements)
+        order = sorted(range(self.mesh.ndim), key=lambda a: not scattered(a)) if first else range(self.mesh.ndim)
         left = grad_local
         for a in order:
             st = by_axis.get(a)

@@ -88,6 +88,7 @@ class ApplyReport:
     precision: str = "fp32"  # the plan's (`amp`: run forward and loss under `autocast()`)
     mixed_policy: bool = False  # fully_shard's MixedPrecisionPolicy(bf16, fp32) applied (a `mixed` plan)
     zero: str = ""  # how a ZeRO-1/2 plan runs (`_zero_as_fully_shard`)
+    zero_stage: int = 0  # that plan's stage (1 or 2); 0 otherwise
     device: str = "cpu"  # the mesh's device type
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -97,6 +98,17 @@ class ApplyReport:
         if not self.runs_autocast:
             return contextlib.nullcontext()
         return torch.autocast(self.device, dtype=torch.bfloat16)
+
+    def micro_batch(self, module: nn.Module, index: int) -> None:
+        """Before micro-batch `index` of a step (0 … micro_batches − 1): under ZeRO-1/2 as fully_shard, the
+        parameters stay gathered until the last micro-batch's backward, which reshards them for the
+        optimizer step; ZeRO-1 reduce-scatters on the last only. Nothing to do otherwise."""
+        if not self.zero_stage:
+            return
+        last = index == self.micro_batches - 1
+        module.set_reshard_after_backward(last)  # type: ignore[operator]
+        if self.zero_stage == 1:
+            module.set_requires_gradient_sync(last)  # type: ignore[operator]
 
     @property
     def runs_autocast(self) -> bool:
@@ -121,7 +133,8 @@ class ApplyReport:
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules")
         if self.micro_batches > 1:
-            out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last")
+            out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last"
+                       + (" (call report.micro_batch(module, i) before each)" if self.zero_stage else ""))
         out += [f"fallback: {f}" for f in self.fallbacks]
         if self.batch_local:
             out.append(f"{len(self.batch_local)} activation gather(s) over the batch run batch-local instead "
@@ -441,16 +454,14 @@ def _zero_as_fully_shard(module: nn.Module, zero: int, report: ApplyReport) -> N
     and keeps them whole through backward (ZeRO-1/2 hold them whole), the gradients are reduce-scattered
     and each rank steps its shard of the optimizer states — the plan's reduce-scatter and all-gather,
     the gather before forward rather than after the optimizer step. Over k micro-batches the parameters
-    stay gathered to the last (`set_reshard_after_backward(False)`): ZeRO-2 reduce-scatters every
-    micro-batch, ZeRO-1 once, on the last (the loop skips the sync before it:
-    `set_requires_gradient_sync(False)`). Between steps the parameters rest sharded: less memory than
-    the plan's, never more."""
-    if report.micro_batches > 1:
-        module.set_reshard_after_backward(False)  # type: ignore[operator]
+    stay gathered to the last, where they are resharded for the optimizer step: ZeRO-2 reduce-scatters
+    every micro-batch, ZeRO-1 once, on the last — the loop calls `report.micro_batch(module, i)` before
+    each (it sets `set_reshard_after_backward` and, at ZeRO-1, `set_requires_gradient_sync`). Between
+    steps the parameters rest sharded: less memory than the plan's, never more."""
+    report.zero_stage = zero
     report.zero = f"ZeRO-{zero} as fully_shard(reshard_after_forward=False): parameters gathered once a step, " \
-        "gradients reduce-scattered" + (" on the last micro-batch (set_requires_gradient_sync(False) before it)"
-                                       if zero == 1 and report.micro_batches > 1 else "") + \
-        ", optimizer states sharded; parameters sharded between steps"
+        "gradients reduce-scattered" + (" on the last micro-batch" if zero == 1 and report.micro_batches > 1 else "") \
+        + ", optimizer states sharded; parameters sharded between steps"
 
 
 def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh, bindings: tuple[Binding, ...],

@@ -85,8 +85,8 @@ class _LowGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, p: torch.Tensor, mesh: DeviceMesh, stored: tuple[Placement, ...], want: tuple[Placement, ...],
-                grad: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        ctx.meta = (mesh, stored, grad, shape, p.dtype)
+                grad: tuple[Placement, ...], shape: torch.Size, dtype: torch.dtype, ordered: bool) -> torch.Tensor:
+        ctx.meta = (mesh, stored, grad, shape, p.dtype, ordered)
         with torch.no_grad():
             x = DTensor.from_local(p.detach().to(dtype), mesh, list(stored), shape=shape, stride=contiguous_stride(shape))
             out: torch.Tensor = redistribute(x, want).to_local()
@@ -94,22 +94,24 @@ class _LowGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        mesh, stored, grad, shape, dtype = ctx.meta
+        mesh, stored, grad, shape, dtype, ordered = ctx.meta
         with torch.no_grad():
             d = DTensor.from_local(g.to(dtype), mesh, list(grad), shape=shape, stride=contiguous_stride(shape))
-            mid = _scatter_mid(stored, grad)
+            mid = _scatter_mid(stored, grad) if ordered else None
             if mid is not None:
                 d = d.redistribute(mesh, list(mid))
             if tuple(d.placements) != tuple(stored):
                 d = d.redistribute(mesh, list(stored))
-        return d.to_local(), None, None, None, None, None, None
+        return d.to_local(), None, None, None, None, None, None, None
 
 
 def low_gather(p: torch.Tensor, mesh: DeviceMesh, stored: Sequence[Placement], want: Sequence[Placement],
-               grad: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+               grad: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype, *, ordered: bool = True) -> torch.Tensor:
     """`p` (a parameter's local shard, stored at `stored`) gathered to `want` in `dtype`, its gradient
-    (arriving as `grad`) reduced in p's dtype (`_LowGather`)."""
-    out: torch.Tensor = _LowGather.apply(p, mesh, tuple(stored), tuple(want), tuple(grad), torch.Size(shape), dtype)
+    (arriving as `grad`) reduced in p's dtype (`_LowGather`); `ordered`: scatter axes first, else in
+    axis order (DTensor's)."""
+    out: torch.Tensor = _LowGather.apply(p, mesh, tuple(stored), tuple(want), tuple(grad), torch.Size(shape), dtype,
+                                         ordered)
     return out
 
 

@@ -86,6 +86,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
         "collectives_executed": r0["collectives_executed"],
         "reduce_dtypes": r0.get("reduce_dtypes", []),
         "gathers_by_dtype": r0.get("gathers_by_dtype", {}),
+        "reduce_scatters_by_dtype": r0.get("reduce_scatters_by_dtype", {}),
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
     result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)

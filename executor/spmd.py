@@ -388,7 +388,8 @@ class SpmdRunner:
             to_partial = {a for a, w in enumerate(want) if isinstance(w, Partial)}
             whole = [Replicate() if a in to_partial else w for a, w in enumerate(want)]
             arrives = [Partial() if a in to_partial else g for a, g in enumerate(grad)]  # summed over the axes
-            local = low_gather(p, self.mesh, stored, whole, arrives, self.graph.tensors[name].shape, self.param_dtype)
+            local = low_gather(p, self.mesh, stored, whole, arrives, self.graph.tensors[name].shape, self.param_dtype,
+                               ordered=not to_partial)  # (addends: in DTensor's order, as priced)
             if to_partial and not all(mesh_coords(self.mesh)[a][1] == 0 for a in to_partial):
                 local = local * 0  # addends: the first rank of each group keeps the value (`redistribute`)
             if not low:  # an op autocast runs in fp32 (a norm's weight) reads the bf16 values in fp32, as
@@ -400,7 +401,10 @@ class SpmdRunner:
             source = grad_as_partial(p, self.mesh, whole_reduced)
             wrapped[name] = DTensor.from_local(source, self.mesh, stored, shape=torch.Size(shape),
                                                stride=contiguous_stride(shape), grad_placements=stored)
-        local = scatter_first(redistribute(wrapped[name], want), stored, grad).to_local(grad_placements=grad)
+        out = redistribute(wrapped[name], want)
+        if not any(isinstance(w, Partial) for w in want):  # (addends: DTensor's order, as priced)
+            out = scatter_first(out, stored, grad)
+        local = out.to_local(grad_placements=grad)
         if gathered:
             autocast = low and torch.is_autocast_enabled(local.device.type) and local.is_floating_point()
             dtype = torch.get_autocast_dtype(local.device.type) if autocast else None

@@ -246,6 +246,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
             report["reduce_dtypes"] = sorted(CollectiveCounter.reduce_dtypes)
             both = train.counted_by_dtype + comm.by_dtype
             report["gathers_by_dtype"] = {d: n for (k, d), n in sorted(both.items()) if k == "all_gather"}
+            report["reduce_scatters_by_dtype"] = {d: n for (k, d), n in sorted(both.items()) if k == "reduce_scatter"}
         if warm and i > 0:
             peak_saved = max(peak_saved, peak)
         elif not warm:

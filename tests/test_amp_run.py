@@ -62,7 +62,6 @@ def test_mixed_plan_trains_as_the_policy_does(zoo: Callable[[str], Path], tmp_pa
     r = _run(zoo, tmp_path, "fsdp", "mixed")
     assert r["within_tolerance"], r
     assert r["collectives_executed"] == r["collectives_planned"] and "reduce_scatter" in r["collectives_executed"]
-    assert "float32" in r["reduce_dtypes"]
     s = load_strategy(tmp_path / "fsdp-mixed.json")
     params = {t for t, v in s.tensors.items() if v.kind is TensorKind.PARAM}
     gathers = Counter("param" if c.tensor in params else "activation" for n in s.nodes.values() for c in n.collectives
@@ -70,5 +69,8 @@ def test_mixed_plan_trains_as_the_policy_does(zoo: Callable[[str], Path], tmp_pa
     assert gathers["param"] > 0
     # every parameter gather of the step in bf16, the activations' as autocast made them (fp32 here)
     assert r["gathers_by_dtype"] == {"bfloat16": gathers["param"], "float32": gathers["activation"]}, r
+    # and every parameter's gradient reduce-scattered in fp32 (the policy's reduce dtype)
+    scatters = sum(1 for n in s.nodes.values() for c in n.collectives if c.kind is Collective.REDUCE_SCATTER)
+    assert r["reduce_scatters_by_dtype"] == {"float32": scatters}, r
     amp = _run(zoo, tmp_path, "fsdp", "amp")
     assert amp["gathers_by_dtype"] == {"float32": gathers["param"] + gathers["activation"]}, amp

@@ -298,3 +298,28 @@ def test_example_trains_under_torchrun(tmp_path: Path) -> None:
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "apply: data parallel: fully_shard over dp_shard" in r.stdout and "step 1: loss" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_zero_micro_batches_keep_parameters_gathered_to_the_last(zero: int) -> None:
+    # ZeRO-1/2 as fully_shard over k = 3 micro-batches: the parameters stay gathered until the last
+    # micro-batch's backward reshards them for the optimizer step (never resharded, the next step's
+    # forward would reuse the pre-step weights); ZeRO-1 reduce-scatters on the last only, ZeRO-2 every one.
+    from executor.apply import ApplyReport
+
+    calls: list[tuple[str, bool]] = []
+
+    class Module:
+        def set_reshard_after_backward(self, flag: bool) -> None:
+            calls.append(("reshard", flag))
+
+        def set_requires_gradient_sync(self, flag: bool) -> None:
+            calls.append(("sync", flag))
+
+    report = ApplyReport(data_parallel="fully_shard", dp_axis="dp", tp_axis=None, micro_batches=3, zero_stage=zero)
+    for i in range(3):
+        report.micro_batch(Module(), i)  # type: ignore[arg-type]
+    reshard = [f for k, f in calls if k == "reshard"]
+    sync = [f for k, f in calls if k == "sync"]
+    assert reshard == [False, False, True]
+    assert sync == ([False, False, True] if zero == 1 else [])

@@ -174,3 +174,17 @@ def test_tensor_parallel_layout_uses_transposed_weights_split(zoo: Callable[[str
     axis = s.mesh.axis_names.index("tp")
     linears = [p for n, p in s.nodes.items() if p.op_type == "MatMul" and "linear" in n]
     assert linears and all(isinstance(p.inputs[1].placements[axis], Shard) for p in linears)
+
+
+def test_a_layout_far_over_the_limit_is_still_priced(zoo: Callable[[str], Path]) -> None:
+    # A user's layout is priced fitting or not: DDP of gpt2-tiny on 2 H100 needs ~7 MB a device, 7× a
+    # 1 MiB limit; its memory rows stay soft over the whole range (the cap on a held row's excess,
+    # `memory_rows.EXCESS_CAP_KIB`, must not make it infeasible).
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    limit = 2**-10  # GiB
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": 8, "seq": 64}, profile="h100-sxm",
+                                 devices=2, layout="dp_replicate=2", zero_stage=0, recompute="none",
+                                 memory_limit_gib=limit))
+    assert s.cost.memory_bytes_per_device > 4 * limit * 2**30

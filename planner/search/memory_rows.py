@@ -17,6 +17,9 @@ from planner.search.recompute import BIG, GroupTerms
 # The price of 1 KiB over the memory limit in the objective (ns): 1 s per MiB, beyond any step time a
 # plan could gain by it in practice; a solution that pays it is solved again with the limit hard.
 OVER_NS_PER_KIB = 10**6
+# The excess a row held to the limit may carry at least (64 GiB; `MemoryRows._over`): at 1e6 ns per KiB
+# its price stays under 1e14, where CBC's simplex still solves the model that aborted it at 1e16.
+EXCESS_CAP_KIB = 2**26
 
 
 class MemoryRows:
@@ -33,6 +36,7 @@ class MemoryRows:
     stage_mem: list[dict[Decision, list[float]]]
     end_mem: dict[Decision, list[float]]
     over_vars: list[int]  # each memory row's excess over the limit, KiB (`_over`)
+    memory_soft: bool  # the rows priced, never held (a layout priced fitting or not)
 
     def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
         """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
@@ -79,15 +83,17 @@ class MemoryRows:
         the relaxation is then a solution, which CBC's heuristics otherwise fail to find on tight rows
         (Llama-3-70B, 8x8, 1 micro-step, recomputation counted: no solution in 60 s). A solution with
         excess 0 is optimal for the rows held hard; one with any excess is solved again so (`solve`).
-        The excess is at most the limit itself (a rounding over twice the limit is no solution): bounded
-        only by the most every choice could hold — a giant tensor whole on every device, terabytes —,
-        its price reached 1e16 ns and CBC's simplex aborted the process (CoinError: GPT-145B on 1536
-        A100, a pipeline stage's ILP)."""
+        Rows held to the limit cap the excess at the limit or EXCESS_CAP_KIB, the larger (a rounding
+        further over is no solution): bounded only by the most every choice could hold — a giant tensor
+        whole on every device, terabytes —, its price reached 1e16 ns and CBC's simplex aborted the
+        process (CoinError: GPT-145B on 1536 A100, a pipeline stage's ILP). Soft rows (a layout priced
+        fitting or not) keep the whole range: their plan may be far over."""
         assert self.memory_limit_bytes is not None
         limit = int(self.memory_limit_bytes // KIB)
         most = sum(math.ceil(max(bs) / KIB) for bs in row.values() if bs) + \
             sum(c * self.model.bounds.get(v, (0, 1))[1] for v, c in extra if c > 0)
-        over = self.model.int_var(name, 0, max(1, min(most - limit, limit)))  # (CP-SAT: no overflow)
+        bound = most - limit if self.memory_soft else min(most - limit, max(limit, EXCESS_CAP_KIB))
+        over = self.model.int_var(name, 0, max(1, bound))  # (CP-SAT: no overflow)
         self.over_vars.append(over)
         return over
 

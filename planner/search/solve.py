@@ -369,10 +369,12 @@ class ShardingILP(MemoryRows, DecisionGraph):
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
-                costs[d][c] += priced[j].time_s * skew * mult[node] * self.cost.micro_batches
+                pj = priced[j]  # its compute, as the composer counts it (the loss's, not its collectives)
+                compute = pj.compute.total_s + pj.recompute_s + (pj.loss.compute_s if pj.loss is not None else 0.0)
+                costs[d][c] += (pj.time_s + (skew - 1) * compute) * mult[node] * self.cost.micro_batches
                 self.backward_s[d][c] += (priced[j].compute.bwd_s + priced[j].recompute_s) * mult[node] \
                     * self.cost.micro_batches
-                self.compute_s[d][c] += priced[j].time_s * mult[node] * self.cost.micro_batches
+                self.compute_s[d][c] += compute * mult[node] * self.cost.micro_batches
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
@@ -498,7 +500,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
                                                                        for v in self.over_vars)
         most_tie = sum(max((max(1, round(b / 2**20)) for b in bs if b), default=0) for bs in mem.values())
         obj = (result.objective - aside) / NS_PER_S + fixed_s
-        bound = min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
+        bound = obj if result.status == "OPTIMAL" else min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
         stats = SolverStats(
             status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
             time_s=time.perf_counter() - t0, num_variables=self.model.num_variables,
