@@ -374,7 +374,9 @@ class ShardingILP(MemoryRows, DecisionGraph):
                 costs[d][c] += (pj.time_s + (skew - 1) * compute) * mult[node] * self.cost.micro_batches
                 self.backward_s[d][c] += (priced[j].compute.bwd_s + priced[j].recompute_s) * mult[node] \
                     * self.cost.micro_batches
-                self.compute_s[d][c] += compute * mult[node] * self.cost.micro_batches
+                # (the cover the gathers hide under: with the loss's collectives, as before — without them, the
+                # same optimum took CBC past its 60 s on Llama-3-70B at global batch 16; a lower bound)
+                self.compute_s[d][c] += pj.time_s * mult[node] * self.cost.micro_batches
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
