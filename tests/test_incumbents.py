@@ -178,8 +178,8 @@ def test_tensor_parallel_layout_uses_transposed_weights_split(zoo: Callable[[str
 
 def test_a_layout_far_over_the_limit_is_still_priced(zoo: Callable[[str], Path]) -> None:
     # A user's layout is priced fitting or not: DDP of gpt2-tiny on 2 H100 needs ~7 MB a device, 7× a
-    # 1 MiB limit; its memory rows stay soft over the whole range (the cap on a held row's excess,
-    # `memory_rows.EXCESS_CAP_KIB`, must not make it infeasible).
+    # 1 MiB limit; its soft memory rows' excess may reach well beyond the limit (`memory_rows.EXCESS_CAP_KIB`;
+    # capped at the limit, as rows held to it are, it was infeasible).
     from planner.search.plan import make_plan
     from planner.search.request import PlanRequest
 

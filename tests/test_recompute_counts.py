@@ -43,7 +43,6 @@ def test_memory_excess_is_solved_again_held_to_the_limit(zoo: Callable[[str], Pa
     # the first solve of the case above stores everything (over the 12 GiB); the ILP is then solved
     # again with the excess held to 0 and returns the plan the priced excess gives: the same counts,
     # the same step.
-    import planner.search.memory_rows as memory_rows
     import planner.search.milp as milp
     import planner.search.solve as solve
 
@@ -56,16 +55,14 @@ def test_memory_excess_is_solved_again_held_to_the_limit(zoo: Callable[[str], Pa
 
     def counted(self: milp.LinearModel, *args: object, **kwargs: object) -> milp.MilpResult:
         over = [v for v, name in enumerate(self.names) if name.startswith("memory_over")]
-        # each excess at most the limit (12 GiB in KiB; EXCESS_CAP_KIB, the least cap, set below it here):
-        # bounded by what every choice could hold, terabytes on a large model, its price overflowed
-        # CBC's simplex (a CoinError abort)
+        # each excess at most the limit (12 GiB in KiB): bounded by what every choice could hold,
+        # terabytes on a large model, CBC's simplex aborted (a CoinError)
         assert all(self.bounds[v][1] <= 12 * 2**20 for v in over)
         result = original(self, *args, **kwargs)  # type: ignore[arg-type]
         solves.append(any(result.values[v] for v in over))
         return result
 
     monkeypatch.setattr(solve, "OVER_NS_PER_KIB", 0)
-    monkeypatch.setattr(memory_rows, "EXCESS_CAP_KIB", 0)
     monkeypatch.setattr(milp.LinearModel, "solve", counted)
     free, _ = make_plan(PlanRequest(**base))
     assert True in solves and solves[solves.index(True) + 1] is False  # exceeded, then held

@@ -17,9 +17,12 @@ from planner.search.recompute import BIG, GroupTerms
 # The price of 1 KiB over the memory limit in the objective (ns): 1 s per MiB, beyond any step time a
 # plan could gain by it in practice; a solution that pays it is solved again with the limit hard.
 OVER_NS_PER_KIB = 10**6
-# The excess a row held to the limit may carry at least (64 GiB; `MemoryRows._over`): at 1e6 ns per KiB
-# its price stays under 1e14, where CBC's simplex still solves the model that aborted it at 1e16.
-EXCESS_CAP_KIB = 2**26
+# The most excess a soft memory row may carry (a layout priced fitting or not; `MemoryRows._over`),
+# unless the limit is larger: 2e9 KiB (1.9 TiB). A row held to the limit carries at most the limit.
+# Measured (CBC): the stage model that aborted its simplex (excess bounded at 9.95e9 KiB) solves capped at
+# 2e9, 1.2e9, 1e8 or 7e7 KiB; GPT-145B's own plan on 1536 A100 takes 20 s with held rows capped at the
+# limit, 112 s at 2e9; Llama-3-8B's search on 8x8 (bound 1.15e9) 3.9 s capped at its limit, 3.6 s at 2e9.
+EXCESS_CAP_KIB = 2 * 10**9
 
 
 class MemoryRows:
@@ -83,16 +86,15 @@ class MemoryRows:
         the relaxation is then a solution, which CBC's heuristics otherwise fail to find on tight rows
         (Llama-3-70B, 8x8, 1 micro-step, recomputation counted: no solution in 60 s). A solution with
         excess 0 is optimal for the rows held hard; one with any excess is solved again so (`solve`).
-        Rows held to the limit cap the excess at the limit or EXCESS_CAP_KIB, the larger (a rounding
-        further over is no solution): bounded only by the most every choice could hold — a giant tensor
-        whole on every device, terabytes —, its price reached 1e16 ns and CBC's simplex aborted the
-        process (CoinError: GPT-145B on 1536 A100, a pipeline stage's ILP). Soft rows (a layout priced
-        fitting or not) keep the whole range: their plan may be far over."""
+        The excess is capped at the limit on rows held to it, at EXCESS_CAP_KIB or the limit (the larger)
+        on soft ones (a plan further over is no solution): bounded only by the most every choice could
+        hold — a giant tensor whole on every device, ten terabytes —, CBC's simplex aborted the process
+        (CoinError: GPT-145B on 1536 A100, a pipeline stage's ILP)."""
         assert self.memory_limit_bytes is not None
         limit = int(self.memory_limit_bytes // KIB)
         most = sum(math.ceil(max(bs) / KIB) for bs in row.values() if bs) + \
             sum(c * self.model.bounds.get(v, (0, 1))[1] for v, c in extra if c > 0)
-        bound = most - limit if self.memory_soft else min(most - limit, max(limit, EXCESS_CAP_KIB))
+        bound = min(most - limit, max(limit, EXCESS_CAP_KIB) if self.memory_soft else limit)
         over = self.model.int_var(name, 0, max(1, bound))  # (CP-SAT: no overflow)
         self.over_vars.append(over)
         return over
