@@ -41,6 +41,11 @@ class NodeCost:
     def time_s(self) -> float:
         return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0)
 
+    @property
+    def compute_s(self) -> float:
+        """`time_s` less the loss's collectives: the step's compute, as the composer counts it."""
+        return self.compute.total_s + self.recompute_s + (self.loss.compute_s if self.loss is not None else 0.0)
+
 
 @dataclass
 class PricedStep:

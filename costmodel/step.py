@@ -302,9 +302,8 @@ class CostModel:
         last backward (`compose.hides_under_backward`); the parameter gathers that may be prefetched
         under compute (`compose.prefetched`)."""
         info = self.graph.tensors[tensor]
-        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
-        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
-               consumer_split, recomputed, saved, stage)
+        stage = self._edge_stage(tensor, src, dst, zero_stage)
+        key = self._edge_key(tensor, src, dst, consumer_split, recomputed, saved, zero_stage)
         t = self._edge_time_cache.get(key)
         if t is None:
             k = self.micro_batches
@@ -335,10 +334,20 @@ class CostModel:
         """The longest of one edge's gathers for use, once per micro-batch: what the overlapped step's
         first gather waits where this edge holds the step's longest (`compose.overlap`)."""
         self.edge_time_parts(tensor, src, dst, consumer_split, recomputed=recomputed, saved=saved, zero_stage=zero_stage)
+        return self._first_gather_cache[self._edge_key(tensor, src, dst, consumer_split, recomputed, saved, zero_stage)]
+
+    def _edge_key(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], recomputed: bool,
+                  saved: bool, zero_stage: int) -> tuple[object, ...]:
+        """What an edge's price depends on (`edge_time_parts`' caches): the tensor's shape, dtype and role,
+        not its name."""
         info = self.graph.tensors[tensor]
-        stage = zero_stage if info.kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor) else 0
-        return self._first_gather_cache[(info.shape, info.dtype, info.kind, tensor in self.param_owner,
-                                         tensor in self.needs_grad, src, dst, consumer_split, recomputed, saved, stage)]
+        return (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
+                consumer_split, recomputed, saved, self._edge_stage(tensor, src, dst, zero_stage))
+
+    def _edge_stage(self, tensor: str, src: Spec, dst: Spec, zero_stage: int) -> int:
+        """The ZeRO-1/2 stage an edge prices: a parameter's own, where it is used as stored."""
+        eligible = self.graph.tensors[tensor].kind is TensorKind.PARAM and src == dst and self.states.eligible(tensor)
+        return zero_stage if eligible else 0
 
     def fixed_s(self) -> tuple[float, float]:
         """What every plan of this model pays per step whatever its placements: the optimizer's fixed
@@ -450,8 +459,7 @@ class CostModel:
         for node in g.compute_nodes:
             strategy = choice[node.name]
             nc = self.node_cost(node, strategy)
-            priced.node_compute_s[node.name] = (nc.compute.total_s + nc.recompute_s
-                                                + (nc.loss.compute_s if nc.loss is not None else 0.0))
+            priced.node_compute_s[node.name] = nc.compute_s
             priced.backward_s += nc.compute.bwd_s + nc.recompute_s
             priced.flops_matmul += nc.compute.fwd_matmul_flops * (2 if nc.recompute_s else 1) + nc.compute.bwd_matmul_flops
             split = self.split_axes(strategy)

@@ -369,9 +369,8 @@ class ShardingILP(MemoryRows, DecisionGraph):
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
             priced = {j: self.cost.node_cost(gnode, strategies[j]) for j in set(m)}
             for c, j in enumerate(m):
-                pj = priced[j]  # its compute, as the composer counts it (the loss's, not its collectives)
-                compute = pj.compute.total_s + pj.recompute_s + (pj.loss.compute_s if pj.loss is not None else 0.0)
-                costs[d][c] += (pj.time_s + (skew - 1) * compute) * mult[node] * self.cost.micro_batches
+                pj = priced[j]  # skewed: its compute, as the composer counts it (not the loss's collectives)
+                costs[d][c] += (pj.time_s + (skew - 1) * pj.compute_s) * mult[node] * self.cost.micro_batches
                 self.backward_s[d][c] += (priced[j].compute.bwd_s + priced[j].recompute_s) * mult[node] \
                     * self.cost.micro_batches
                 # (the cover the gathers hide under: with the loss's collectives, as before — without them, the
@@ -464,7 +463,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         node_terms = [(round(c * NS_PER_S), x) for d, cs in node_costs.items() for c, x in zip(cs, self.x[d], strict=True)]
         # Among plans of equal step time, prefer less memory: 1 ns per MiB per device, far below any
         # real difference in time (reported costs come from pricing the plan, not from this sum).
-        tie_break = [(max(1, round(b / 2**20)), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
+        tie_break = [(_tie_ns(b), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
         self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
         self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
@@ -500,7 +499,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         # what every plan pays; the bound less the most tie-break any solution could carry.
         aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
                                                                        for v in self.over_vars)
-        most_tie = sum(max((max(1, round(b / 2**20)) for b in bs if b), default=0) for bs in mem.values())
+        most_tie = sum(max((_tie_ns(b) for b in bs if b), default=0) for bs in mem.values())
         obj = (result.objective - aside) / NS_PER_S + fixed_s
         bound = obj if result.status == "OPTIMAL" else min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
         stats = SolverStats(
@@ -514,3 +513,6 @@ class ShardingILP(MemoryRows, DecisionGraph):
                         exposed_s={n: result.values[v] / NS_PER_S for n, v in self.overlap_vars.items()})
 
 
+def _tie_ns(nbytes: float) -> int:
+    """The memory tie-break's price of a choice holding `nbytes` a device: 1 ns per MiB, at least 1."""
+    return max(1, round(nbytes / 2**20))
