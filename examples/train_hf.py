@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_hf.py                     # GPT-2, tiny, gloo on CPU
     torchrun --nproc-per-node 2 examples/train_hf.py --model llama --layout dp_shard=2
     torchrun --nproc-per-node 8 examples/train_hf.py --config my/config.json --profile h100-sxm  # nccl
+    torchrun --nproc-per-node 1 examples/train_hf.py --config my/config.json --profile h100-sxm --runtime compiled
 
 Rank 0 exports the config's model shape-only (`meshplan export`: no weights are made) and plans it
 (`meshplan plan`); every rank then builds the model (its own weights: random here, a checkpoint in
@@ -52,6 +53,8 @@ def main() -> None:
     ap.add_argument("--layout", help="hold the plan to torchtitan degrees, e.g. dp_shard=2 (default: the ILP's)")
     ap.add_argument("--pin", action="append", default=[], help="TENSOR=PLACEMENTS, as for meshplan plan")
     ap.add_argument("--dtype", help="the plan's precision: amp (autocast bf16), mixed (FSDP2's bf16 policy), fp32, …")
+    ap.add_argument("--runtime", choices=("eager", "compiled"), default="eager",
+                    help="compiled: plan for torch.compile's fused kernels and compile each transformer block")
     ap.add_argument("--workdir", default="meshplan-train-hf")
     args = ap.parse_args()
 
@@ -72,12 +75,13 @@ def main() -> None:
                 "--dim", f"seq={args.seq}", "--profile", args.profile, "-o", str(strategy_path)]
         plan += ["--layout", args.layout] if args.layout else []
         plan += ["--dtype", args.dtype] if args.dtype else []
+        plan += ["--runtime", args.runtime] if args.runtime != "eager" else []
         plan += [a for p in args.pin for a in ("--pin", p)]
         print(_meshplan(*plan), flush=True)
     dist.barrier()
 
     model = _build(config_path).to("cuda" if cuda else "cpu")
-    meshplan.apply(model, str(strategy_path))
+    meshplan.apply(model, str(strategy_path))  # compiles the blocks where the plan's runtime is compiled
     report = model.meshplan_report
     if rank == 0:
         print("\n".join(f"apply: {line}" for line in report.lines()), flush=True)

@@ -32,6 +32,10 @@ exporter's names. `apply`:
    (gradients reduce-scattered over the shards, the shard all-reduced over the replicas).
 5. **Recomputation**: each recomputed layer of the plan is wrapped with the composable
    `checkpoint` (`torch.utils.checkpoint`; names unchanged).
+6. **Compile** (opt-in: `compile=True`, or a plan whose runtime is `compiled`): each of the graph's
+   layers (transformer blocks) is compiled in place with `nn.Module.compile` (Inductor), after tensor
+   parallelism and before data parallelism, as torchtitan does; names unchanged. The embedding, the
+   head and the loss stay eager.
 
 Nothing of this leaks into the module's names: `state_dict()` keys are the user's own (the composable
 APIs keep FQNs; DDP's wrapper would add "module."). The report (`ApplyReport`) is on the module as
@@ -58,7 +62,7 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 from core import placement as mp
 from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
-from core.levers import Recompute
+from core.levers import Recompute, Runtime
 from executor.apply_tp import module_boundaries, planned_spec, source_parameter
 from executor.binding import ApplyError, Binding, best_match, bind_parameters, name_key
 from planner.graph import load_graph
@@ -84,6 +88,8 @@ class ApplyReport:
     zero: str = ""  # how a ZeRO-1/2 plan runs (`_zero_as_fully_shard`)
     zero_stage: int = 0  # that plan's stage (1 or 2); 0 otherwise
     device: str = "cpu"  # the mesh's device type
+    compiled: list[str] = field(default_factory=list)  # module FQNs compiled (torch.compile, Inductor)
+    runtime: str = "eager"  # the plan's runtime (what it priced)
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The context the training loop runs forward and loss in: torch.autocast(bfloat16) for an amp
@@ -126,6 +132,10 @@ class ApplyReport:
             out.append(self.zero)
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules")
+        if self.compiled:
+            out.append(f"compiled: {len(self.compiled)} modules (torch.compile, Inductor)"
+                       + ("; the plan priced eager kernels (plan with `runtime` compiled to price Inductor's "
+                          "fused ones)" if self.runtime != "compiled" else ""))
         if self.micro_batches > 1:
             out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last"
                        + (" (call report.micro_batch(module, i) before each)" if self.zero_stage else ""))
@@ -155,10 +165,11 @@ def _data_parallel_axes(strategy: Strategy) -> set[int]:
 
 
 def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh | None = None, *,
-          model: str | Path | None = None) -> nn.Module:
+          model: str | Path | None = None, compile: bool | None = None) -> nn.Module:
     """Distribute `module` as `strategy` plans it (see the module docstring); returns the module, with
     `module.meshplan_report`. `model`: the ONNX file the strategy was planned on, where it has moved
-    since (default: the path the strategy names)."""
+    since (default: the path the strategy names). `compile`: compile each transformer block with
+    torch.compile (default: where the plan's runtime is `compiled`)."""
     s = strategy if isinstance(strategy, Strategy) else load_strategy(strategy)
     if s.pipeline is not None:
         raise ApplyError("apply runs plans without pipeline stages; plan without pp in its `layout` (or run the pipelined "
@@ -187,6 +198,12 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         raise ApplyError(f"the mesh given names its axes {list(mesh.mesh_dim_names or ())}, the strategy "
                          f"{list(s.mesh.axis_names)}; pass init_device_mesh(..., mesh_dim_names={tuple(s.mesh.axis_names)}) "
                          "or leave `mesh` out")
+    if compile is None:
+        compile = s.settings.runtime is Runtime.COMPILED
+    if compile:
+        missing = _inductor_missing(mesh.device_type)
+        if missing:
+            raise ApplyError(f"compile: {missing}; apply without compile=True (and plan with `runtime` eager)")
     bindings = bind_parameters(s, graph, module)
     dp_axes = _data_parallel_axes(s)
     big = [i for i, n in enumerate(shape) if n > 1]
@@ -200,10 +217,15 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
-                         device=mesh.device_type)
+                         device=mesh.device_type, runtime=s.settings.runtime.value)
     _recompute(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
+    if compile:
+        _compile(graph, module, report)
+    elif s.settings.runtime is Runtime.COMPILED:
+        report.fallbacks.append("runtime: the plan prices torch.compile's fused kernels, the module runs eager "
+                                "(apply with compile=True, or plan with `runtime` eager)")
     if len(dp_big) == 2:
         _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report)
     elif dp_big:
@@ -342,14 +364,24 @@ def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after
     report.mixed_policy = mixed
 
 
+def _layer_module(graph_path: str, module: nn.Module, keys: dict[str, str]) -> tuple[str, nn.Module] | None:
+    """The module FQN and module a graph layer (`prefix.i`) stands for, by the exporter's names; None where
+    the module has none."""
+    fqn = best_match(name_key(graph_path), keys)
+    return None if fqn is None else (fqn, module.get_submodule(fqn))
+
+
+def _module_keys(module: nn.Module) -> dict[str, str]:
+    return {fqn: name_key(fqn) for fqn, _ in module.named_modules() if fqn}
+
+
 def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
     """The plan's recomputed layers, each wrapped with the composable checkpoint."""
     if not s.training.recompute:
         return
     from torch.distributed._composable import checkpoint
 
-    mods = dict(module.named_modules())
-    keys = {fqn: name_key(fqn) for fqn in mods if fqn}
+    keys = _module_keys(module)
     for group in graph.layers:
         policy = s.training.recompute.get(group.prefix)
         if policy is None:
@@ -360,10 +392,46 @@ def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyRepo
             continue
         for i in group.indices[: s.training.recomputed_layers(group.prefix, group.num_layers)]:
             path = f"{group.prefix}.{i}"
-            fqn = best_match(name_key(path), keys)
-            if fqn is None:
+            found = _layer_module(path, module, keys)
+            if found is None:
                 report.fallbacks.append(f"recomputed layer {path} has no module here: not recomputed")
                 continue
-            checkpoint(mods[fqn])
-            report.recomputed.append(fqn)
+            checkpoint(found[1])
+            report.recomputed.append(found[0])
+
+
+def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+    """Each of the graph's layers compiled in place (`nn.Module.compile`: the module keeps its names and
+    hooks). Blocks of one shape share Dynamo's compiled code; a graph break runs its part eager."""
+    keys = _module_keys(module)
+    for group in graph.layers:
+        for i in group.indices:
+            found = _layer_module(f"{group.prefix}.{i}", module, keys)
+            if found is None:
+                report.fallbacks.append(f"compile: layer {group.prefix}.{i} has no module here: it runs eager")
+                continue
+            found[1].compile()
+            report.compiled.append(found[0])
+    if not graph.layers:
+        module.compile()
+        report.compiled.append("(the whole module: the graph has no repeated layers)")
+
+
+def _inductor_missing(device_type: str) -> str:
+    """Why torch.compile's Inductor cannot build kernels for `device_type` here; "" where it can."""
+    try:
+        import torch._inductor.config  # noqa: F401
+    except Exception as e:  # a torch built without it
+        return f"this torch has no Inductor ({type(e).__name__}: {e})"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return "" if has_triton() else "Inductor needs triton for CUDA kernels and it is not installed (pip install triton)"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:
+        return f"Inductor needs a C++ compiler for CPU kernels and finds none ({type(e).__name__}); install g++ or set CXX"
+    return ""
 

@@ -47,6 +47,8 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "tp-amp": {"mode": "semi", "dtype": "amp"},
                                     # mixed under fully_shard: its MixedPrecisionPolicy(bf16, fp32) casts
                                     "zero3-mixed": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed"},
+                                    # compiled runtime: each block through torch.compile (Inductor's CPU kernels)
+                                    "zero3-compiled": {"layout": "dp_shard=2", "zero_stage": 3, "runtime": "compiled"},
                                     # HSDP on 4 ranks: whole over dp_replicate, split over dp_shard
                                     "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3}}
 RANKS = {"hsdp": 4}  # (the others: 2)
@@ -121,6 +123,10 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: 
 
         grads = {n: full(p.grad).detach().numpy().copy() for n, p in module.named_parameters()}
         params = {n: full(p).detach().numpy().copy() for n, p in module.named_parameters()}
+        if report.compiled:  # Dynamo's own count: the blocks ran as compiled graphs
+            from torch._dynamo.utils import counters
+
+            assert counters["stats"]["unique_graphs"] > 0, f"no graph compiled: {dict((k, dict(v)) for k, v in counters.items())} {report.compiled}"
         if rank == 0:
             out.put(("report", float(total), grads, params, dict(counter.counts), dict(report.expected),
                      report.lines(), names, sorted(module.state_dict()), sorted(report.styles.items())))
@@ -161,7 +167,8 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
-    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")]
+    [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
+    [("llama-tiny", "zero3-compiled")]
 
 
 @pytest.mark.slow
@@ -236,6 +243,10 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         assert f"ZeRO-{kind[-1]} as fully_shard(reshard_after_forward=False): parameters gathered once a step, " \
             "gradients reduce-scattered, optimizer states sharded; parameters sharded between steps" in lines, lines
         assert not [ln for ln in lines if ln.startswith("fallback: ZeRO")], lines
+    if kind == "zero3-compiled":  # every block compiled, in place (the names unchanged, checked above)
+        assert "compiled: 2 modules (torch.compile, Inductor)" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback: runtime")], lines
+        kind = "zero3"
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
     if kind == "hsdp":  # and the shard's gradient all-reduced over the replicas; nothing else falls back
@@ -323,3 +334,37 @@ def test_zero_micro_batches_keep_parameters_gathered_to_the_last(zero: int) -> N
     sync = [f for k, f in calls if k == "sync"]
     assert reshard == [False, False, True]
     assert sync == ([False, False, True] if zero == 1 else [])
+
+
+def test_compile_without_inductor_is_refused_before_any_step(zoo: Callable[[str], Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile=True where Inductor cannot build kernels (here: no C++ compiler for CPU kernels): one line,
+    from apply, before the module is touched."""
+    import socket
+
+    import torch._inductor.config as inductor
+    import torch.distributed as dist
+
+    import meshplan
+    from executor.binding import ApplyError
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("no-such-c++-compiler",))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    module = hf_module(zoo("gpt2-tiny").with_suffix(".json"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        from planner.search.plan import make_plan
+        from planner.search.request import PlanRequest
+
+        s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"batch": B, "seq": S}, profile="cpu",
+                                     devices=1))
+        with pytest.raises(ApplyError, match=r"^compile: Inductor needs a C\+\+ compiler for CPU kernels and finds "
+                                             r"none \(InvalidCxxCompiler\); install g\+\+ or set CXX; apply without "
+                                             r"compile=True") as e:
+            meshplan.apply(module, s, compile=True)
+        assert "\n" not in str(e.value)
+        assert not hasattr(module, "meshplan_report") and module.transformer.h[0]._compiled_call_impl is None
+    finally:
+        dist.destroy_process_group()
