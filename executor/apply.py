@@ -32,10 +32,10 @@ exporter's names. `apply`:
    (gradients reduce-scattered over the shards, the shard all-reduced over the replicas).
 5. **Recomputation**: each recomputed layer of the plan is wrapped with the composable
    `checkpoint` (`torch.utils.checkpoint`; names unchanged).
-6. **Compile** (opt-in: `compile=True`, or a plan whose runtime is `compiled`): each of the graph's
-   layers (transformer blocks) is compiled in place with `nn.Module.compile` (Inductor), after tensor
-   parallelism and before data parallelism, as torchtitan does; names unchanged. The embedding, the
-   head and the loss stay eager.
+6. **Compile** (opt-in: `compile=True`, or a plan whose runtime is `compiled`): `nn.Module.compile`
+   (Inductor) in place, after tensor parallelism and before data parallelism (torchtitan's order);
+   names unchanged. The whole module, as the compiled runtime is priced; each layer alone where the
+   plan recomputes layers (see `_compile`).
 
 Nothing of this leaks into the module's names: `state_dict()` keys are the user's own (the composable
 APIs keep FQNs; DDP's wrapper would add "module."). The report (`ApplyReport`) is on the module as
@@ -133,7 +133,8 @@ class ApplyReport:
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules")
         if self.compiled:
-            out.append(f"compiled: {len(self.compiled)} modules (torch.compile, Inductor)"
+            out.append(("compiled: the whole module" if self.compiled == ["(the whole module)"] else
+                        f"compiled: {len(self.compiled)} layers") + " (torch.compile, Inductor)"
                        + ("; the plan priced eager kernels (plan with `runtime` compiled to price Inductor's "
                           "fused ones)" if self.runtime != "compiled" else ""))
         if self.micro_batches > 1:
@@ -401,8 +402,15 @@ def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyRepo
 
 
 def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
-    """Each of the graph's layers compiled in place (`nn.Module.compile`: the module keeps its names and
-    hooks). Blocks of one shape share Dynamo's compiled code; a graph break runs its part eager."""
+    """torch.compile in place (`nn.Module.compile`: names and hooks kept): the whole module, as a user's
+    `torch.compile(model)` and as the plan's compiled runtime prices it (every chain between matmuls fused,
+    the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
+    layer instead (torchtitan's way): the recomputed layers' checkpoint hooks need the layer's boundary,
+    which a whole-module graph removes; the embedding, head and loss then run eager, which the report says."""
+    if not report.recomputed:
+        module.compile()
+        report.compiled.append("(the whole module)")
+        return
     keys = _module_keys(module)
     for group in graph.layers:
         for i in group.indices:
@@ -412,9 +420,8 @@ def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
                 continue
             found[1].compile()
             report.compiled.append(found[0])
-    if not graph.layers:
-        module.compile()
-        report.compiled.append("(the whole module: the graph has no repeated layers)")
+    report.fallbacks.append("compile: per layer, the plan recomputing layers; what is outside them (embedding, head, "
+                            "loss) runs eager where the plan prices it compiled")
 
 
 def _inductor_missing(device_type: str) -> str:

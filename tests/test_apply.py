@@ -49,6 +49,10 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "zero3-mixed": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed"},
                                     # compiled runtime: each block through torch.compile (Inductor's CPU kernels)
                                     "zero3-compiled": {"layout": "dp_shard=2", "zero_stage": 3, "runtime": "compiled"},
+                                    "recompute-compiled": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full",
+                                                           "runtime": "compiled"},
+                                    "dp-c": {"mode": "data-parallel", "zero_stage": 0, "runtime": "compiled"},
+                                                                        "zero3-mixed-c": {"layout": "dp_shard=2", "zero_stage": 3, "dtype": "mixed", "runtime": "compiled"},
                                     # HSDP on 4 ranks: whole over dp_replicate, split over dp_shard
                                     "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3}}
 RANKS = {"hsdp": 4}  # (the others: 2)
@@ -168,7 +172,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
-    [("llama-tiny", "zero3-compiled")]
+    [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")]
 
 
 @pytest.mark.slow
@@ -243,10 +247,14 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         assert f"ZeRO-{kind[-1]} as fully_shard(reshard_after_forward=False): parameters gathered once a step, " \
             "gradients reduce-scattered, optimizer states sharded; parameters sharded between steps" in lines, lines
         assert not [ln for ln in lines if ln.startswith("fallback: ZeRO")], lines
-    if kind == "zero3-compiled":  # every block compiled, in place (the names unchanged, checked above)
-        assert "compiled: 2 modules (torch.compile, Inductor)" in lines, lines
-        assert not [ln for ln in lines if ln.startswith("fallback: runtime")], lines
+    if kind == "zero3-compiled":  # the whole module compiled, in place (the names unchanged, checked above)
+        assert "compiled: the whole module (torch.compile, Inductor)" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
         kind = "zero3"
+    if kind == "recompute-compiled":  # the checkpointed layers compiled one by one; the rest eager, said
+        assert "compiled: 2 layers (torch.compile, Inductor)" in lines, lines
+        assert [ln for ln in lines if ln.startswith("fallback: compile: per layer")], lines
+        kind = "recompute"
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
     if kind == "hsdp":  # and the shard's gradient all-reduced over the replicas; nothing else falls back
