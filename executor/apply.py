@@ -47,8 +47,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -89,6 +91,7 @@ class ApplyReport:
     zero_stage: int = 0  # that plan's stage (1 or 2); 0 otherwise
     device: str = "cpu"  # the mesh's device type
     compiled: list[str] = field(default_factory=list)  # module FQNs compiled (torch.compile, Inductor)
+    pipeline: Any = None  # a pipelined plan's `apply_pp.PipelineRun`: this rank's chunks and the schedule
     runtime: str = "eager"  # the plan's runtime (what it priced)
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -137,7 +140,12 @@ class ApplyReport:
                         f"compiled: {len(self.compiled)} layers") + " (torch.compile, Inductor)"
                        + ("; the plan priced eager kernels (plan with `runtime` compiled to price Inductor's "
                           "fused ones)" if self.runtime != "compiled" else ""))
-        if self.micro_batches > 1:
+        if self.pipeline is not None:
+            run = self.pipeline
+            out.append(f"pipeline: {run.stages} stages, {run.chunks_total} model chunks, {run.schedule_name}, "
+                       f"{self.micro_batches} micro-batches; this rank runs chunks {run.indices} (call "
+                       "report.pipeline.step(inputs, target=labels) for a step, optimize report.pipeline.parameters())")
+        elif self.micro_batches > 1:
             out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last"
                        + (" (call report.micro_batch(module, i) before each)" if self.zero_stage else ""))
         out += [f"fallback: {f}" for f in self.fallbacks]
@@ -166,15 +174,14 @@ def _data_parallel_axes(strategy: Strategy) -> set[int]:
 
 
 def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh | None = None, *,
-          model: str | Path | None = None, compile: bool | None = None) -> nn.Module:
+          model: str | Path | None = None, compile: bool | None = None,
+          loss_fn: Callable[..., torch.Tensor] | None = None) -> nn.Module:
     """Distribute `module` as `strategy` plans it (see the module docstring); returns the module, with
     `module.meshplan_report`. `model`: the ONNX file the strategy was planned on, where it has moved
-    since (default: the path the strategy names). `compile`: compile each transformer block with
-    torch.compile (default: where the plan's runtime is `compiled`)."""
+    since (default: the path the strategy names). `compile`: torch.compile (default: where the plan's
+    runtime is `compiled`). `loss_fn(output, target)`: a pipelined plan's loss on its last stage (default:
+    cross-entropy of the logits, `apply_pp.cross_entropy`)."""
     s = strategy if isinstance(strategy, Strategy) else load_strategy(strategy)
-    if s.pipeline is not None:
-        raise ApplyError("apply runs plans without pipeline stages; plan without pp in its `layout` (or run the pipelined "
-                         "plan with `meshplan run`)")
     path = Path(model) if model is not None else Path(s.model.path)
     if not path.exists():
         raise ApplyError(f"{path}: the strategy's model is not there; pass model= the ONNX file it was planned on")
@@ -183,13 +190,14 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         raise ApplyError("apply needs torch.distributed initialised (torchrun, then "
                          "dist.init_process_group); it places parameters on the process group's ranks")
     shape = tuple(s.mesh.shape)
-    devices = 1
-    for n in shape:
-        devices *= n
+    devices = s.pipeline.devices if s.pipeline is not None else s.mesh.num_devices
     if dist.get_world_size() != devices:
-        raise ApplyError(f"the strategy's mesh {list(shape)} needs {devices} ranks, this run has "
-                         f"{dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
+        raise ApplyError(f"the strategy's {'pipeline' if s.pipeline else 'mesh'} "
+                         f"{[len(s.pipeline.stages), *shape] if s.pipeline else list(shape)} needs {devices} ranks, "
+                         f"this run has {dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
                          f"{dist.get_world_size()} devices")
+    if s.pipeline is not None:
+        return _apply_pipelined(s, graph, module, mesh, loss_fn)
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(s.mesh.axis_names))
@@ -236,6 +244,52 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     if s.settings.dtype in ("bf16", "fp16"):  # no policy is applied for them, under fully_shard or not
         report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (plan with `dtype` mixed "
                                 "for fully_shard's MixedPrecisionPolicy, or amp to run under report.autocast())")
+    module.meshplan_report = report  # type: ignore[assignment]
+    return module
+
+
+def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh | None,
+                     loss_fn: Callable[..., torch.Tensor] | None) -> nn.Module:
+    """A pipelined plan (`executor/apply_pp.py`): the module split into the plan's chunks, this rank's run
+    by the plan's schedule (`report.pipeline`), each chunk data-parallel over its stage's mesh."""
+    from executor import apply_pp
+
+    assert s.pipeline is not None
+    p, shape, names = len(s.pipeline.stages), tuple(s.mesh.shape), tuple(s.mesh.axis_names)
+    device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    if mesh is None:
+        mesh = init_device_mesh(device_type, (p, *shape), mesh_dim_names=("pp", *names))
+    elif tuple(mesh.shape) != (p, *shape) or tuple(mesh.mesh_dim_names or ()) != ("pp", *names):
+        raise ApplyError(f"a pipelined plan runs on a mesh {[p, *shape]} named {['pp', *names]}; the mesh given is "
+                         f"{list(mesh.shape)} {list(mesh.mesh_dim_names or ())}; leave `mesh` out")
+    bindings = bind_parameters(s, graph, module)
+    dp_axes = _data_parallel_axes(s)
+    big = [i for i, n in enumerate(shape) if n > 1]
+    if [i for i in big if i not in dp_axes] or len(big) > 1:
+        raise ApplyError(f"apply runs a pipeline's stages over one data-parallel axis; this plan's stage mesh {list(shape)} "
+                         f"{list(names)} has more (plan with `layout` pp={p},dp_shard=N, or run it with `meshplan run`)")
+    report = ApplyReport(data_parallel="", dp_axis=names[big[0]] if big else None, tp_axis=None,
+                         micro_batches=s.training.micro_batches, planned_step_s=s.cost.step_time_s, bindings=bindings,
+                         precision=s.settings.dtype, device=mesh.device_type, runtime=s.settings.runtime.value)
+    if s.training.recompute:
+        report.fallbacks.append("pipeline: the plan's recomputation is not applied to traced chunks; activations kept")
+    if s.settings.runtime is Runtime.COMPILED:
+        report.fallbacks.append("pipeline: the traced chunks run eager where the plan prices them compiled")
+    keys = _module_keys(module)
+    splits = apply_pp.split_points(s, graph, module, lambda path: (_layer_module(path, module, keys) or (None,))[0])
+    dims = dict(s.model.dims)
+    rows = dims.get("batch", 1) // (shape[big[0]] if big else 1)  # the graph's batch: one micro-batch's, all ranks'
+    example = torch.zeros((rows, dims.get("seq", 1)), dtype=torch.long, device=mesh.device_type)
+
+    def parallelize(chunk: nn.Module) -> None:
+        if not big:
+            return
+        held = {n for n, _ in chunk.named_parameters(remove_duplicate=False)}
+        mine = tuple(b for b in bindings if set(b.fqns) & held)
+        _apply_data_parallel(s, graph, chunk, mesh, mine, big[0], report)
+
+    run = apply_pp.build(s, graph, module, mesh, splits, example, loss_fn or apply_pp.cross_entropy, parallelize)
+    report.pipeline = run
     module.meshplan_report = report  # type: ignore[assignment]
     return module
 
@@ -341,9 +395,10 @@ def _batch_local(s: Strategy, graph: OpGraph, bindings: tuple[Binding, ...], axe
     """Activations the plan gathers over the batch (re-placed on a data-parallel axis): batch-local here."""
     params = {b.onnx for b in bindings}
     for r in s.reshards:
-        if source_parameter(graph, r.tensor) not in params and any(r.src.placements[a] != r.dst.placements[a]
-                                                                   for a in axes):
-            report.batch_local.append(f"{r.tensor} {r.src} → {r.dst} at {r.consumer}")
+        what = f"{r.tensor} {r.src} → {r.dst} at {r.consumer}"
+        if what not in report.batch_local and source_parameter(graph, r.tensor) not in params and \
+                any(r.src.placements[a] != r.dst.placements[a] for a in axes):  # (once: a pipeline's chunks ask each)
+            report.batch_local.append(what)
             report.fallback_saves_s += sum(c.time_s for c in r.collectives)
 
 
