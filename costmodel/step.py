@@ -76,10 +76,15 @@ from costmodel.memory import (
 from costmodel.states import ModelStates
 from hwprofiles.profile import HardwareProfile
 
-# Activation recomputation of the repeated layers. Selective (Korthikanti et al.: attention's scores
-# recomputed) is what the fused attention this model prices does anyway: priced as none.
-# The policies a cost model prices (AUTO is the search's: it counts the recomputed layers).
+# Activation recomputation of the repeated layers. Full: each layer's forward again in backward from
+# its input. Selective: op-level selective checkpointing (torchtitan's `op_sac`; `run` and
+# `meshplan.apply` run it, `executor/recompute.py`): in each layer the outputs of attention and of every
+# other matmul (the 1st, 3rd, … in the layer's order) are saved, everything else — its collectives
+# too, as under full — is run again from them in backward. (Korthikanti et al.'s selective — attention's
+# scores recomputed — is what the fused attention priced here does anyway.) The policies a cost model prices (AUTO is the search's: it
+# counts the recomputed layers).
 RECOMPUTE = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
+MATMULS = frozenset({"MatMul", "Gemm"})  # what selective recomputation alternates on (torch: mm, addmm, bmm)
 
 
 class CostModel:
@@ -101,7 +106,8 @@ class CostModel:
         (MindSpore's parallel_optimizer_threshold); `recompute`: "full" keeps only each repeated
         layer's input and runs its forward again in backward (torch.utils.checkpoint per layer) — of
         every layer, or of the first `recompute_layers[group]` layers of a group (Megatron's block
-        method) —, "none" (and "selective") saves every activation; `composer`: the step composer's
+        method) —, "selective" saves attention's and every other matmul's outputs and recomputes the rest
+        (`RECOMPUTE`), "none" saves every activation; `composer`: the step composer's
         policy; `fp32_communication`: all-reduces and reduce-scatters carry fp32 whatever the training
         dtype (MindSpore's force_fp32_communication); `zero_shard_size`: ZeRO-1/2 shard groups of that
         many ranks, the inner ones of a gradient's data-parallel group (optimizer_weight_shard_size);
@@ -136,8 +142,8 @@ class CostModel:
         self.layer_of: dict[str, tuple[int, int]] = {}
         self.layer_inputs: dict[str, tuple[str, ...]] = {}
         self.recompute_layers = dict(recompute_layers or {})
-        if recompute is Recompute.FULL:
-            self._find_recomputed_layers()
+        if recompute in (Recompute.FULL, Recompute.SELECTIVE):  # (selective: every layer of every group)
+            self._find_recomputed_layers(every=recompute is Recompute.SELECTIVE)
         self.loss = loss_kind(graph, loss)
         self.loss_tensor = graph.outputs[0]
         self.enable_all_to_all = enable_all_to_all
@@ -167,6 +173,7 @@ class CostModel:
         measured = attention is Attention.FLASH and profile.device.attention_forward is not None
         self.flash = {n: r for r in regions for n in r.nodes if n not in self.materialized} if measured else {}
         self.causal = causal_regions(graph) if self.flash else frozenset()
+        self.selective_saves, self.selective_inside = self._selective_saves()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         self._first_gather_cache: dict[tuple[object, ...], float] = {}
@@ -198,11 +205,38 @@ class CostModel:
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
             act += loss.saved_bytes + loss.workspace_bytes  # (its workspace shown apart: `price_items`)
-        if node.name in self.layer_of:  # recomputed: keeps only the layer inputs it reads first
+        if node.name in self.layer_of:  # recomputed: keeps the layer inputs it reads first
             kept = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in self.layer_inputs.get(node.name, ()))
+            if node.name in self.selective_saves:  # and what selective recomputation saves
+                return NodeCost(compute=compute, activation_bytes=kept + act, loss=loss)
+            if node.name in self.selective_inside:  # inside the attention saved whole: nothing of its own
+                return NodeCost(compute=compute, activation_bytes=kept, loss=loss)
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
                             recomputed_bytes=act)
         return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+
+    def _selective_saves(self) -> tuple[frozenset[str], frozenset[str]]:
+        """The nodes of selectively recomputed layers whose outputs are saved — an attention's last node
+        (the attention op's output, however its chain is priced), and every other matmul outside attention
+        (the 1st, 3rd, … of its layer, in the graph's order) — and the other nodes of an attention chain."""
+        if self.recompute is not Recompute.SELECTIVE:
+            return frozenset(), frozenset()
+        regions = {n: r for r in attention_regions(self.graph).values() for n in r.nodes}
+        saves: set[str] = set()
+        inside: set[str] = set()
+        count: dict[tuple[int, int], int] = {}
+        for node in self.graph.compute_nodes:
+            layer = self.layer_of.get(node.name)
+            if layer is None:
+                continue
+            region = regions.get(node.name)
+            if region is not None:
+                (saves if node.name == region.nodes[-1] else inside).add(node.name)
+            elif node.op_type in MATMULS:
+                count[layer] = count.get(layer, 0) + 1
+                if count[layer] % 2:
+                    saves.add(node.name)
+        return frozenset(saves), frozenset(inside)
 
     def _materialized(self, node: OpNode, region: AttentionRegion, shapes: Mapping[str, tuple[int, ...]],
                       compute: ComputeCost) -> tuple[ComputeCost, float]:
@@ -222,13 +256,14 @@ class CostModel:
         return replace(compute, fwd_s=kernels_s(fwd, dev, dtype, dev.graph_op_s),
                        bwd_s=kernels_s(bwd, dev, dtype, dev.graph_op_s)), saved
 
-    def _find_recomputed_layers(self) -> None:
-        """Every (recomputed) layer of every repeated-layer group is a checkpointed segment; its inputs are the
-        float activations its nodes read that no node of the layer produces (charged to the first
-        node reading them)."""
+    def _find_recomputed_layers(self, every: bool = False) -> None:
+        """Every (recomputed) layer of every repeated-layer group (`every`: all of each group's layers) is a
+        checkpointed segment; its inputs are the float activations its nodes read that no node of the
+        layer produces (charged to the first node reading them)."""
         g = self.graph
         for gi, group in enumerate(g.layers):
-            for li, names in enumerate(group.nodes[:self.recompute_layers.get(group.prefix, len(group.nodes))]):
+            count = len(group.nodes) if every else self.recompute_layers.get(group.prefix, len(group.nodes))
+            for li, names in enumerate(group.nodes[:count]):
                 produced = {t for n in names for t in g.node_by_name[n].outputs}
                 seen: set[str] = set()
                 for n in names:

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/train_hf.py                     # GPT-2, tiny, gloo on CPU
     torchrun --nproc-per-node 2 examples/train_hf.py --model llama --layout dp_shard=2
+    torchrun --nproc-per-node 4 examples/train_hf.py --model llama --layout pp=2,dp_shard=2   # a pipeline
     torchrun --nproc-per-node 8 examples/train_hf.py --config my/config.json --profile h100-sxm  # nccl
     torchrun --nproc-per-node 1 examples/train_hf.py --config my/config.json --profile h100-sxm --runtime compiled
 
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (all ranks together)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--micro-batch-size", type=int, help="a pipeline's sequences per micro-batch and data-parallel rank")
     ap.add_argument("--profile", default="cpu", help="meshplan's hardware profile (h100-sxm, a100-80gb, …)")
     ap.add_argument("--layout", help="hold the plan to torchtitan degrees, e.g. dp_shard=2 (default: the ILP's)")
     ap.add_argument("--pin", action="append", default=[], help="TENSOR=PLACEMENTS, as for meshplan plan")
@@ -71,8 +73,11 @@ def main() -> None:
         if not args.config:
             config_path.write_text(json.dumps(TINY[args.model]))
         _meshplan("export", "--hf-config", str(config_path), "-o", str(onnx_path))
-        plan = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"batch={args.batch}",
-                "--dim", f"seq={args.seq}", "--profile", args.profile, "-o", str(strategy_path)]
+        pipelined = bool(args.layout) and "pp=" in args.layout  # micro-batches of the global batch
+        plan = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"seq={args.seq}", "--profile", args.profile,
+                "-o", str(strategy_path)]
+        plan += ["--global-batch-size", str(args.batch)] if pipelined else ["--dim", f"batch={args.batch}"]
+        plan += ["--micro-batch-size", str(args.micro_batch_size)] if pipelined and args.micro_batch_size else []
         plan += ["--layout", args.layout] if args.layout else []
         plan += ["--dtype", args.dtype] if args.dtype else []
         plan += ["--runtime", args.runtime] if args.runtime != "eager" else []
@@ -81,11 +86,14 @@ def main() -> None:
     dist.barrier()
 
     model = _build(config_path).to("cuda" if cuda else "cpu")
-    meshplan.apply(model, str(strategy_path))  # compiles the blocks where the plan's runtime is compiled
+    # torch.compile where the plan's runtime is compiled; a pipelined plan's loss on its last stage
+    meshplan.apply(model, str(strategy_path), loss_fn=next_token_loss)
     report = model.meshplan_report
+    run = report.pipeline  # a pipelined plan: this rank's model chunks and the schedule
     if rank == 0:
         print("\n".join(f"apply: {line}" for line in report.lines()), flush=True)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda)  # fused on GPUs, as the profile prices it
+    params = run.parameters() if run else model.parameters()
+    optim = torch.optim.AdamW(params, lr=1e-3, fused=cuda)  # fused on GPUs, as the profile prices it
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
@@ -93,24 +101,28 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
+        replicas = world // run.stages if run else world  # data-parallel replicas (a pipeline's: per stage)
         if report.dp_axis:  # a data loader's share: this rank's rows
-            ids = ids.chunk(world)[rank]
+            ids = ids.chunk(replicas)[rank % replicas]
         ids = ids.to("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         with report.autocast():  # the plan's precision: torch.autocast(bfloat16) for an amp plan
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            if run:  # forward and backward of every micro-batch, by the plan's schedule
+                loss = run.step(ids, target=ids)
+            else:
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()  # the step's kernels done, not only launched
         times.append(time.perf_counter() - t0)
         seen = loss.detach().clone()
-        if report.dp_axis:
+        if report.dp_axis or run:  # every rank holds its replica's loss
             dist.all_reduce(seen)
             seen /= world
         if rank == 0:
-            print(f"step {step}: loss {float(seen):.4f}  {1e3 * times[-1]:.1f} ms", flush=True)
+            print(f"step {step}: loss {float(seen):.6f}  {1e3 * times[-1]:.1f} ms", flush=True)
     if rank == 0 and len(times) > 1:
         cost = json.loads(strategy_path.read_text())["cost"]
         line = (f"step time: median {1e3 * statistics.median(times[1:]):.1f} ms after the first step, the plan "
@@ -125,6 +137,12 @@ def main() -> None:
     del model, optim, report
     gc.collect()
     dist.destroy_process_group()
+
+
+def next_token_loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """What `model(input_ids=ids, labels=ids).loss` computes: each position predicts the next token."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             ids[:, 1:].reshape(-1))
 
 
 def _build(config_path: Path) -> Any:

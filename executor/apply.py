@@ -67,6 +67,7 @@ from core.graph import OpGraph, TensorKind
 from core.levers import Recompute, Runtime
 from executor.apply_tp import module_boundaries, planned_spec, source_parameter
 from executor.binding import ApplyError, Binding, best_match, bind_parameters, name_key
+from executor.recompute import selective_contexts
 from planner.graph import load_graph
 from planner.strategy import Strategy, load_strategy
 
@@ -80,6 +81,7 @@ class ApplyReport:
     fallbacks: list[str] = field(default_factory=list)  # what runs other than planned, and why
     batch_local: list[str] = field(default_factory=list)  # activations the plan gathers over the batch
     recomputed: list[str] = field(default_factory=list)  # module FQNs wrapped with checkpoint
+    recompute: str = ""  # their policy: "full" or "selective"
     expected: dict[str, int] = field(default_factory=dict)  # collectives of one micro-batch's step
     micro_batches: int = 1
     planned_step_s: float = 0.0
@@ -134,7 +136,9 @@ class ApplyReport:
         if self.zero:
             out.append(self.zero)
         if self.recomputed:
-            out.append(f"recomputed: {len(self.recomputed)} modules")
+            out.append(f"recomputed: {len(self.recomputed)} modules"
+                       + (" (selective: attention's and every other matmul's outputs saved)"
+                          if self.recompute == "selective" else ""))
         if self.compiled:
             out.append(("compiled: the whole module" if self.compiled == ["(the whole module)"] else
                         f"compiled: {len(self.compiled)} layers") + " (torch.compile, Inductor)"
@@ -432,7 +436,8 @@ def _module_keys(module: nn.Module) -> dict[str, str]:
 
 
 def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
-    """The plan's recomputed layers, each wrapped with the composable checkpoint."""
+    """The plan's recomputed layers, each wrapped with the composable checkpoint: full (the layer's
+    forward again from its input), or selective (op-level, `executor/recompute.py`)."""
     if not s.training.recompute:
         return
     from torch.distributed._composable import checkpoint
@@ -442,18 +447,19 @@ def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyRepo
         policy = s.training.recompute.get(group.prefix)
         if policy is None:
             continue
-        if policy != Recompute.FULL:
-            report.fallbacks.append(f"{group.prefix}: {policy} recomputation is not applied (only full layers "
-                                    "wrap with checkpoint); its activations are kept")
-            continue
-        for i in group.indices[: s.training.recomputed_layers(group.prefix, group.num_layers)]:
+        selective = policy == Recompute.SELECTIVE
+        count = group.num_layers if selective else s.training.recomputed_layers(group.prefix, group.num_layers)
+        for i in group.indices[:count]:
             path = f"{group.prefix}.{i}"
             found = _layer_module(path, module, keys)
             if found is None:
                 report.fallbacks.append(f"recomputed layer {path} has no module here: not recomputed")
                 continue
-            checkpoint(found[1])
+            checkpoint(found[1], **({"context_fn": selective_contexts} if selective else {}))
             report.recomputed.append(found[0])
+        report.recompute = str(policy)
+
+
 
 
 def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:

@@ -119,14 +119,20 @@ def split_points(s: Strategy, graph: OpGraph, module: nn.Module, layer_module: C
     starts = {j * p + st: first for st, stage in enumerate(s.pipeline.stages) for j, (first, _) in enumerate(stage.chunks)}
     layer_of = {n: f"{g.prefix}.{i}" for g in graph.layers for i, names in zip(g.indices, g.nodes, strict=True)
                 for n in names}
+    first_of: dict[str, str] = {}  # each layer's first node in the graph's order: where a module boundary is
+    for node in graph.compute_nodes:
+        if node.name in layer_of:
+            first_of.setdefault(layer_of[node.name], node.name)
     out = []
     for c in range(1, len(starts)):
         layer = layer_of.get(starts[c])
         fqn = layer_module(layer) if layer is not None else None
-        if fqn is None:
-            raise ApplyError(f"pipeline chunk {c} starts at node {starts[c]}"
-                             + (f" of layer {layer}, which has no module here" if layer else ", inside no repeated layer")
-                             + "; apply splits a module between its layers (plan the pipeline on this module's export)")
+        if layer is None or fqn is None or first_of[layer] != starts[c]:
+            where = "inside no repeated layer" if layer is None else \
+                f"inside layer {layer} (its first node is {first_of[layer]})" if first_of[layer] != starts[c] else \
+                f"at layer {layer}, which has no module here"
+            raise ApplyError(f"pipeline chunk {c} starts at node {starts[c]}, {where}; apply splits the module only "
+                             "between its layers' modules (plan the pipeline with `layout` pp on this module's export)")
         out.append(fqn)
     return out
 

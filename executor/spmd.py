@@ -12,8 +12,9 @@ parameter's placements (the data-parallel all-reduce, FSDP's reduce-scatter).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import ChainMap
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ from executor.dtensors import (
 from executor.interpreter import OnnxModule
 from executor.kernels import run_local
 from executor.ops import eager_attention, fused_attention
+from executor.recompute import selective_contexts
 from executor.zero import Regather, ZeroBucket, gather_units
 from planner.strategy import Strategy
 
@@ -116,6 +118,7 @@ class SpmdRunner:
         self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
                          for n in mine if n.name not in self.fused_away]
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
+        self._selective: set[int] = set()  # segments recomputed selectively (`executor/recompute.py`)
         self._segments = self._recomputed_segments()
         self._segment_reads, self._segment_outputs = self._segment_boundaries()
         # A tensor's shared redistributes are dropped after the program entry that reads it last.
@@ -309,13 +312,27 @@ class SpmdRunner:
                 run(i, i + 1)
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
+                # (selectively: attention's, every other matmul's and the collectives' outputs saved)
+                contexts = functools.partial(self._recompute_contexts, i in self._selective)
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
-                    checkpoint(segment, i, stop, use_reentrant=False, context_fn=self._recompute_contexts)
+                    checkpoint(segment, i, stop, use_reentrant=False, context_fn=contexts)
                 i = stop
 
-    def _recompute_contexts(self) -> tuple[contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]]:
-        """checkpoint's (forward, recomputation) contexts: the meter's watch around each recomputation."""
-        return contextlib.nullcontext(), (self.recompute_watch or contextlib.nullcontext)()
+    def _recompute_contexts(self, selective: bool) -> tuple[contextlib.AbstractContextManager[Any],
+                                                             contextlib.AbstractContextManager[Any]]:
+        """checkpoint's (forward, recomputation) contexts: the meter's watch around each recomputation;
+        selective recomputation's, what its forward saves counted by the meter (`on_kept`)."""
+        watch = (self.recompute_watch or contextlib.nullcontext)()
+        if not selective:
+            return contextlib.nullcontext(), watch
+        forward, recompute = selective_contexts(self.on_kept)
+
+        @contextlib.contextmanager
+        def both() -> Iterator[None]:
+            with watch, recompute:
+                yield
+
+        return forward, both()
 
     def _segment_boundaries(self) -> tuple[frozenset[str], dict[int, frozenset[str]]]:
         """What the recomputed segments read from outside themselves (kept from forward to backward),
@@ -341,18 +358,24 @@ class SpmdRunner:
 
     def _recomputed_segments(self) -> dict[int, int]:
         """Program index where each recomputed layer starts → where it ends (exclusive): the first layers
-        of each group the plan recomputes fully, those whose ops are one contiguous run of the program
-        (every layer of the zoo's models)."""
+        of each group the plan recomputes fully, every layer of a group it recomputes selectively (their
+        starts in `_selective`), those whose ops are one contiguous run of the program (every layer of
+        the zoo's models)."""
         at = {entry[0].name: i for i, entry in enumerate(self._program)}
         out = {}
         tr = self.strategy.training
         for group in self.graph.layers:
-            if tr.recompute.get(group.prefix) != Recompute.FULL:
+            policy = tr.recompute.get(group.prefix)
+            if policy not in (Recompute.FULL, Recompute.SELECTIVE):
                 continue
-            for names in group.nodes[:tr.recomputed_layers(group.prefix, group.num_layers)]:
+            count = group.num_layers if policy == Recompute.SELECTIVE else tr.recomputed_layers(group.prefix,
+                                                                                                group.num_layers)
+            for names in group.nodes[:count]:
                 idx = sorted(at[n] for n in names if n in at)
                 if idx and idx[-1] - idx[0] + 1 == len(idx):
                     out[idx[0]] = idx[-1] + 1
+                    if policy == Recompute.SELECTIVE:
+                        self._selective.add(idx[0])
         return out
 
     def output_as(self, index: int, local: torch.Tensor, want: list[Placement]) -> torch.Tensor:

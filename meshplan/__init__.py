@@ -12,13 +12,15 @@ from typing import Any
 from planner.export import export, export_config, export_hf_config
 
 
-def apply(module: Any, strategy: Any, mesh: Any = None, *, model: Any = None, compile: bool | None = None) -> Any:
+def apply(module: Any, strategy: Any, mesh: Any = None, *, model: Any = None, compile: bool | None = None,
+          loss_fn: Any = None) -> Any:
     """Distribute the user's `nn.Module` as `strategy` (a path or a `Strategy`) plans it, on the
-    initialised process group; see `executor/apply.py`. `compile`: each transformer block through
-    torch.compile (default: where the plan's runtime is `compiled`). Returns the module."""
+    initialised process group; see `executor/apply.py`. `compile`: torch.compile (default: where the
+    plan's runtime is `compiled`); `loss_fn(output, target)`: a pipelined plan's loss on its last stage.
+    Returns the module."""
     from executor.apply import apply as _apply
 
-    return _apply(module, strategy, mesh, model=model, compile=compile)
+    return _apply(module, strategy, mesh, model=model, compile=compile, loss_fn=loss_fn)
 
 
 __all__ = ["apply", "export", "export_config", "export_hf_config"]

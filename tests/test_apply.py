@@ -42,6 +42,7 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "zero1": {"mode": "data-parallel", "zero_stage": 1},
                                     "zero2": {"mode": "data-parallel", "zero_stage": 2},
                                     "recompute": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full"},
+                                    "selective": {"mode": "data-parallel", "zero_stage": 0, "recompute": "selective"},
                                     # amp: the loop runs forward and loss under report.autocast() (bf16)
                                     "dp-amp": {"mode": "data-parallel", "zero_stage": 0, "dtype": "amp"},
                                     "tp-amp": {"mode": "semi", "dtype": "amp"},
@@ -172,7 +173,7 @@ def _plan(zoo: Callable[[str], Path], tmp: Path, name: str, kind: str) -> Path:
 CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero3")] + \
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
-    [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")]
+    [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")] + [(m, "selective") for m in ("gpt2-tiny", "llama-tiny")]
 
 
 @pytest.mark.slow
@@ -236,7 +237,10 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
     if kind == "gathered":  # replicated over the axis, as the report says; no collective left to run
         assert [ln for ln in lines if ln.startswith("fallback: 'dp': the plan re-places model.transformer.h.0.mlp")]
         assert executed == {} and styles == []
-    if kind in ("dp", "recompute"):
+    if kind == "selective":  # op-level selective checkpointing on both layers, nothing falling back
+        assert "recomputed: 2 modules (selective: attention's and every other matmul's outputs saved)" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
+    if kind in ("dp", "recompute", "selective"):
         assert executed == {"all_reduce": 1}  # one gradient bucket
     if kind == "recompute":  # both layers recomputed, as planned: checkpoint on each block
         assert "recomputed: 2 modules" in lines, lines

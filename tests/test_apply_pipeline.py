@@ -113,3 +113,64 @@ def test_pipelined_apply_equals_one_process(case: str, zoo: Callable[[str], Path
         assert [ln for ln in lines if ln.startswith("pipeline: 2 stages, ")], lines
         assert ("data parallel: fully_shard over dp_shard" in lines) == (dp > 1), lines  # dp_shard: parameters sharded
     assert seen == set(ref_params)  # every parameter is on some stage
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_example_pipelined_equals_one_rank(tmp_path: Path) -> None:
+    """examples/train_hf.py as a user runs it: `--layout pp=2,dp_shard=2` on 4 ranks, against the same
+    script on 1 rank — the first steps' losses (AdamW between them) equal to 1e-5."""
+    import re
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "train_hf.py"
+    torchrun = Path(sys.executable).parent / "torchrun"
+
+    def losses(n: int, *extra: str) -> list[float]:
+        r = subprocess.run([str(torchrun), "--nproc-per-node", str(n), str(script), "--model", "llama", "--steps", "3",
+                            "--workdir", str(tmp_path / f"w{n}"), *extra], capture_output=True, text=True, timeout=400,
+                           cwd=tmp_path)
+        assert r.returncode == 0, r.stderr[-2000:]
+        return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", r.stdout, re.M)]
+
+    pipelined = losses(4, "--layout", "pp=2,dp_shard=2", "--micro-batch-size", "4")
+    one = losses(1)
+    assert len(one) == len(pipelined) == 3
+    assert max(abs(a - b) for a, b in zip(pipelined, one, strict=True)) < 1e-5, (pipelined, one)
+
+
+def test_a_stage_boundary_inside_a_layer_is_refused(zoo: Callable[[str], Path]) -> None:
+    """A pipelined strategy whose second chunk starts inside a layer (its second node): apply cannot split
+    a module there; one line naming the node and the layer, before any rank builds a stage."""
+    import dataclasses
+
+    from executor.apply import _layer_module, _module_keys
+    from executor.apply_pp import split_points
+    from executor.binding import ApplyError
+    from planner.graph import load_graph
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims={"seq": S}, profile="cpu", devices=2, layout="pp=2",
+                                 global_batch_size=B, micro_batch_size=2))
+    assert s.pipeline is not None
+    graph = load_graph(zoo("llama-tiny"), dict(s.model.dims))
+    module = hf_module(zoo("llama-tiny").with_suffix(".json"))
+    keys = _module_keys(module)
+
+    def find(path: str) -> str | None:
+        found = _layer_module(path, module, keys)
+        return found[0] if found else None
+
+    assert split_points(s, graph, module, find) == ["model.layers.1"]  # the plan's cut: between the two layers
+    stage = s.pipeline.stages[1]
+    (first, last), = stage.chunks
+    order = [n.name for n in graph.compute_nodes]
+    inside = order[order.index(first) + 1]
+    moved = dataclasses.replace(s, pipeline=dataclasses.replace(s.pipeline, stages=(
+        s.pipeline.stages[0], dataclasses.replace(stage, first_node=inside, chunks=((inside, last),)))))
+    with pytest.raises(ApplyError, match=rf"^pipeline chunk 1 starts at node {inside}, inside layer model\.model\.layers\.1 "
+                                         rf"\(its first node is {first}\); apply splits the module only between") as e:
+        split_points(moved, graph, module, find)
+    assert "\n" not in str(e.value)

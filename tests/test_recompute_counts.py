@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,11 +95,75 @@ def test_full_recompute_memory_measured_as_predicted(zoo: Callable[[str], Path],
     # model's prediction, with and without recomputation; and recomputation saves memory.
     model = zoo("gpt2-tiny")
     measured = {}
-    for recompute in ("none", "full"):
+    for recompute in ("none", "selective", "full"):  # (selective: op-level, its saved outputs counted too)
         s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 64}, profile="cpu", devices=2,
                                      layout="dp_replicate=2", recompute=recompute))
         s.save(tmp_path / "s.json")  # (equality with one process under recomputation: the test above)
         r = run(str(tmp_path / "s.json"), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1))
         assert r["measured_memory_bytes"] == pytest.approx(r["predicted_memory_bytes"], rel=0.10), (recompute, r)
         measured[recompute] = r["measured_memory_bytes"]
+    assert measured["full"] < measured["selective"] < measured["none"], measured
     assert measured["full"] < 0.8 * measured["none"]
+
+
+def test_selective_recompute_runs_equal_to_one_process(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model = zoo("llama-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="cpu", devices=2, global_batch_size=8,
+                                 micro_batch_size=2, layout="dp_shard=2", recompute="selective"))
+    assert s.training.recompute == {"model.model.layers": "selective"}
+    run_equals_one_process(s, model, tmp_path, "sgd")
+
+
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+def test_selective_recomputation_saves_the_matmuls_torch_saves(name: str, zoo: Callable[[str], Path]) -> None:
+    """Selective recomputation is priced as `apply` runs it (torch's op-level selective checkpointing,
+    `executor.recompute.selective_contexts`): per layer, attention's output and every other matmul's (the 1st,
+    3rd, …) saved. The cost model counts matmuls on the exported graph, torch on the module's dispatched
+    ops: both must see the same matmuls in the same order (their output widths, counted from torch), so
+    that the same ones are saved."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from core.levers import Recompute
+    from core.mesh import DeviceMesh
+    from costmodel.memory import PRECISIONS
+    from costmodel.step import MATMULS, CostModel
+    from hwprofiles.files import load_profile
+    from planner.graph import load_graph
+    from tests.test_apply import hf_module
+
+    graph = load_graph(zoo(name), {"batch": 2, "seq": 16})
+    cm = CostModel(graph, DeviceMesh(shape=(1,), axis_names=("dp",), devices=(0,)), load_profile("h100-sxm"), PRECISIONS["fp32"],
+                   recompute=Recompute.SELECTIVE)
+    from costmodel.attention import attention_regions
+
+    regions = {n for r in attention_regions(graph).values() for n in r.nodes}
+    group = graph.layers[0]
+    first = set(group.nodes[0])
+    order = [n for n in graph.compute_nodes if n.name in first]
+    planned = [(graph.tensors[n.outputs[0]].shape[-1], n.name in cm.selective_saves) for n in order
+               if n.op_type in MATMULS and n.name not in regions]
+    attention = [n.name for n in order if n.name in regions and n.name in cm.selective_saves]
+    assert len(attention) == 1  # the layer's attention output saved once
+
+    class Matmuls(TorchDispatchMode):  # torch's mm-like ops of one layer's forward, in order
+        def __init__(self) -> None:
+            super().__init__()
+            self.widths: list[int] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if func._overloadpacket.__name__ in ("mm", "addmm", "bmm"):
+                self.widths.append(int(out.shape[-1]))
+            return out
+
+    module = hf_module(zoo(name).with_suffix(".json"))
+    layer = (module.transformer.h if name == "gpt2-tiny" else module.model.layers)[0]
+    seen = Matmuls()
+    hooks = layer.register_forward_pre_hook(lambda *_: [seen.__enter__(), None][1]), \
+        layer.register_forward_hook(lambda *_: [seen.__exit__(None, None, None), None][1])
+    module(input_ids=torch.zeros((2, 16), dtype=torch.long))
+    for h in hooks:
+        h.remove()
+    assert [w for w, _ in planned] == seen.widths, (planned, seen.widths)
+    assert [saved for _, saved in planned] == [i % 2 == 0 for i in range(len(planned))]  # the 1st, 3rd, …

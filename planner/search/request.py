@@ -227,8 +227,8 @@ class PlanRequest:
                 and self.accumulation_steps is None and self.devices > 1)
 
     def recompute_candidates(self, devices_per_node: int = 1) -> list[Recompute]:
-        """Recomputation policies to try, cheapest first (selective is priced as none: attention runs
-        fused, its scores recomputed in backward, whatever the policy). Under auto the ILP decides how
+        """Recomputation policies to try, cheapest first (selective — op-level, `costmodel/step.py` — only
+        when asked for). Under auto the ILP decides how
         many layers of each group to recompute ("auto"); without an ILP, none and then full (also where
         pipelines are searched on several nodes: their candidates and the plans without them are many, and the counted
         recomputation's ILP takes tens of seconds on meshes of hundreds of devices; and for the planner's
