@@ -207,8 +207,10 @@ class CostModel:
             act += loss.saved_bytes + loss.workspace_bytes  # (its workspace shown apart: `price_items`)
         if node.name in self.layer_of:  # recomputed: keeps the layer inputs it reads first
             kept = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in self.layer_inputs.get(node.name, ()))
-            if node.name in self.selective_saves:  # and what selective recomputation saves
-                return NodeCost(compute=compute, activation_bytes=kept + act, loss=loss)
+            if node.name in self.selective_saves:  # and what selective recomputation saves: the op's output, whole,
+                # whatever its consumers' backward reads (an attention's: not its materialised probabilities)
+                out = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs)
+                return NodeCost(compute=compute, activation_bytes=kept + out, loss=loss)
             if node.name in self.selective_inside:  # inside the attention saved whole: nothing of its own
                 return NodeCost(compute=compute, activation_bytes=kept, loss=loss)
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,

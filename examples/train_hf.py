@@ -56,7 +56,7 @@ def main() -> None:
     ap.add_argument("--pin", action="append", default=[], help="TENSOR=PLACEMENTS, as for meshplan plan")
     ap.add_argument("--dtype", help="the plan's precision: amp (autocast bf16), mixed (FSDP2's bf16 policy), fp32, …")
     ap.add_argument("--runtime", choices=("eager", "compiled"), default="eager",
-                    help="compiled: plan for torch.compile's fused kernels and compile each transformer block")
+                    help="compiled: plan for torch.compile's fused kernels, and compile the module")
     ap.add_argument("--workdir", default="meshplan-train-hf")
     args = ap.parse_args()
 

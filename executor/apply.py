@@ -94,6 +94,7 @@ class ApplyReport:
     device: str = "cpu"  # the mesh's device type
     compiled: list[str] = field(default_factory=list)  # module FQNs compiled (torch.compile, Inductor)
     pipeline: Any = None  # a pipelined plan's `apply_pp.PipelineRun`: this rank's chunks and the schedule
+    strategy: Strategy | None = None  # the plan applied (its names and shapes: checkpoints)
     runtime: str = "eager"  # the plan's runtime (what it priced)
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
@@ -148,7 +149,8 @@ class ApplyReport:
             run = self.pipeline
             out.append(f"pipeline: {run.stages} stages, {run.chunks_total} model chunks, {run.schedule_name}, "
                        f"{self.micro_batches} micro-batches; this rank runs chunks {run.indices} (call "
-                       "report.pipeline.step(inputs, target=labels) for a step, optimize report.pipeline.parameters())")
+                       "report.pipeline.step(inputs, target=labels) for a step, optimize report.pipeline.parameters(); "
+                       "the module's own parameters are not the chunks' — save with meshplan.save_checkpoint)")
         elif self.micro_batches > 1:
             out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last"
                        + (" (call report.micro_batch(module, i) before each)" if self.zero_stage else ""))
@@ -201,7 +203,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          f"this run has {dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
                          f"{dist.get_world_size()} devices")
     if s.pipeline is not None:
-        return _apply_pipelined(s, graph, module, mesh, loss_fn)
+        return _apply_pipelined(s, graph, module, mesh, loss_fn, compile)
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=tuple(s.mesh.axis_names))
@@ -230,7 +232,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
-                         device=mesh.device_type, runtime=s.settings.runtime.value)
+                         device=mesh.device_type, runtime=s.settings.runtime.value, strategy=s)
     _recompute(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
@@ -253,7 +255,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
 
 
 def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh | None,
-                     loss_fn: Callable[..., torch.Tensor] | None) -> nn.Module:
+                     loss_fn: Callable[..., torch.Tensor] | None, compile: bool | None) -> nn.Module:
     """A pipelined plan (`executor/apply_pp.py`): the module split into the plan's chunks, this rank's run
     by the plan's schedule (`report.pipeline`), each chunk data-parallel over its stage's mesh."""
     from executor import apply_pp
@@ -272,13 +274,25 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
     if [i for i in big if i not in dp_axes] or len(big) > 1:
         raise ApplyError(f"apply runs a pipeline's stages over one data-parallel axis; this plan's stage mesh {list(shape)} "
                          f"{list(names)} has more (plan with `layout` pp={p},dp_shard=N, or run it with `meshplan run`)")
+    if big and not any(isinstance(planned_spec(s, b.onnx).placements[big[0]], mp.Shard) for b in bindings) \
+            and not s.training.zero_stage:
+        # DDP's reducer under a pipeline schedule reduces at the first micro-batch's backward and misses the rest
+        # (torch's PipelineStage runs no_sync for DistributedDataParallel and fully_shard, not the composable one)
+        raise ApplyError(f"apply runs a pipeline's stages data-parallel with fully_shard; this plan keeps every parameter "
+                         f"whole over '{names[big[0]]}' (DDP) — plan with `layout` pp={p},dp_shard={shape[big[0]]}, or run "
+                         "it with `meshplan run`")
     report = ApplyReport(data_parallel="", dp_axis=names[big[0]] if big else None, tp_axis=None,
                          micro_batches=s.training.micro_batches, planned_step_s=s.cost.step_time_s, bindings=bindings,
-                         precision=s.settings.dtype, device=mesh.device_type, runtime=s.settings.runtime.value)
+                         precision=s.settings.dtype, device=mesh.device_type, runtime=s.settings.runtime.value,
+                         strategy=s)
     if s.training.recompute:
         report.fallbacks.append("pipeline: the plan's recomputation is not applied to traced chunks; activations kept")
-    if s.settings.runtime is Runtime.COMPILED:
-        report.fallbacks.append("pipeline: the traced chunks run eager where the plan prices them compiled")
+    if compile or (compile is None and s.settings.runtime is Runtime.COMPILED):
+        report.fallbacks.append("pipeline: the traced chunks run eager (compile is not applied to them)")
+    if s.settings.dtype in ("bf16", "fp16") or (s.settings.dtype == "mixed" and not big):
+        report.fallbacks.append(f"pipeline: {s.settings.dtype}: no precision policy on the chunks (mixed gets "
+                                "fully_shard's MixedPrecisionPolicy only over a data-parallel axis); they train in "
+                                "the module's dtype")
     keys = _module_keys(module)
     splits = apply_pp.split_points(s, graph, module, lambda path: (_layer_module(path, module, keys) or (None,))[0])
     dims = dict(s.model.dims)
@@ -294,6 +308,8 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
 
     run = apply_pp.build(s, graph, module, mesh, splits, example, loss_fn or apply_pp.cross_entropy, parallelize)
     report.pipeline = run
+    report.fallbacks = list(dict.fromkeys(report.fallbacks))  # (each chunk's data parallelism said it once)
+    report.expected = {}  # (per chunk and micro-batch under the schedule: not counted here)
     module.meshplan_report = report  # type: ignore[assignment]
     return module
 
@@ -468,6 +484,10 @@ def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
     the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
     layer instead (torchtitan's way): the recomputed layers' checkpoint hooks need the layer's boundary,
     which a whole-module graph removes; the embedding, head and loss then run eager, which the report says."""
+    if report.recompute == "selective":  # Inductor's kernels write into the outputs selective checkpointing saved
+        report.fallbacks.append("compile: not applied under selective recomputation (Inductor's kernels write into "
+                                "the tensors it saves); the module runs eager where the plan prices it compiled")
+        return
     if not report.recomputed:
         module.compile()
         report.compiled.append("(the whole module)")

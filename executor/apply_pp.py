@@ -92,7 +92,8 @@ class PipelineRun:
                       if self.aliases.get(n) == weight}.values()
             grads = [_local(p.grad) for p in copies if p.grad is not None]
             total = torch.stack(grads).sum(0) if grads else torch.zeros_like(_local(next(iter(copies)).data))
-            dist.all_reduce(total, group=group)
+            if group is not None:
+                dist.all_reduce(total, group=group)
             for p in copies:
                 if p.grad is None:
                     p.grad = _like(p, total.clone())
@@ -219,16 +220,16 @@ def _leaves(args: Any) -> list[fx.Node]:
 
 def shared_weights(module: nn.Module, chunks: list[fx.GraphModule], p: int) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Every parameter name → its weight's first name in the module (tied names → one), and each weight
-    held by chunks on more than one stage → those stages."""
+    held by more than one chunk → the stages holding it (one, where an interleaved stage holds two)."""
     first: dict[int, str] = {}
     aliases: dict[str, str] = {}
     for n, prm in module.named_parameters(remove_duplicate=False):
         aliases[n] = first.setdefault(id(prm), n)
-    stages: dict[str, set[int]] = {}
+    held: dict[str, set[int]] = {}
     for c, chunk in enumerate(chunks):
         for n, _ in chunk.named_parameters(remove_duplicate=False):
-            stages.setdefault(aliases.get(n, n), set()).add(c % p)
-    return aliases, {w: sorted(st) for w, st in sorted(stages.items()) if len(st) > 1}
+            held.setdefault(aliases.get(n, n), set()).add(c)
+    return aliases, {w: sorted({c % p for c in cs}) for w, cs in sorted(held.items()) if len(cs) > 1}
 
 
 def build(s: Strategy, graph: OpGraph, module: nn.Module, world: DeviceMesh, splits: list[str],
@@ -253,9 +254,9 @@ def build(s: Strategy, graph: OpGraph, module: nn.Module, world: DeviceMesh, spl
     ties = {}
     for w, holders in shared.items():  # every rank creates every group, in the same order
         for j in range(n):
-            group = dist.new_group([s.pipeline.stages[st].devices[j] for st in holders])
+            group = dist.new_group([s.pipeline.stages[st].devices[j] for st in holders]) if len(holders) > 1 else None
             if j == place and stage in holders:
-                ties[w] = group
+                ties[w] = group  # (None: this stage holds every copy, summed here)
     device = torch.device(world.device_type, torch.cuda.current_device()) if world.device_type == "cuda" \
         else torch.device("cpu")
     pp_group = world.get_group("pp")

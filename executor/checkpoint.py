@@ -282,6 +282,11 @@ def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, str
     if not isinstance(optim, torch.optim.AdamW):
         raise CheckpointError("`save`: checkpoints hold AdamW's states; run with `optimizer` adamw")
     dcp.save(_state(runner, optim, saving=True), checkpoint_id=str(path), planner=_save_planner())
+    write_meta(path, strategy, steps, _folded(runner))
+
+
+def write_meta(path: str | Path, strategy: Strategy, steps: int, folded: dict[str, dict[str, Any]] | None = None) -> None:
+    """meshplan's record beside DCP's files (rank 0 writes it; every rank waits for it)."""
     if dist.get_rank() == 0:
         (Path(path) / META).write_text(json.dumps({
             "model_name": strategy.model.name, "model_fingerprint": strategy.model.fingerprint,
@@ -291,7 +296,7 @@ def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, str
             "parameters": sorted(_params(strategy)), "parameter_shapes": _params(strategy),
             # A parameter the exporter folded at static shapes (a position table sliced to the traced
             # positions) is saved as the rows it is: which module parameter they are, by torch's name.
-            **({"folded": folded} if (folded := _folded(runner)) else {})}, indent=1) + "\n")
+            **({"folded": folded} if folded else {})}, indent=1) + "\n")
     dist.barrier()
 
 

@@ -136,13 +136,6 @@ class RecomputeWatch(TorchDispatchMode):
         self.meter = meter
         self.made: dict[int, tuple[StorageWeakRef, int]] = {}
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        """torch.compile compiles under this mode (otherwise Dynamo runs every frame eager while a mode is
-        on); it counts the collectives outside compiled code (FSDP2's, DDP's), not those traced into a
-        compiled graph."""
-        return True
-
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if any(t is DTensor for t in types):
             return NotImplemented  # DTensor first turns itself into local ops and collectives

@@ -312,7 +312,7 @@ class SpmdRunner:
                 run(i, i + 1)
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
-                # (selectively: attention's, every other matmul's and the collectives' outputs saved)
+                # (selectively: attention's and every other matmul's outputs saved, the rest run again)
                 contexts = functools.partial(self._recompute_contexts, i in self._selective)
                 with set_checkpoint_early_stop(False):  # as planned: the whole layer, not up to its last saved tensor
                     checkpoint(segment, i, stop, use_reentrant=False, context_fn=contexts)

@@ -23,4 +23,20 @@ def apply(module: Any, strategy: Any, mesh: Any = None, *, model: Any = None, co
     return _apply(module, strategy, mesh, model=model, compile=compile, loss_fn=loss_fn)
 
 
-__all__ = ["apply", "export", "export_config", "export_hf_config"]
+def save_checkpoint(path: Any, module: Any, optim: Any, steps: int) -> None:
+    """Every rank: a module trained under `apply` saved in `meshplan run`'s sharded format (the graph's
+    names); it loads under another plan, on the module or in `run`. See `executor/apply_checkpoint.py`."""
+    from executor.apply_checkpoint import save_checkpoint as _save
+
+    _save(path, module, optim, steps)
+
+
+def load_checkpoint(path: Any, module: Any, optim: Any = None) -> int:
+    """Every rank, after `apply`: the module's parameters (and AdamW's states) from a checkpoint of this
+    model saved under any plan, by `save_checkpoint` or `run`; returns its optimizer steps."""
+    from executor.apply_checkpoint import load_checkpoint as _load
+
+    return _load(path, module, optim)
+
+
+__all__ = ["apply", "export", "export_config", "export_hf_config", "load_checkpoint", "save_checkpoint"]

@@ -106,6 +106,23 @@ def test_full_recompute_memory_measured_as_predicted(zoo: Callable[[str], Path],
     assert measured["full"] < 0.8 * measured["none"]
 
 
+def test_selective_recompute_memory_measured_as_predicted_on_llama(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    # Llama's q projection feeds the rotary embedding and its down projection the residual add, whose
+    # backward reads neither: selective checkpointing holds them all the same (priced whole, not as saved;
+    # priced as autograd saves them, the prediction was under by more). Measured 6.32 MB against 7.18 MB
+    # predicted (2026-11-27): over by 12%, where full recomputation on the same model is over by 8.8%
+    # (5.51 against 6.04 MB; none: 9.21 against 8.99) — not traced yet, so 15% here, not GPT-2's 10%.
+    from executor.launch import run
+    from executor.preflight import RunOptions
+
+    model = zoo("llama-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 64}, profile="cpu", devices=2,
+                                 layout="dp_replicate=2", recompute="selective"))
+    s.save(tmp_path / "s.json")
+    r = run(str(tmp_path / "s.json"), str(model), nproc=2, timeout_s=240, opts=RunOptions(steps=1, warmup=1))
+    assert r["measured_memory_bytes"] == pytest.approx(r["predicted_memory_bytes"], rel=0.15), r
+
+
 def test_selective_recompute_runs_equal_to_one_process(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     model = zoo("llama-tiny")
     s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="cpu", devices=2, global_batch_size=8,

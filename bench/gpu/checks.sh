@@ -5,7 +5,7 @@
 # the native steps of bench/gpu/configs in amp the same hour. Everything it prints and writes lands
 # in $OUT (profile, its measurements, logs). CALIBRATE=0: the committed preset h100-sxm-calibrated;
 # DTYPES: the precisions run and trained (default "amp mixed"); RUN=0: no `meshplan run`; RUNTIMES: the
-# runtimes train_hf.py plans and trains in (default "eager"; "compiled": each block through torch.compile,
+# runtimes train_hf.py plans and trains in (default "eager"; "compiled": the module through torch.compile,
 # issue 34); NATIVE=0: no native steps; VOCAB=1: whole steps at vocab 32000 and 32001
 # (configs/runs-vocab.json); OFFLOAD=1: the host link, AdamW on the host and FSDP2's CPU offload
 # (measure_offload.py, issue 35).
