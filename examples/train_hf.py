@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,9 @@ TINY = {
 }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", choices=sorted(TINY), default="gpt2", help="a tiny config of this family")
-    ap.add_argument("--config", help="a transformers config.json instead")
+def parser(description: str, workdir: str) -> argparse.ArgumentParser:
+    """The flags every example here takes: the batch, the plan's levers, where to write."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--batch", type=int, default=32, help="sequences per step (all ranks together)")
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
@@ -57,14 +57,16 @@ def main() -> None:
     ap.add_argument("--dtype", help="the plan's precision: amp (autocast bf16), mixed (FSDP2's bf16 policy), fp32, …")
     ap.add_argument("--runtime", choices=("eager", "compiled"), default="eager",
                     help="compiled: plan for torch.compile's fused kernels, and compile the module")
-    ap.add_argument("--workdir", default="meshplan-train-hf")
-    args = ap.parse_args()
+    ap.add_argument("--workdir", default=workdir)
+    return ap
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0], "meshplan-train-hf")
+    ap.add_argument("--model", choices=sorted(TINY), default="gpt2", help="a tiny config of this family")
+    ap.add_argument("--config", help="a transformers config.json instead")
+    args = ap.parse_args()
+    rank, world, device = start()
     work = Path(args.workdir).resolve()
     config_path = Path(args.config).resolve() if args.config else work / "config.json"
     onnx_path, strategy_path = work / "model.onnx", work / "strategy.json"
@@ -73,19 +75,42 @@ def main() -> None:
         if not args.config:
             config_path.write_text(json.dumps(TINY[args.model]))
         _meshplan("export", "--hf-config", str(config_path), "-o", str(onnx_path))
-        pipelined = bool(args.layout) and "pp=" in args.layout  # micro-batches of the global batch
-        plan = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"seq={args.seq}", "--profile", args.profile,
-                "-o", str(strategy_path)]
-        plan += ["--global-batch-size", str(args.batch)] if pipelined else ["--dim", f"batch={args.batch}"]
-        plan += ["--micro-batch-size", str(args.micro_batch_size)] if pipelined and args.micro_batch_size else []
-        plan += ["--layout", args.layout] if args.layout else []
-        plan += ["--dtype", args.dtype] if args.dtype else []
-        plan += ["--runtime", args.runtime] if args.runtime != "eager" else []
-        plan += [a for p in args.pin for a in ("--pin", p)]
-        print(_meshplan(*plan), flush=True)
+        plan(args, onnx_path, strategy_path, world)
     dist.barrier()
+    model = _build(config_path).to(device)
+    train(model, strategy_path, args, lambda m, ids: m(input_ids=ids, labels=ids).loss, model.config.vocab_size)
 
-    model = _build(config_path).to("cuda" if cuda else "cpu")
+
+def start() -> tuple[int, int, str]:
+    """torchrun's process group: nccl and one GPU per rank where CUDA is visible, gloo otherwise."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size(), "cuda" if cuda else "cpu"
+
+
+def plan(args: argparse.Namespace, onnx_path: Path, strategy_path: Path, world: int) -> None:
+    """`meshplan plan` of the exported model on this run's ranks, with the flags' levers."""
+    pipelined = bool(args.layout) and "pp=" in args.layout  # micro-batches of the global batch
+    argv = ["plan", str(onnx_path), "--devices", str(world), "--dim", f"seq={args.seq}", "--profile", args.profile,
+            "-o", str(strategy_path)]
+    argv += ["--global-batch-size", str(args.batch)] if pipelined else ["--dim", f"batch={args.batch}"]
+    argv += ["--micro-batch-size", str(args.micro_batch_size)] if pipelined and args.micro_batch_size else []
+    argv += ["--layout", args.layout] if args.layout else []
+    argv += ["--dtype", args.dtype] if args.dtype else []
+    argv += ["--runtime", args.runtime] if args.runtime != "eager" else []
+    argv += [a for p in args.pin for a in ("--pin", p)]
+    print(_meshplan(*argv), flush=True)
+
+
+def train(model: Any, strategy_path: Path, args: argparse.Namespace, loss_of: Callable[[Any, torch.Tensor], torch.Tensor],
+          vocab: int) -> None:
+    """The plan applied to `model` (every rank, the same weights) and `args.steps` AdamW steps on random
+    tokens, each rank its data-parallel rows; `loss_of(model, ids)`: the next-token loss, where the plan
+    has no pipeline (a pipeline's last stage computes `next_token_loss` on the logits)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cuda = torch.cuda.is_available()
     # torch.compile where the plan's runtime is compiled; a pipelined plan's loss on its last stage
     meshplan.apply(model, str(strategy_path), loss_fn=next_token_loss)
     report = model.meshplan_report
@@ -97,7 +122,6 @@ def main() -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
-    vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
@@ -110,7 +134,7 @@ def main() -> None:
             if run:  # forward and backward of every micro-batch, by the plan's schedule
                 loss = run.step(ids, target=ids)
             else:
-                loss = model(input_ids=ids, labels=ids).loss
+                loss = loss_of(model, ids)
                 loss.backward()
         optim.step()
         optim.zero_grad(set_to_none=True)

@@ -90,6 +90,22 @@ def _loss(module: Any, ids: Any, labels: Any) -> Any:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def applied(rank: int, port: int, world: int, strategy: str, zoo_json: str) -> Any:
+    """In a rank's process: the gloo group joined, the zoo's transformers module built and the plan
+    applied to it."""
+    import torch
+    import torch.distributed as dist
+
+    import meshplan
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    module = hf_module(Path(zoo_json))
+    meshplan.apply(module, strategy)
+    return module
+
+
 def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: int = 2) -> None:
     import torch
     import torch.distributed as dist
@@ -177,8 +193,13 @@ CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero
     [("gpt2-tiny", "selective-compiled")]
 
 
+# Heavier variants a lighter case covers (the same path on the other model, or compiled): `make check`.
+EXTENDED = {("gpt2-tiny", "recompute-compiled"), ("gpt2-tiny", "selective"), ("gpt2-tiny", "selective-compiled")}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "kind"), CASES, ids=[f"{m}-{k}" for m, k in CASES])
+@pytest.mark.parametrize(("name", "kind"), [pytest.param(m, k, marks=pytest.mark.extended) if (m, k) in EXTENDED
+                                            else (m, k) for m, k in CASES], ids=[f"{m}-{k}" for m, k in CASES])
 def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
     import torch
 

@@ -7,7 +7,6 @@ parameter equal to what `run` wrote (read back apart, by DCP's own converter).""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 
 from core.errors import MeshplanError
-from tests.test_apply import _data, _loss, _plan, hf_module
+from tests.test_apply import _data, _loss, _plan, applied, hf_module
 
 LR = 1e-3  # (AdamW moves a near-zero gradient by about lr whatever its rounding: 1e-2 puts that past 1e-5)
 
@@ -27,12 +26,8 @@ def worker(rank: int, port: int, phase: str, strategy: str, zoo_json: str, ck: s
 
     import meshplan
 
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        module = hf_module(Path(zoo_json))
-        meshplan.apply(module, strategy)
+        module = applied(rank, port, world, strategy, zoo_json)
         report = module.meshplan_report
         optim = torch.optim.AdamW(module.parameters(), lr=LR)
         ids, labels = _data(module.config.vocab_size)
@@ -88,17 +83,14 @@ def _ranks(phase: str, strategy: Path, zoo_json: Path, ck: Path) -> Any:
     return got[0]
 
 
-CASES = [("zero3", "dp"), ("tp", "zero3")]
+CASES = [("zero3", "dp"), pytest.param("tp", "zero3", marks=pytest.mark.extended)]  # (the second: `make check`)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("a", "b"), CASES, ids=[f"{a}-to-{b}" for a, b in CASES])
+@pytest.mark.parametrize(("a", "b"), CASES, ids=["zero3-to-dp", "tp-to-zero3"])
 def test_module_checkpoint_continues_under_another_plan(a: str, b: str, zoo: Callable[[str], Path],
                                                        tmp_path: Path) -> None:
     import torch
-
-    from executor.launch import run
-    from executor.preflight import RunOptions
 
     zoo_json = zoo("gpt2-tiny").with_suffix(".json")
     pa, pb = _plan(zoo, tmp_path, "gpt2-tiny", a), _plan(zoo, tmp_path, "gpt2-tiny", b)
@@ -117,12 +109,24 @@ def test_module_checkpoint_continues_under_another_plan(a: str, b: str, zoo: Cal
     assert abs(loss - float(ref_loss)) < 1e-5, (loss, float(ref_loss))
     for n, p in ref.named_parameters():
         assert float(abs(params[n] - p.detach().numpy()).max()) < 1e-5, n
-    # The module's checkpoint in `meshplan run`: it loads and continues from its third step.
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_module_checkpoint_loads_into_run(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """The module's checkpoint in `meshplan run`: it loads and continues from its third step."""
+    from executor.launch import run
+    from executor.preflight import RunOptions
+
+    pa, pb = _plan(zoo, tmp_path, "gpt2-tiny", "zero3"), _plan(zoo, tmp_path, "gpt2-tiny", "dp")
+    ck = tmp_path / "ck"
+    _ranks("save", pa, zoo("gpt2-tiny").with_suffix(".json"), ck)
     r = run(str(pb), str(zoo("gpt2-tiny")), nproc=2, opts=RunOptions(steps=1, warmup=0, load=str(ck)), timeout_s=240)
     assert r["optimizer_steps_before"] == 2, r
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 def test_run_checkpoint_loads_into_the_module(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save

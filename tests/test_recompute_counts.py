@@ -106,6 +106,7 @@ def test_full_recompute_memory_measured_as_predicted(zoo: Callable[[str], Path],
     assert measured["full"] < 0.8 * measured["none"]
 
 
+@pytest.mark.extended  # (GPT-2's selective memory: the test above)
 def test_selective_recompute_memory_measured_as_predicted_on_llama(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # Llama's q projection feeds the rotary embedding and its down projection the residual add, whose
     # backward reads neither: selective checkpointing holds them all the same (priced whole, not as saved;
