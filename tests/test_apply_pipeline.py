@@ -64,8 +64,8 @@ CASES = {  # name: (model, layout, schedule, ranks, data-parallel degree, ZeRO s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c == "llama-pp2-interleaved" else c
-                                  for c in sorted(CASES)])  # (GPT-2's interleaved case has the skips and the ties)
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.extended) if c.endswith("interleaved") else c
+                                  for c in sorted(CASES)])  # (interleaved: `make check`)
 def test_pipelined_apply_equals_one_process(case: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
     import torch
 
@@ -188,6 +188,7 @@ def _refusing_worker(rank: int, port: int, strategy: str, zoo_json: str, out: An
     dist.destroy_process_group()
 
 
+@pytest.mark.extended
 def test_pipeline_over_replicated_data_parallelism_is_refused(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     """pp=2 × dp_replicate=2 (DDP inside the stages): torch's PipelineStage does not hold the composable
     DDP's reduction to the last micro-batch (it reduced only the first's gradients), so apply refuses it

@@ -124,6 +124,7 @@ def test_selective_recompute_memory_measured_as_predicted_on_llama(zoo: Callable
     assert r["measured_memory_bytes"] == pytest.approx(r["predicted_memory_bytes"], rel=0.15), r
 
 
+@pytest.mark.extended  # (the memory test above runs selective on `run`; apply's cases check the numbers)
 def test_selective_recompute_runs_equal_to_one_process(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     model = zoo("llama-tiny")
     s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="cpu", devices=2, global_batch_size=8,
@@ -132,7 +133,7 @@ def test_selective_recompute_runs_equal_to_one_process(zoo: Callable[[str], Path
     run_equals_one_process(s, model, tmp_path, "sgd")
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", [pytest.param("gpt2-tiny", marks=pytest.mark.extended), "llama-tiny"])
 def test_selective_recomputation_saves_the_matmuls_torch_saves(name: str, zoo: Callable[[str], Path]) -> None:
     """Selective recomputation is priced as `apply` runs it (torch's op-level selective checkpointing,
     `executor.recompute.selective_contexts`): per layer, attention's output and every other matmul's (the 1st,
