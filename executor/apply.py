@@ -35,7 +35,7 @@ exporter's names. `apply`:
 6. **Compile** (opt-in: `compile=True`, or a plan whose runtime is `compiled`): `nn.Module.compile`
    (Inductor) in place, after tensor parallelism and before data parallelism (torchtitan's order);
    names unchanged. The whole module, as the compiled runtime is priced; each layer alone where the
-   plan recomputes layers (see `_compile`).
+   plan recomputes layers (`executor/apply_layers.py`).
 
 Nothing of this leaks into the module's names: `state_dict()` keys are the user's own (the composable
 APIs keep FQNs; DDP's wrapper would add "module."). The report (`ApplyReport`) is on the module as
@@ -64,10 +64,16 @@ from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput,
 from core import placement as mp
 from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
-from core.levers import Recompute, Runtime
+from core.levers import Runtime
+from executor.apply_layers import (
+    compile_module,
+    inductor_missing,
+    layer_module,
+    module_keys,
+    recompute_layers,
+)
 from executor.apply_tp import module_boundaries, planned_spec, source_parameter
-from executor.binding import ApplyError, Binding, best_match, bind_parameters, name_key
-from executor.recompute import selective_contexts
+from executor.binding import ApplyError, Binding, bind_parameters
 from planner.graph import load_graph
 from planner.strategy import Strategy, load_strategy
 
@@ -216,7 +222,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     if compile is None:
         compile = s.settings.runtime is Runtime.COMPILED
     if compile:
-        missing = _inductor_missing(mesh.device_type)
+        missing = inductor_missing(mesh.device_type)
         if missing:
             raise ApplyError(f"compile: {missing}; apply without compile=True (and plan with `runtime` eager)")
     bindings = bind_parameters(s, graph, module)
@@ -233,11 +239,11 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
                          device=mesh.device_type, runtime=s.settings.runtime.value, strategy=s)
-    _recompute(s, graph, module, report)
+    recompute_layers(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if compile:
-        _compile(graph, module, report)
+        compile_module(graph, module, report)
     elif s.settings.runtime is Runtime.COMPILED:
         report.fallbacks.append("runtime: the plan prices torch.compile's fused kernels, the module runs eager "
                                 "(apply with compile=True, or plan with `runtime` eager)")
@@ -293,8 +299,8 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
         report.fallbacks.append(f"pipeline: {s.settings.dtype}: no precision policy on the chunks (mixed gets "
                                 "fully_shard's MixedPrecisionPolicy only over a data-parallel axis); they train in "
                                 "the module's dtype")
-    keys = _module_keys(module)
-    splits = apply_pp.split_points(s, graph, module, lambda path: (_layer_module(path, module, keys) or (None,))[0])
+    keys = module_keys(module)
+    splits = apply_pp.split_points(s, graph, module, lambda path: (layer_module(path, module, keys) or (None,))[0])
     dims = dict(s.model.dims)
     rows = dims.get("batch", 1) // (shape[big[0]] if big else 1)  # the graph's batch: one micro-batch's, all ranks'
     example = torch.zeros((rows, dims.get("seq", 1)), dtype=torch.long, device=mesh.device_type)
@@ -438,88 +444,3 @@ def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after
         else MixedPrecisionPolicy()
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     report.mixed_policy = mixed
-
-
-def _layer_module(graph_path: str, module: nn.Module, keys: dict[str, str]) -> tuple[str, nn.Module] | None:
-    """The module FQN and module a graph layer (`prefix.i`) stands for, by the exporter's names; None where
-    the module has none."""
-    fqn = best_match(name_key(graph_path), keys)
-    return None if fqn is None else (fqn, module.get_submodule(fqn))
-
-
-def _module_keys(module: nn.Module) -> dict[str, str]:
-    return {fqn: name_key(fqn) for fqn, _ in module.named_modules() if fqn}
-
-
-def _recompute(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
-    """The plan's recomputed layers, each wrapped with the composable checkpoint: full (the layer's
-    forward again from its input), or selective (op-level, `executor/recompute.py`)."""
-    if not s.training.recompute:
-        return
-    from torch.distributed._composable import checkpoint
-
-    keys = _module_keys(module)
-    for group in graph.layers:
-        policy = s.training.recompute.get(group.prefix)
-        if policy is None:
-            continue
-        selective = policy == Recompute.SELECTIVE
-        count = group.num_layers if selective else s.training.recomputed_layers(group.prefix, group.num_layers)
-        for i in group.indices[:count]:
-            path = f"{group.prefix}.{i}"
-            found = _layer_module(path, module, keys)
-            if found is None:
-                report.fallbacks.append(f"recomputed layer {path} has no module here: not recomputed")
-                continue
-            checkpoint(found[1], **({"context_fn": selective_contexts} if selective else {}))
-            report.recomputed.append(found[0])
-        report.recompute = str(policy)
-
-
-
-
-def _compile(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
-    """torch.compile in place (`nn.Module.compile`: names and hooks kept): the whole module, as a user's
-    `torch.compile(model)` and as the plan's compiled runtime prices it (every chain between matmuls fused,
-    the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
-    layer instead (torchtitan's way): the recomputed layers' checkpoint hooks need the layer's boundary,
-    which a whole-module graph removes; the embedding, head and loss then run eager, which the report says."""
-    if report.recompute == "selective":  # Inductor's kernels write into the outputs selective checkpointing saved
-        report.fallbacks.append("compile: not applied under selective recomputation (Inductor's kernels write into "
-                                "the tensors it saves); the module runs eager where the plan prices it compiled")
-        return
-    if not report.recomputed:
-        module.compile()
-        report.compiled.append("(the whole module)")
-        return
-    keys = _module_keys(module)
-    for group in graph.layers:
-        for i in group.indices:
-            found = _layer_module(f"{group.prefix}.{i}", module, keys)
-            if found is None:
-                report.fallbacks.append(f"compile: layer {group.prefix}.{i} has no module here: it runs eager")
-                continue
-            found[1].compile()
-            report.compiled.append(found[0])
-    report.fallbacks.append("compile: per layer, the plan recomputing layers; what is outside them (embedding, head, "
-                            "loss) runs eager where the plan prices it compiled")
-
-
-def _inductor_missing(device_type: str) -> str:
-    """Why torch.compile's Inductor cannot build kernels for `device_type` here; "" where it can."""
-    try:
-        import torch._inductor.config  # noqa: F401
-    except Exception as e:  # a torch built without it
-        return f"this torch has no Inductor ({type(e).__name__}: {e})"
-    if device_type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return "" if has_triton() else "Inductor needs triton for CUDA kernels and it is not installed (pip install triton)"
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
-
-        get_cpp_compiler()
-    except Exception as e:
-        return f"Inductor needs a C++ compiler for CPU kernels and finds none ({type(e).__name__}); install g++ or set CXX"
-    return ""
-

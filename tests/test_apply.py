@@ -195,7 +195,7 @@ CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero
 
 # Heavier variants a lighter case covers (the same path on the other model, or compiled): `make check`.
 EXTENDED = {("gpt2-tiny", "recompute-compiled"), ("gpt2-tiny", "selective"), ("gpt2-tiny", "selective-compiled"),
-            ("llama-tiny", "zero3-compiled")}
+            ("llama-tiny", "zero3-compiled"), ("llama-tiny", "selective")}
 
 
 @pytest.mark.slow

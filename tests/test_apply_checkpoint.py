@@ -83,7 +83,8 @@ def _ranks(phase: str, strategy: Path, zoo_json: Path, ck: Path) -> Any:
     return got[0]
 
 
-CASES = [("zero3", "dp"), pytest.param("tp", "zero3", marks=pytest.mark.extended)]  # (the second: `make check`)
+CASES = [pytest.param("zero3", "dp", marks=pytest.mark.extended),  # (`make check`: the checkpoints' tests are
+         pytest.param("tp", "zero3", marks=pytest.mark.extended)]   # multi-phase, a minute each on 2 cores)
 
 
 @pytest.mark.slow

@@ -140,7 +140,7 @@ def test_a_stage_boundary_inside_a_layer_is_refused(zoo: Callable[[str], Path]) 
     a module there; one line naming the node and the layer, before any rank builds a stage."""
     import dataclasses
 
-    from executor.apply import _layer_module, _module_keys
+    from executor.apply_layers import layer_module, module_keys
     from executor.apply_pp import split_points
     from executor.binding import ApplyError
     from planner.graph import load_graph
@@ -152,10 +152,10 @@ def test_a_stage_boundary_inside_a_layer_is_refused(zoo: Callable[[str], Path]) 
     assert s.pipeline is not None
     graph = load_graph(zoo("llama-tiny"), dict(s.model.dims))
     module = hf_module(zoo("llama-tiny").with_suffix(".json"))
-    keys = _module_keys(module)
+    keys = module_keys(module)
 
     def find(path: str) -> str | None:
-        found = _layer_module(path, module, keys)
+        found = layer_module(path, module, keys)
         return found[0] if found else None
 
     assert split_points(s, graph, module, find) == ["model.layers.1"]  # the plan's cut: between the two layers

@@ -1,0 +1,104 @@
+"""`meshplan.apply`'s per-layer work on the module: the graph's repeated layers found among the module's
+submodules (by the exporter's names), wrapped with the plan's recomputation (full, or op-level
+selective: `executor/recompute.py`), and torch.compile (the whole module, or per layer where layers are
+recomputed)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from core.graph import OpGraph
+from core.levers import Recompute
+from executor.binding import best_match, name_key
+from executor.recompute import selective_contexts
+from planner.strategy import Strategy
+
+if TYPE_CHECKING:
+    from executor.apply import ApplyReport
+
+
+def layer_module(graph_path: str, module: nn.Module, keys: dict[str, str]) -> tuple[str, nn.Module] | None:
+    """The module FQN and module a graph layer (`prefix.i`) stands for, by the exporter's names; None where
+    the module has none."""
+    fqn = best_match(name_key(graph_path), keys)
+    return None if fqn is None else (fqn, module.get_submodule(fqn))
+
+
+def module_keys(module: nn.Module) -> dict[str, str]:
+    return {fqn: name_key(fqn) for fqn, _ in module.named_modules() if fqn}
+
+
+def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+    """The plan's recomputed layers, each wrapped with the composable checkpoint: full (the layer's
+    forward again from its input), or selective (op-level, `executor/recompute.py`)."""
+    if not s.training.recompute:
+        return
+    from torch.distributed._composable import checkpoint
+
+    keys = module_keys(module)
+    for group in graph.layers:
+        policy = s.training.recompute.get(group.prefix)
+        if policy is None:
+            continue
+        selective = policy == Recompute.SELECTIVE
+        count = group.num_layers if selective else s.training.recomputed_layers(group.prefix, group.num_layers)
+        for i in group.indices[:count]:
+            path = f"{group.prefix}.{i}"
+            found = layer_module(path, module, keys)
+            if found is None:
+                report.fallbacks.append(f"recomputed layer {path} has no module here: not recomputed")
+                continue
+            checkpoint(found[1], **({"context_fn": selective_contexts} if selective else {}))
+            report.recomputed.append(found[0])
+        report.recompute = str(policy)
+
+
+
+
+def compile_module(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+    """torch.compile in place (`nn.Module.compile`: names and hooks kept): the whole module, as a user's
+    `torch.compile(model)` and as the plan's compiled runtime prices it (every chain between matmuls fused,
+    the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
+    layer instead (torchtitan's way): the recomputed layers' checkpoint hooks need the layer's boundary,
+    which a whole-module graph removes; the embedding, head and loss then run eager, which the report says."""
+    if report.recompute == "selective":  # Inductor's kernels write into the outputs selective checkpointing saved
+        report.fallbacks.append("compile: not applied under selective recomputation (Inductor's kernels write into "
+                                "the tensors it saves); the module runs eager where the plan prices it compiled")
+        return
+    if not report.recomputed:
+        module.compile()
+        report.compiled.append("(the whole module)")
+        return
+    keys = module_keys(module)
+    for group in graph.layers:
+        for i in group.indices:
+            found = layer_module(f"{group.prefix}.{i}", module, keys)
+            if found is None:
+                report.fallbacks.append(f"compile: layer {group.prefix}.{i} has no module here: it runs eager")
+                continue
+            found[1].compile()
+            report.compiled.append(found[0])
+    report.fallbacks.append("compile: per layer, the plan recomputing layers; what is outside them (embedding, head, "
+                            "loss) runs eager where the plan prices it compiled")
+
+
+def inductor_missing(device_type: str) -> str:
+    """Why torch.compile's Inductor cannot build kernels for `device_type` here; "" where it can."""
+    try:
+        import torch._inductor.config  # noqa: F401
+    except Exception as e:  # a torch built without it
+        return f"this torch has no Inductor ({type(e).__name__}: {e})"
+    if device_type == "cuda":
+        from torch.utils._triton import has_triton
+
+        return "" if has_triton() else "Inductor needs triton for CUDA kernels and it is not installed (pip install triton)"
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception as e:
+        return f"Inductor needs a C++ compiler for CPU kernels and finds none ({type(e).__name__}); install g++ or set CXX"
+    return ""
+
