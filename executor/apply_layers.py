@@ -5,7 +5,7 @@ recomputed)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch import nn
 
@@ -15,9 +15,7 @@ from executor.binding import best_match, name_key
 from executor.recompute import selective_contexts
 from planner.strategy import Strategy
 
-if TYPE_CHECKING:
-    from executor.apply import ApplyReport
-
+# `report`: apply's `ApplyReport` (what runs and what fell back), which these functions fill in.
 
 def layer_module(graph_path: str, module: nn.Module, keys: dict[str, str]) -> tuple[str, nn.Module] | None:
     """The module FQN and module a graph layer (`prefix.i`) stands for, by the exporter's names; None where
@@ -30,7 +28,7 @@ def module_keys(module: nn.Module) -> dict[str, str]:
     return {fqn: name_key(fqn) for fqn, _ in module.named_modules() if fqn}
 
 
-def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: Any) -> None:
     """The plan's recomputed layers, each wrapped with the composable checkpoint: full (the layer's
     forward again from its input), or selective (op-level, `executor/recompute.py`)."""
     if not s.training.recompute:
@@ -57,7 +55,7 @@ def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: App
 
 
 
-def compile_module(graph: OpGraph, module: nn.Module, report: ApplyReport) -> None:
+def compile_module(graph: OpGraph, module: nn.Module, report: Any) -> None:
     """torch.compile in place (`nn.Module.compile`: names and hooks kept): the whole module, as a user's
     `torch.compile(model)` and as the plan's compiled runtime prices it (every chain between matmuls fused,
     the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
