@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from executor.checkpoint import ADAM_STATES, check_model, write_meta
+from executor.checkpoint import ADAM_STATES, check_model, write_meta, zero_states
 
 
 def _report(module: nn.Module) -> Any:
@@ -59,16 +59,6 @@ def _state(module: nn.Module, optim: torch.optim.Optimizer | None) -> dict[str, 
     return {"model": model, **({"optim": states} if optim is not None else {})}
 
 
-def _init_states(module: nn.Module, optim: torch.optim.Optimizer) -> None:
-    """AdamW's states, zero, where the optimizer has not stepped yet (loading writes into them)."""
-    for group in optim.param_groups:
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for p in group["params"]:
-            if not optim.state[p]:
-                optim.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
-                                  **{k: torch.zeros_like(p) for k in ADAM_STATES}}
-
-
 def save_checkpoint(path: str | Path, module: nn.Module, optim: torch.optim.Optimizer, steps: int) -> None:
     """Every rank: the module's parameters and `optim`'s AdamW states, after `steps` optimizer steps."""
     from executor.checkpoint import CheckpointError
@@ -89,7 +79,7 @@ def load_checkpoint(path: str | Path, module: nn.Module, optim: torch.optim.Opti
     if optim is not None:
         if not isinstance(optim, torch.optim.AdamW):
             raise CheckpointError("load_checkpoint: checkpoints hold AdamW's states; train with torch.optim.AdamW")
-        _init_states(module, optim)
+        zero_states(optim, [p for g in optim.param_groups for p in g["params"]])
     with torch.no_grad():
         dcp.load(_state(module, optim), checkpoint_id=str(path))
     steps: int = meta["optimizer_steps"]

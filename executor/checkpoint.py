@@ -270,9 +270,14 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
 def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
     """AdamW's states, zero, for every parameter the optimizer steps (a ZeRO bucket's shard for its
     parameters; torch creates them at the first step, loading needs them to exist)."""
+    zero_states(optim, runner.optimizer_parameters())
+
+
+def zero_states(optim: torch.optim.Optimizer, params: Any) -> None:
+    """AdamW's states, zero, for each of `params` the optimizer has not stepped yet."""
     group = optim.param_groups[0]
     on_device = bool(group.get("fused") or group.get("capturable"))  # the fused kernel reads `step` there
-    for p in runner.optimizer_parameters():
+    for p in params:
         if not optim.state[p]:
             optim.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
                               **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}}

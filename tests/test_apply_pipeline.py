@@ -115,22 +115,9 @@ def test_pipelined_apply_equals_one_process(case: str, zoo: Callable[[str], Path
 def test_example_pipelined_equals_one_rank(tmp_path: Path) -> None:
     """examples/train_hf.py as a user runs it: `--layout pp=2,dp_shard=2` on 4 ranks, against the same
     script on 1 rank — the first steps' losses (AdamW between them) equal to 1e-5."""
-    import re
-    import subprocess
-    import sys
-
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_hf.py"
-    torchrun = Path(sys.executable).parent / "torchrun"
-
-    def losses(n: int, *extra: str) -> list[float]:
-        r = subprocess.run([str(torchrun), "--nproc-per-node", str(n), str(script), "--model", "llama", "--steps", "3",
-                            "--workdir", str(tmp_path / f"w{n}"), *extra], capture_output=True, text=True, timeout=400,
-                           cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", r.stdout, re.M)]
-
-    pipelined = losses(4, "--layout", "pp=2,dp_shard=2", "--micro-batch-size", "4")
-    one = losses(1)
+    pipelined = example_losses(tmp_path, "train_hf.py", 4, "--model", "llama", "--layout", "pp=2,dp_shard=2",
+                               "--micro-batch-size", "4")
+    one = example_losses(tmp_path, "train_hf.py", 1, "--model", "llama")
     assert len(one) == len(pipelined) == 3
     assert max(abs(a - b) for a, b in zip(pipelined, one, strict=True)) < 1e-5, (pipelined, one)
 
@@ -221,23 +208,25 @@ def test_pipeline_over_replicated_data_parallelism_is_refused(zoo: Callable[[str
 def test_plain_llama_example_equals_one_rank(layout: str, tmp_path: Path) -> None:
     """examples/train_llama.py: a plain-PyTorch Llama (no transformers) exported, planned and applied,
     FSDP on 2 ranks and a pipeline × FSDP on 4, against the same script on 1 rank (losses to 1e-5)."""
+    ranks = 4 if "pp=" in layout else 2
+    applied = example_losses(tmp_path, "train_llama.py", ranks, "--batch", "16", "--layout", layout,
+                             *(["--micro-batch-size", "4"] if "pp=" in layout else []))
+    one = example_losses(tmp_path, "train_llama.py", 1, "--batch", "16")
+    assert len(one) == len(applied) == 3
+    assert max(abs(a - b) for a, b in zip(applied, one, strict=True)) < 1e-5, (applied, one)
+
+
+def example_losses(tmp_path: Path, script: str, n: int, *args: str) -> list[float]:
+    """`torchrun --nproc-per-node n examples/SCRIPT ARGS`: its steps' printed losses (no fallback allowed)."""
     import re
     import subprocess
     import sys
 
-    script = Path(__file__).resolve().parents[1] / "examples" / "train_llama.py"
+    path = Path(__file__).resolve().parents[1] / "examples" / script
     torchrun = Path(sys.executable).parent / "torchrun"
-
-    def losses(n: int, *extra: str) -> list[float]:
-        r = subprocess.run([str(torchrun), "--nproc-per-node", str(n), str(script), "--steps", "3", "--batch", "16",
-                            "--workdir", str(tmp_path / f"w{n}"), *extra], capture_output=True, text=True, timeout=400,
-                           cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-2000:]
-        assert not re.search(r"^apply: fallback", r.stdout, re.M), r.stdout
-        return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", r.stdout, re.M)]
-
-    ranks = 4 if "pp=" in layout else 2
-    applied = losses(ranks, "--layout", layout, *(["--micro-batch-size", "4"] if "pp=" in layout else []))
-    one = losses(1)
-    assert len(one) == len(applied) == 3
-    assert max(abs(a - b) for a, b in zip(applied, one, strict=True)) < 1e-5, (applied, one)
+    r = subprocess.run([str(torchrun), "--nproc-per-node", str(n), str(path), "--steps", "3",
+                        "--workdir", str(tmp_path / f"w{n}"), *args], capture_output=True, text=True, timeout=400,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not re.search(r"^apply: fallback", r.stdout, re.M), r.stdout
+    return [float(x) for x in re.findall(r"^step \d+: loss ([0-9.]+)", r.stdout, re.M)]
