@@ -151,6 +151,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
                 tensors[p.name] = TensorInfo(p.name, shape, dtype, TensorKind.PARAM)
 
     nodes = _restore_dropped_biases(list(structure.nodes), table.dropped_biases, infos, tensors)
+    nodes = _fold_flattened_transposes(nodes, infos, {v.name for v in g.output})
     constant_nodes = _constant_nodes(nodes, tensors)
     read = {t for n in nodes for t in n.inputs if t} | {v.name for v in g.output}
     missing: list[str] = []
@@ -233,6 +234,48 @@ def _restore_dropped_biases(nodes: list[OpNode], dropped: tuple[DroppedBias, ...
 
 # ---------------------------------------------------------------------------------------------
 # Nodes
+
+
+def _fold_flattened_transposes(nodes: tuple[OpNode, ...], infos: Mapping[str, tuple[tuple[int, ...] | None, str]],
+                               outputs: set[str]) -> tuple[OpNode, ...]:
+    """One Transpose of the last two dims for each Reshape (leading dims merged into one) → Transpose
+    (perm 0,2,1) → Reshape (the same leading dims again) chain, as the dynamo exporter writes
+    `key.transpose(-2, -1)` inside attention. The chain computes exactly that transpose, but the merged
+    dim mixes batch and heads: no placement splits batch over one mesh axis and heads over another
+    through it, so every plan that shards both would gather there. The 4-D Transpose keeps them apart."""
+    readers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in n.inputs:
+            if t:
+                readers.setdefault(t, []).append(i)
+
+    def shape(t: str) -> tuple[int, ...] | None:
+        return infos.get(t, (None, ""))[0]
+
+    def only_reader(t: str, op_type: str) -> int | None:
+        r = readers.get(t, [])
+        return r[0] if len(r) == 1 and t not in outputs and nodes[r[0]].op_type == op_type else None
+
+    dropped: set[int] = set()
+    folded: dict[int, OpNode] = {}
+    for i, merge in enumerate(nodes):
+        if merge.op_type != "Reshape" or not merge.inputs or not merge.outputs:
+            continue
+        x, y = merge.inputs[0], merge.outputs[0]
+        sx, sy = shape(x), shape(y)
+        if sx is None or sy is None or len(sx) < 4 or len(sy) != 3 or sy != (int(np.prod(sx[:-2])), *sx[-2:]):
+            continue
+        j = only_reader(y, "Transpose")
+        if j is None or tuple(nodes[j].attr("perm") or ()) != (0, 2, 1):  # type: ignore[arg-type]
+            continue
+        k = only_reader(nodes[j].outputs[0], "Reshape")
+        if k is None or shape(nodes[k].outputs[0]) != (*sx[:-2], sx[-1], sx[-2]):
+            continue
+        lead = len(sx) - 2
+        dropped.update((i, j))
+        folded[k] = replace(nodes[j], inputs=(x,), outputs=nodes[k].outputs,
+                            attrs=(("perm", (*range(lead), lead + 1, lead)),))
+    return tuple(folded.get(i, n) for i, n in enumerate(nodes) if i not in dropped)
 
 
 def _attr_value(a: onnx.AttributeProto) -> object:

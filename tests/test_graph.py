@@ -155,3 +155,36 @@ def test_load_errors_name_the_file(tmp_path: Path) -> None:
     onnx.save(empty_graph, str(tmp_path / "nodes.onnx"))
     with pytest.raises(ModelError, match="no nodes"):
         load_graph(tmp_path / "nodes.onnx")
+
+
+def _flattened_transpose(unmerge: tuple[int, ...]) -> onnx.ModelProto:
+    """x[2, 3, 4, 5] → Reshape [6, 4, 5] → Transpose(0, 2, 1) → Reshape `unmerge` → Relu: the dynamo
+    exporter's `key.transpose(-2, -1)` inside attention, with batch and heads merged."""
+    inits = [numpy_helper.from_array(np.array([6, 4, 5], np.int64), "merged"),
+             numpy_helper.from_array(np.array(unmerge, np.int64), "unmerged")]
+    nodes = [helper.make_node("Reshape", ["x", "merged"], ["m"], name="merge"),
+             helper.make_node("Transpose", ["m"], ["t"], perm=[0, 2, 1], name="transpose"),
+             helper.make_node("Reshape", ["t", "unmerged"], ["u"], name="unmerge"),
+             helper.make_node("Relu", ["u"], ["y"], name="relu")]
+    graph = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def test_flattened_transpose_imports_as_one_transpose() -> None:
+    """The chain is one 4-D Transpose of the last two dims (batch and heads never merged, so a plan may
+    split them over two axes), and it computes what the chain computes."""
+    import torch
+
+    from executor.ops import run_op
+
+    g = graph_from_proto(_flattened_transpose((2, 3, 5, 4)), {})
+    compute = [n for n in g.nodes if n.name not in g.constant_nodes]
+    assert [(n.op_type, n.inputs, n.outputs, n.attr("perm")) for n in compute] == \
+        [("Transpose", ("x",), ("u",), (0, 1, 3, 2)), ("Relu", ("u",), ("y",), None)]
+    x = torch.randn(2, 3, 4, 5)
+    (got,) = run_op(compute[0], [x])
+    assert torch.equal(got, x.reshape(6, 4, 5).transpose(1, 2).reshape(2, 3, 5, 4))
+    # Split again into other leading dims: not a transpose of x, kept as written.
+    g = graph_from_proto(_flattened_transpose((3, 2, 5, 4)), {})
+    assert [n.op_type for n in g.nodes if n.name not in g.constant_nodes] == ["Reshape", "Transpose", "Reshape", "Relu"]
