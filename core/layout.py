@@ -88,7 +88,10 @@ class Layout:
 
     def param_layout(self, graph: OpGraph, mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None]:
         """A parameter as the layout stores it when a consumer needs it at `spec`: whole on
-        dp_replicate; on dp_shard split on dim 0 (FSDP, gathered for use; a scalar stays whole);
+        dp_replicate; on dp_shard split on dim 0 (FSDP, gathered for use; a scalar stays whole), or on
+        the first dim tp does not split where tp splits dim 0 (FSDP2 over a tensor-parallel shard
+        splits that shard again — torch's _StridedShard — and gathers it over dp_shard alone; a spec
+        splitting one dim over both axes would nest dp_shard outside tp and need tp to gather too);
         as needed on tp. None when the consumer would need it split along a data-parallel axis."""
         replicate = [a for a, n in enumerate(mesh.axis_names) if n == "dp_replicate"]
         shard = [a for a, n in enumerate(mesh.axis_names) if n == "dp_shard"]
@@ -98,9 +101,13 @@ class Layout:
             for a in (*replicate, *shard):
                 if not isinstance(placements[a], Replicate):
                     return None
-            if graph.tensors[param].shape:
+            shape = graph.tensors[param].shape
+            if shape:
+                taken = {p.dim for p in placements if isinstance(p, Shard)}
+                free = [d for d in range(len(shape)) if d not in taken and shape[d] % mesh.shape[shard[0]] == 0] \
+                    if shard else []
                 for a in shard:
-                    placements[a] = Shard(0)
+                    placements[a] = Shard(free[0] if 0 in taken and free else 0)
             return Spec(tuple(placements))
 
         return store

@@ -176,6 +176,27 @@ def test_tensor_parallel_layout_uses_transposed_weights_split(zoo: Callable[[str
     assert linears and all(isinstance(p.inputs[1].placements[axis], Shard) for p in linears)
 
 
+def test_fsdp_over_tensor_parallel_stores_each_weight_as_used(zoo: Callable[[str], Path]) -> None:
+    # dp_shard x tp as FSDP2 runs it over DTensor shards: each weight held split over tp exactly as its
+    # matmul uses it (no gather over tp: ZeRO-3 over the tp axis is a freedom the layout does not give),
+    # and split again over dp_shard on a dim tp leaves whole (dim 0 split over both axes would nest
+    # dp_shard outside tp: gathering over dp_shard alone would not give the tp shard — FSDP2's
+    # _StridedShard splits the tp shard instead). So the plan gathers weights over dp_shard only.
+    from core.graph import TensorKind
+    from core.placement import Shard
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims={"batch": 8, "seq": 32}, devices=4,
+                                 layout="dp_shard=2,tp=2", zero_stage=3, profile="h100-sxm", dtype="fp32"))
+    dp, tp = s.mesh.axis_names.index("dp_shard"), s.mesh.axis_names.index("tp")
+    weights = {n: t.spec for n, t in s.tensors.items() if t.kind is TensorKind.PARAM and len(t.shape) == 2}
+    assert weights and all(isinstance(sp.placements[dp], Shard) for sp in weights.values())
+    assert all(sp.placements[dp] != sp.placements[tp] for sp in weights.values())
+    moved = [r for r in s.reshards if r.tensor in weights and isinstance(r.src.placements[tp], Shard)]
+    assert moved and all(r.src.placements[tp] == r.dst.placements[tp] for r in moved)
+    gathers = [c for p in s.nodes.values() for c in p.collectives if c.tensor in weights]
+    assert gathers and all(c.axes == (dp,) for c in gathers)
+
+
 def test_a_layout_far_over_the_limit_is_still_priced(zoo: Callable[[str], Path]) -> None:
     # A user's layout is priced fitting or not: DDP of gpt2-tiny on 2 H100 needs ~7 MB a device, 7× a
     # 1 MiB limit; its soft memory rows' excess may reach well beyond the limit (`memory_rows.EXCESS_CAP_KIB`;

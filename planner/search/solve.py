@@ -77,7 +77,7 @@ from collections.abc import Callable, Mapping, Sequence
 from core.collectives import Collective, Purpose
 from core.graph import OpGraph, TensorKind
 from core.levers import Composer
-from core.placement import OpStrategy, Replicate, Spec
+from core.placement import OpStrategy, Replicate, Shard, Spec
 from costmodel.step import CostModel
 from planner.rules import RuleSet
 from planner.search.decisions import (
@@ -191,7 +191,14 @@ class ShardingILP(MemoryRows, DecisionGraph):
         `CostModel.edge_time_parts`); None where the pair cannot be: a
         parameter at a ZeRO-1/2 stage it chose (`--zero auto`) is used where it is stored and its
         gradient all-reduced there (its states are sharded only so; a stage the request fixes is
-        priced where it applies, the others held at 0 by `make_plan`)."""
+        priced where it applies, the others held at 0 by `make_plan`); and, under a hand layout, a
+        parameter stored split over its tp axis but used otherwise there (ZeRO-3 over that axis: a
+        freedom a layout does not give — it shards parameters over dp_shard only)."""
+        if self.param_layout is not None and isinstance(e.producer, ParamDecision) and any(
+                isinstance(a, Shard) and a != b for a, b, n in zip(src[0].placements, dst.placements,
+                                                                  self.rules.mesh.axis_names, strict=True)
+                if n == "tp"):
+            return None
         if src[1] and len(self.zero_options) > 1 and (src[0] != dst or not any(
                 ev.purpose is Purpose.GRAD_SYNC and ev.kind is Collective.ALL_REDUCE
                 for ev in self.cost.edge_events(e.tensor, src[0], dst, split))):
