@@ -7,20 +7,22 @@ exporter's names. `apply`:
 1. **Binds names** (`executor/binding.py`): each ONNX parameter to the module parameters it stands
    for, or one line naming the first mismatch.
 2. **Reads the mesh's axes from the plan**: the axes that split the model input's batch are data
-   parallel; the others tensor parallel.
-3. **Tensor parallelism** (`executor/apply_tp.py`; `parallelize_module`, one `PlannedStyle` per linear / Conv1D / embedding
-   whose weight the plan splits over the tensor-parallel axis): column-wise where the output
-   features are split (input replicated, output split on its last dim, the input's gradient
-   all-reduced in backward), row-wise where the input features are (input split on its last dim,
-   output partial, all-reduced). Column-wise modules reading one tensor share one gradient
-   all-reduce, as the plan prices it, through `PrepareModuleInput` on their parent. The plan is checked
-   against this form: every re-placement and collective the plan runs on the axis must be one a
-   module boundary performs. Where the plan re-places something inside a module (a weight stored
-   split but gathered for use, a fused QKV projection split across its heads' boundary, an
-   activation gathered between modules), module-boundary hooks cannot express it: the axis falls
-   back to replicated compute and the report says which tensor, at which node, and what the
-   fallback costs by the plan's own prices (its collectives on that axis no longer run; its split
-   parameters are held whole).
+   parallel; the other one tensor parallel (one of each, or HSDP's two, with or without it: FSDP over
+   tensor parallelism as torchtitan applies it — tensor parallelism first, then `fully_shard` on the
+   data-parallel sub-mesh over its DTensor shards).
+3. **Tensor parallelism** (`executor/apply_tp.py`; `parallelize_module` with one `PlannedStyle` per
+   leaf module the plan computes split on the tensor-parallel axis): the module's parameters as
+   DTensors at the plan's placements, its input re-placed at its boundary to the layout the plan computes
+   it in, its output to the one its readers take — Megatron-LM's column- and row-wise linears (GPT-2's
+   Conv1D, embeddings), norms on sequence shards (sequence parallelism), heads split through attention.
+   A block's input the plan re-places on entry (a decoder layer's residual stream split on the sequence)
+   is re-placed by a hook on the block; modules under one parent reading one input alike get it once
+   from the parent (one gradient reduction, as the plan prices it). Outside the repeated layers the
+   model's own code reads shapes (a sequence length off the embeddings): modules there hand on whole
+   tensors. Every other re-placement the plan makes on the axis (in the model's own code between
+   modules), a parameter stored one way there and used another, or a split module that is not a linear,
+   Conv1D or embedding, falls back: the axis runs replicated and the report says which tensor, at
+   which node, and what the fallback costs by the plan's own prices.
 4. **Data parallelism** over the data-parallel axis: DDP's reducer through the composable
    `replicate` (gradient buckets of the plan's all-reduce fusion size) where parameters are
    replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3), and ZeRO-1/2 as
@@ -56,10 +58,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import (
-    Replicate,
-)
-from torch.distributed.tensor.parallel import ParallelStyle, PrepareModuleInput, parallelize_module
+from torch.distributed.tensor.parallel import parallelize_module
 
 from core import placement as mp
 from core.collectives import Collective
@@ -77,13 +76,16 @@ from executor.binding import ApplyError, Binding, bind_parameters
 from planner.graph import load_graph
 from planner.strategy import Strategy, load_strategy
 
+_ROLE_WORDS = {"colwise": "column-wise", "rowwise": "row-wise", "sequence": "sequence-parallel",
+               "split": "split-activation", "re-layout": "re-laid"}
+
 
 @dataclass
 class ApplyReport:
     data_parallel: str  # "replicate" (DDP), "fully_shard" (ZeRO-3), or "" (no data-parallel axis)
     dp_axis: str | None
     tp_axis: str | None
-    styles: dict[str, str] = field(default_factory=dict)  # module FQN → "colwise" | "rowwise"
+    styles: dict[str, str] = field(default_factory=dict)  # module FQN → "colwise", "rowwise", "sequence", ...
     fallbacks: list[str] = field(default_factory=list)  # what runs other than planned, and why
     batch_local: list[str] = field(default_factory=list)  # activations the plan gathers over the batch
     recomputed: list[str] = field(default_factory=list)  # module FQNs wrapped with checkpoint
@@ -102,6 +104,13 @@ class ApplyReport:
     pipeline: Any = None  # a pipelined plan's `apply_pp.PipelineRun`: this rank's chunks and the schedule
     strategy: Strategy | None = None  # the plan applied (its names and shapes: checkpoints)
     runtime: str = "eager"  # the plan's runtime (what it priced)
+    dp_rank: int = 0  # this rank's share of the batch (its index over the data-parallel axes) …
+    dp_size: int = 1  # … among this many
+
+    def batch_share(self, batch: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global batch, as a data loader gives them (all rows where no axis splits
+        the batch; the same rows on every rank of a tensor-parallel group)."""
+        return batch.chunk(self.dp_size)[self.dp_rank] if self.dp_size > 1 else batch
 
     def autocast(self) -> contextlib.AbstractContextManager[object]:
         """The context the training loop runs forward and loss in: torch.autocast(bfloat16) for an amp
@@ -135,9 +144,9 @@ class ApplyReport:
                                                          " (fully_shard's MixedPrecisionPolicy: bf16 compute, fp32 "
                                                          "reductions)" if self.mixed_policy else ""))
         if self.tp_axis and self.styles:
-            cols = sum(1 for s in self.styles.values() if s == "colwise")
-            out.append(f"tensor parallel over {self.tp_axis}: {cols} column-wise, {len(self.styles) - cols} row-wise "
-                       "modules")
+            roles = Counter(self.styles.values())
+            out.append(f"tensor parallel over {self.tp_axis}: " + ", ".join(
+                f"{roles[r]} {_ROLE_WORDS[r]}" for r in _ROLE_WORDS if roles[r]) + " modules")
         elif self.tp_axis:
             out.append(f"replicated over {self.tp_axis}: every rank computes the whole step, as the plan does")
         if self.zero:
@@ -169,6 +178,16 @@ class ApplyReport:
 
 # ---------------------------------------------------------------------------------------------
 # the plan's axes and what each module does on them
+
+
+def _batch_coordinate(mesh: DeviceMesh, axes: list[int]) -> tuple[int, int]:
+    """This rank's index among the batch's shares (the data-parallel `axes` of `mesh`, in mesh order) and
+    their count."""
+    coord = mesh.get_coordinate() or [0] * mesh.ndim
+    index, count = 0, 1
+    for a in axes:
+        index, count = index * mesh.size(a) + coord[a], count * mesh.size(a)
+    return index, count
 
 
 def _data_parallel_axes(strategy: Strategy) -> set[int]:
@@ -230,15 +249,21 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     big = [i for i, n in enumerate(shape) if n > 1]
     tp_axes = [i for i in big if i not in dp_axes]
     dp_big = [i for i in big if i in dp_axes]
-    if len(tp_axes) > 1 or len(dp_big) > 2 or (tp_axes and dp_big):
-        raise ApplyError(f"apply runs one tensor-parallel axis or up to two data-parallel ones (HSDP); this plan's "
+    if len(tp_axes) > 1 or len(dp_big) > 2:
+        raise ApplyError(f"apply runs one tensor-parallel axis and up to two data-parallel ones (HSDP); this plan's "
                          f"mesh {list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run "
                          "it with `meshplan run`)")
     names = s.mesh.axis_names
+    if tp_axes and dp_big and not s.training.zero_stage and not any(
+            isinstance(planned_spec(s, b.onnx).placements[a], mp.Shard) for b in bindings for a in dp_big):
+        raise ApplyError(f"apply runs data parallelism beside tensor parallelism with fully_shard; this plan keeps "
+                         f"every parameter whole over '{'+'.join(names[a] for a in dp_big)}' (DDP) — plan with "
+                         "`zero_stage` 3 (or `layout` dp_shard=N,tp=M), or run it with `meshplan run`")
     report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
                          device=mesh.device_type, runtime=s.settings.runtime.value, strategy=s)
+    report.dp_rank, report.dp_size = _batch_coordinate(mesh, dp_big)
     recompute_layers(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
@@ -291,6 +316,7 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
                          micro_batches=s.training.micro_batches, planned_step_s=s.cost.step_time_s, bindings=bindings,
                          precision=s.settings.dtype, device=mesh.device_type, runtime=s.settings.runtime.value,
                          strategy=s)
+    report.dp_rank, report.dp_size = _batch_coordinate(mesh, [1 + a for a in big])
     if s.training.recompute:
         report.fallbacks.append("pipeline: the plan's recomputation is not applied to traced chunks; activations kept")
     if compile or (compile is None and s.settings.runtime is Runtime.COMPILED):
@@ -334,19 +360,13 @@ def _apply_tensor_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh:
               "collectives not run)")
         report.fallback_saves_s += tp.deviation_s
         return
-    sub = mesh[name]
-    plan: dict[str, ParallelStyle] = dict(tp.styles)
-    for parent in tp.shared_inputs:  # one DTensor input, one gradient all-reduce, for all of them
-        plan[parent] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),),
-                                          use_local_output=False)
-    parallelize_module(module, sub, plan)
+    parallelize_module(module, mesh[name], dict(tp.styles))
     report.styles = dict(tp.roles)
-    k = Counter[str]()
-    rowwise = sum(1 for r in tp.roles.values() if r == "rowwise")
-    grads = len({o for owners in tp.shared_inputs.values() for o in owners})
-    colwise_inputs = sum(1 for r in tp.roles.values() if r == "colwise") - grads + len(tp.shared_inputs)
-    k["all_reduce"] = rowwise + colwise_inputs
-    report.expected.update({kk: v for kk, v in k.items() if v})
+    counts = dict(tp.expected)
+    if mesh.device_type == "cpu" and "all_to_all" in counts:  # DTensor's all-to-all on CPU meshes: an
+        # all-gather and a chunk (gloo has none; torch's `shard_dim_alltoall`)
+        counts["all_gather"] = counts.get("all_gather", 0) + counts.pop("all_to_all")
+    _expect(report, counts)
 
 
 def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
@@ -364,7 +384,7 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         report.data_parallel = "fully_shard"
         if not again:
             _zero_as_fully_shard(module, zero, report)
-        report.expected.update({"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
+        _expect(report, {"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
     else:
         from torch.distributed._composable.replicate import replicate
 
@@ -375,7 +395,12 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         replicate.state(module).lazy_init()
         report.data_parallel = "replicate"
         if s.buckets is not None:  # DDP's buckets, as the plan priced them
-            report.expected["all_reduce"] = sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))
+            _expect(report, {"all_reduce": sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))})
+
+
+def _expect(report: ApplyReport, counts: dict[str, int]) -> None:
+    """The collectives of one more part of the step (data parallelism beside tensor parallelism's)."""
+    report.expected = {k: v for k, v in (Counter(report.expected) + Counter(counts)).items() if v}
 
 
 def _zero_as_fully_shard(module: nn.Module, zero: int, report: ApplyReport) -> None:
@@ -413,7 +438,7 @@ def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMe
     report.data_parallel = "fully_shard (HSDP)"
     # One unit, the root: gathered over the shards for forward and again for backward, its gradients
     # reduce-scattered over them and the shard all-reduced over the replicas.
-    report.expected.update({"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
+    _expect(report, {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1})
 
 
 def _batch_local(s: Strategy, graph: OpGraph, bindings: tuple[Binding, ...], axes: list[int],

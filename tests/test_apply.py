@@ -1,5 +1,6 @@
 """`meshplan.apply` on the user's own module: a transformers GPT-2 / Llama `nn.Module` (not the ONNX
-interpreter), distributed as a plan of its exported graph says, on 2 gloo ranks (HSDP on 4).
+interpreter), distributed as a plan of its exported graph says, on 2 gloo ranks (HSDP and dp_shard x tp
+on 4).
 
 The check is independent of meshplan's executor: one process trains the same transformers module
 (same seed, same full batch, plain eager torch) and the distributed loss, every gradient and every
@@ -123,10 +124,7 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: 
         meshplan.apply(module, strategy)
         report = module.meshplan_report
         ids, labels = _data(module.config.vocab_size)
-        if report.dp_axis:  # each rank its own rows of the batch, as a data loader gives them (the batch
-            # split over the data-parallel axes in mesh order: rank order)
-            rows = slice(rank * B // world, (rank + 1) * B // world)
-            ids, labels = ids[rows], labels[rows]
+        ids, labels = report.batch_share(ids), report.batch_share(labels)  # this rank's rows
         optim = torch.optim.SGD(module.parameters(), lr=0.1)
         counter = CollectiveCounter()
         with counter:
@@ -135,7 +133,7 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: 
             loss.backward()
         optim.step()
         total = loss.detach().clone()
-        if report.dp_axis:
+        if report.dp_axis:  # (each share's loss held by its tensor-parallel ranks alike)
             dist.all_reduce(total)
             total /= world
 
@@ -408,3 +406,65 @@ def test_compile_without_inductor_is_refused_before_any_step(zoo: Callable[[str]
         assert not hasattr(module, "meshplan_report") and module._compiled_call_impl is None
     finally:
         dist.destroy_process_group()
+
+
+def _dp_tp_pins(name: str) -> dict[str, str]:
+    """Megatron-LM's split on the tensor-parallel axis, batch on dp_shard: the linears' outputs column-
+    and row-wise (weights left to the layout), and for Llama sequence parallelism — the residual stream
+    and the norms split on the sequence between the blocks' matmuls."""
+    pins = {"ids": "S(0),R"}
+    if name == "llama-tiny":
+        order = ("q", "k", "v", "o", "gate", "up", "down")  # the exported linears, in order, per layer
+        for j in range(14):
+            pins["linear" if j == 0 else f"linear_{j}"] = "S(0),P" if order[j % 7] in ("o", "down") else "S(0),S(2)"
+        for t in ("mul_116", "mul_349", "mul_385", "mul_618", "add_358", "add_408", "add_627", "add_677", "pow_1",
+                  "mul_654"):
+            pins[t] = "S(0),S(1)"
+    else:  # GPT-2's MLPs (its fused QKV projection is split across heads' boundary: left to the plan)
+        pins.update({"view_11": "S(0),S(2)", "view_24": "S(0),S(2)", "view_13": "S(0),P", "view_26": "S(0),P"})
+    return pins
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
+def test_dp_shard_by_tp_equals_one_process(name: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """dp_shard=2 x tp=2 on 4 gloo ranks: fully_shard over dp_shard on the DTensor shards tensor
+    parallelism made over tp (Llama: column/row-wise linears, norms on sequence shards, the loss on
+    gathered logits), equal to one process training the same module, nothing falling back."""
+    import torch
+
+    from planner.search.plan import make_plan
+    from planner.search.request import Mode, PlanRequest
+
+    s, _ = make_plan(PlanRequest(model=str(zoo(name)), dims={"batch": B, "seq": S}, profile="h100-sxm", dtype="fp32",
+                                 devices=4, layout="dp_shard=2,tp=2", zero_stage=3, mode=Mode.SEMI,
+                                 pins=_dp_tp_pins(name)))
+    strategy = tmp_path / "s.json"
+    s.save(strategy)
+    zoo_json = zoo(name).with_suffix(".json")
+    _, loss, grads, params, executed, expected, lines, names_before, names_after, styles = _run(strategy, zoo_json, 4)
+    assert names_after == names_before
+    assert not [ln for ln in lines if ln.startswith("fallback")], lines
+    ref = hf_module(zoo_json)
+    ids, labels = _data(ref.config.vocab_size)
+    optim = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_loss = _loss(ref, ids, labels)
+    ref_loss.backward()
+    optim.step()
+    assert abs(loss - float(ref_loss)) < 1e-5
+    for n, p in ref.named_parameters():
+        assert float(abs(grads[n] - p.grad.numpy()).max()) < 1e-5, n
+        assert float(abs(params[n] - p.detach().numpy()).max()) < 1e-5, n
+    roles = dict(styles)
+    if name == "llama-tiny":
+        assert {roles[f"model.layers.{i}.{m}"] for i in (0, 1) for m in
+                ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")} == {"colwise"}
+        assert {roles[f"model.layers.{i}.{m}"] for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")} == {"rowwise"}
+        assert {roles[f"model.layers.{i}.{m}"] for i in (0, 1) for m in
+                ("input_layernorm", "post_attention_layernorm")} == {"sequence"}
+        # The plan's collectives on tp (read from the strategy; its all-to-all an all-gather on gloo) and
+        # fully_shard's over dp_shard, counted as torch runs them
+        assert executed == expected, (executed, expected)
+    else:
+        assert {roles[f"transformer.h.{i}.mlp.{m}"] for i in (0, 1) for m in ("c_fc", "c_proj")} == {"colwise", "rowwise"}
