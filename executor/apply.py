@@ -71,7 +71,8 @@ from executor.apply_layers import (
     module_keys,
     recompute_layers,
 )
-from executor.apply_tp import module_boundaries, planned_spec, source_parameter
+from executor.apply_tp import module_boundaries
+from executor.apply_tp_plan import planned_spec, source_parameter
 from executor.binding import ApplyError, Binding, bind_parameters
 from planner.graph import load_graph
 from planner.strategy import Strategy, load_strategy
