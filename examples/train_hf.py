@@ -125,9 +125,7 @@ def train(model: Any, strategy_path: Path, args: argparse.Namespace, loss_of: Ca
     g = torch.Generator().manual_seed(0)  # the same global batch on every rank
     for step in range(args.steps):
         ids = torch.randint(0, vocab, (args.batch, args.seq), generator=g)
-        replicas = world // run.stages if run else world  # data-parallel replicas (a pipeline's: per stage)
-        if report.dp_axis:  # a data loader's share: this rank's rows
-            ids = ids.chunk(replicas)[rank % replicas]
+        ids = report.batch_share(ids)  # a data loader's share: this rank's rows (the same on a tensor-parallel group)
         ids = ids.to("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         with report.autocast():  # the plan's precision: torch.autocast(bfloat16) for an amp plan

@@ -40,10 +40,11 @@ def test_calibrate_quick_two_ranks(tmp_path: Path) -> None:
     narrow = {pt["dim"]: pt["median_s"] for pt in report["narrow"]}
     assert narrow[8.0] / 8 > narrow[256.0] / 256
     assert set(p.device.elementwise_by_op or {}) >= {"Add", "Mul", "Erf", "Pow", "Tanh", "Softmax"}
-    # Their backwards, by op type: torch's gradient kernels, not the forward's — a tanh's backward is a
-    # multiply-add on its output (faster than the tanh), a pow's a pow and two multiplies (slower).
+    # Their backwards, by op type: torch's gradient kernels, not the forward's — a pow's backward is a pow
+    # and two multiplies (slower). (A tanh's is a multiply-add on its output, faster than the tanh on the
+    # machines before 2026-11-27 and slower on that day's CPU, whose tanh is vectorised: not asserted.)
     fwd, bwd = p.device.elementwise_by_op or {}, p.device.elementwise_backward_by_op or {}
-    assert bwd["Tanh"] > fwd["Tanh"] and bwd["Pow"] < fwd["Pow"]
+    assert bwd["Pow"] < fwd["Pow"] and bwd["Tanh"] != fwd["Tanh"]
     # The slowest rank's lateness for the same work, measured on the 2 ranks: a fraction, at least 0.
     assert p.device.rank_skew is not None and 0.0 <= p.device.rank_skew == report["rank_skew"] < 5.0
     # A collective after compute against back to back, per call: seconds, at least 0, under a step's worth.
