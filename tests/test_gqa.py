@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gqa import DIMS, _pins, kv_placement, projection_placement
+from bench.gqa import DIMS, _pins, kv_placement
 from executor.launch import run
 from executor.preflight import RunOptions
 from planner.graph import load_graph
