@@ -69,6 +69,20 @@ class Recompute(enum.StrEnum):
     AUTO = "auto"
 
 
+class Offload(enum.StrEnum):
+    """Where a parameter's model states live between their uses (AUTO: the ILP decides per parameter).
+    OPTIMIZER: its optimizer states (with mixed precision's master weights) in host memory and the
+    optimizer step on the host (DeepSpeed's ZeRO-Offload): its gradient is copied to the host after
+    backward, its updated weights back. PARAMS: its weights, gradients and optimizer states all in host
+    memory (FSDP2's CPUOffloadPolicy): its weights copied to the device for each use (forward, and again
+    for backward), its gradient to the host after each backward, the optimizer step on the host."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"
+    PARAMS = "params,optimizer"
+    AUTO = "auto"
+
+
 class Schedule(enum.StrEnum):
     """A pipeline's schedule (torch.distributed.pipelining's)."""
 

@@ -44,10 +44,18 @@ class StepCost:
     overhead_s: float  # the executor's fixed host cost per step (the profile's step_overhead_s)
     memory: Mapping[str, float] = field(default_factory=dict)  # bytes per device by category
     hidden_comm_s: float = 0.0  # communication that runs under compute (not in the step time)
+    host_s: float = 0.0  # offloaded parameters' copies over the host link the step waits for (`host_copies`)
+    hidden_host_s: float = 0.0  # those that run under compute (not in the step time)
 
     @property
     def step_time_s(self) -> float:
-        return self.compute_s + self.optimizer_s + self.comm_s + self.overhead_s
+        return self.compute_s + self.optimizer_s + self.comm_s + self.overhead_s + self.host_s
+
+    @property
+    def host_copy_bytes(self) -> float:
+        """Bytes over the host link in one step (every copy, hidden or not)."""
+        per_step = {Cadence.MICRO_BATCH: self.priced.micro_batches, Cadence.STEP: 1}
+        return sum(c.size_bytes * per_step[c.cadence] for c in self.priced.host_copies)
 
     @property
     def memory_bytes(self) -> float:
@@ -86,7 +94,7 @@ def serial(p: PricedStep) -> StepCost:
     compute = sum(p.node_compute_s.values()) * k
     return StepCost(
         priced=p, policy="serial",
-        compute_s=compute,
+        compute_s=compute, host_s=sum(c.time_s * per_step[c.cadence] for c in p.host_copies),
         comm_s=sum(e.time_s * per_step[e.cadence] for e in p.events) + (p.rank_skew * compute if p.events else 0.0),
         optimizer_s=sum(p.optimizer_s.values(), p.optimizer_fixed_s),
         overhead_s=p.overhead_s,
@@ -136,8 +144,24 @@ def overlap(p: PricedStep) -> StepCost:
     first = max((e.time_s for e in gathers), default=0.0)  # the first (the largest) gather waits
     hidden_gathers = k * min(max(0.0, gather_s - first), base.compute_s / k)
     hidden = hidden_grads + hidden_gathers
+    host_s, hidden_host = host_exposed(p, base.compute_s)
     return StepCost(priced=p, policy="overlap", compute_s=base.compute_s, comm_s=base.comm_s - hidden,
-                    optimizer_s=base.optimizer_s, overhead_s=base.overhead_s, memory=base.memory, hidden_comm_s=hidden)
+                    optimizer_s=base.optimizer_s, overhead_s=base.overhead_s, memory=base.memory, hidden_comm_s=hidden,
+                    host_s=host_s, hidden_host_s=hidden_host)
+
+
+def host_exposed(p: PricedStep, compute_s: float) -> tuple[float, float]:
+    """The host link's copies the overlapped step waits for, and those it hides: each copy that can run
+    under compute (a layer's weights fetched while the previous layer computes, a gradient copied out
+    as backward goes on) does, on its own copy engine, up to the step's compute — all but the first
+    (the largest), which waits; the weights copied back after the host's optimizer step wait whole.
+    Exposed = max(first, hideable − compute) + the rest."""
+    per_step = {Cadence.MICRO_BATCH: p.micro_batches, Cadence.STEP: 1}
+    hideable = [c for c in p.host_copies if c.hideable]
+    total = sum(c.time_s * per_step[c.cadence] for c in p.host_copies)
+    h = sum(c.time_s * per_step[c.cadence] for c in hideable)
+    exposed = max(max((c.time_s for c in hideable), default=0.0), h - compute_s) + (total - h)
+    return exposed, total - exposed
 
 
 _PREFETCHED = frozenset({Purpose.RESHARD, Purpose.REGATHER})

@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from core.collectives import PricedBucket, PricedCollective
+from core.collectives import Cadence, PricedBucket, PricedCollective
+from core.levers import Offload
 from core.placement import Spec
 from costmodel.buckets import CommFusion
 from costmodel.compute import ComputeCost
@@ -47,6 +48,19 @@ class NodeCost:
         return self.compute.total_s + self.recompute_s + (self.loss.compute_s if self.loss is not None else 0.0)
 
 
+@dataclass(frozen=True, slots=True)
+class HostCopy:
+    """One copy over the device's host link for an offloaded parameter (`ModelStates.host_copies`)."""
+
+    tensor: str
+    what: str  # "weights to device" (for a use, or after the host's optimizer step), "gradient to host"
+    size_bytes: float
+    time_s: float
+    cadence: Cadence
+    hideable: bool  # runs under compute on its own copy engine: a weight fetched ahead of its use, a gradient
+    # copied out as backward goes on (not: the weights copied back after the optimizer step, before the next)
+
+
 @dataclass
 class PricedStep:
     """What one step's work costs, item by item, before composition (`compose.py` adds it up)."""
@@ -68,6 +82,11 @@ class PricedStep:
     reshards: list[tuple[str, str, Spec, Spec, tuple[PricedCollective, ...]]] = field(default_factory=list)
     zero_stages: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where applied
     buckets: list[PricedBucket] = field(default_factory=list)  # the packed gradient collectives (`bucketing.py`)
+    # Offloaded parameters (`core.levers.Offload`): where each one's states live, its copies over the host
+    # link, and the bytes it holds in host memory (its device bytes are in `memory`).
+    offload: dict[str, Offload] = field(default_factory=dict)
+    host_copies: list[HostCopy] = field(default_factory=list)
+    host_memory: dict[str, float] = field(default_factory=dict)
 
     def replace_events(self, by_id: Mapping[int, Sequence[PricedCollective]]) -> None:
         """Each event whose id is a key replaced by its events, in the step's list and its node's."""

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose
 from core.errors import MeshplanError
 from core.graph import OpGraph
+from core.levers import Offload
 from core.mesh import DeviceMesh
 from core.placement import Replicate, Spec
 from costmodel.buckets import zero_split
 from costmodel.comm import collective_time_s
+from costmodel.items import HostCopy
 from costmodel.memory import Precision, model_states
-from hwprofiles.profile import HardwareProfile
+from hwprofiles.profile import HardwareProfile, HostSpec
 
 # The optimizer step (AdamW, one tensor at a time): per element it reads the weight, gradient and two
 # moments and writes back the weight and moments, 7 fp32 words (mixed precision updates the fp32
@@ -113,3 +115,59 @@ class ModelStates:
             return zero_split(axes, self.mesh.shape, self.zero_shard_size)
         except ValueError as e:
             raise MeshplanError(f"`zero_shard_size` {self.zero_shard_size}: {e}") from None
+
+    # -- offload (`core.levers.Offload`) ---------------------------------------------------------------
+
+    def offloaded(self, tensor: str, spec: Spec, mode: Offload, zero_degree: int | None = None, *,
+                  stage: int | None = None) -> tuple[tuple[float, float, float], float]:
+        """A parameter's (weights, gradients, optimizer states) bytes left on the device under `mode`, and
+        the bytes it holds in host memory."""
+        w, g, o = self.param_states(tensor, spec, zero_degree, stage=stage)
+        if mode is Offload.OPTIMIZER:
+            return (w, g, 0.0), o
+        if mode is Offload.PARAMS:
+            return (0.0, 0.0, 0.0), w + g + o
+        return (w, g, o), 0.0
+
+    def host_copies(self, tensor: str, spec: Spec, mode: Offload, zero_degree: int | None = None, *,
+                    stage: int | None = None) -> list[HostCopy]:
+        """A parameter's copies over the host link in one step under `mode` (at the profile's copy rate
+        with every device of a node copying, `HostSpec.copy_rate`). OPTIMIZER: the gradient of the
+        optimizer's shard (its ZeRO shard) to the host after the last backward, its updated weights back
+        after the host's step. PARAMS: the stored weights to the device for each use — the forward and
+        the backward of every micro-batch — and the gradient (its ZeRO-2 shard) to the host after each."""
+        if mode is Offload.NONE:
+            return []
+        rate = self.host_rate()
+        stage = self.stage_of(tensor) if stage is None else stage
+        w, g, _ = self.param_states(tensor, spec, zero_degree, stage=stage)
+        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
+
+        def copy(what: str, nbytes: float, cadence: Cadence, hideable: bool) -> HostCopy:
+            return HostCopy(tensor, what, nbytes, nbytes / rate, cadence, hideable)
+
+        if mode is Offload.OPTIMIZER:
+            shard = (1 if stage == 2 or dp <= 1 else dp)  # stage 2's gradient is already the shard
+            return [copy("gradient to host", g / shard, Cadence.STEP, True),
+                    copy("weights to device", w / max(dp, 1), Cadence.STEP, False)]
+        return [copy("weights to device", w, Cadence.MICRO_BATCH, True),
+                copy("weights to device", w, Cadence.MICRO_BATCH, True),
+                copy("gradient to host", g, Cadence.MICRO_BATCH, True)]
+
+    def host_optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *,
+                         stage: int | None = None) -> float:
+        """The optimizer step of a parameter's local (ZeRO) shard on the host (`HostSpec.optimizer_step`)."""
+        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
+        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
+        step = self.host().optimizer_step
+        return step.tensor_s + local * step.param_s
+
+    def host_rate(self) -> float:
+        """Bytes a second one device copies to or from the host, every device of its node copying."""
+        return self.host().copy_rate(min(self.mesh.num_devices, self.profile.devices_per_node))
+
+    def host(self) -> HostSpec:
+        if self.profile.host is None:
+            raise MeshplanError(f"profile {self.profile.name} has no `host` (copy bandwidth, host optimizer step): "
+                                "nothing can be offloaded on it; add a host block or use `offload` none")
+        return self.profile.host

@@ -29,6 +29,7 @@ per step for a parameter's gradient reduction); the composer adds the items into
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import replace
@@ -37,7 +38,7 @@ import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
 from core.graph import OpGraph, OpNode, TensorKind
-from core.levers import Attention, Composer, LossKind, Recompute, Runtime, lever
+from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Shard, Spec, gradient_spec, split_axes
 from core.reshard import conjugate, plan_reshard
@@ -178,6 +179,7 @@ class CostModel:
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
         self._first_gather_cache: dict[tuple[object, ...], float] = {}
         self._latency: dict[tuple[Collective, int], float] = {}
+        self.offload: dict[str, Offload] = {}  # parameter → where its states live, where not the device (`offloaded`)
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
             for t in n.inputs:
@@ -548,13 +550,28 @@ class CostModel:
         degree = self._apply_zero(priced, zero)
         for t in self.param_owner:
             dp, stage = degree.get(t, 1), priced.zero_stages.get(t, 0)
-            priced.optimizer_s[t] = self.states.optimizer_s(t, placed[t], dp)
-            mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.states.param_states(t, placed[t], dp,
-                                                                                               stage=stage)
+            mode = self.offload.get(t, Offload.NONE)
+            if mode is Offload.NONE:
+                priced.optimizer_s[t] = self.states.optimizer_s(t, placed[t], dp)
+                mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t] = self.states.param_states(
+                    t, placed[t], dp, stage=stage)
+                continue
+            priced.offload[t] = mode
+            priced.optimizer_s[t] = self.states.host_optimizer_s(t, placed[t], dp, stage=stage)
+            (mem["parameters"][t], mem["gradients"][t], mem["optimizer"][t]), priced.host_memory[t] = \
+                self.states.offloaded(t, placed[t], mode, dp, stage=stage)
+            priced.host_copies.extend(self.states.host_copies(t, placed[t], mode, dp, stage=stage))
         priced.memory = mem
         if buckets:
             price_buckets(priced, self.param_owner, self.bucket_time_s)
         return priced
+
+    def offloaded(self, offload: Mapping[str, Offload]) -> CostModel:
+        """This model with the parameters in `offload` (parameter → where its states live) priced there
+        (`ModelStates.offloaded`, `host_copies`): a copy, the model itself shared."""
+        out = copy.copy(self)
+        out.offload = {t: m for t, m in offload.items() if m is not Offload.NONE}
+        return out
 
     def bucket_time_s(self, kind: Collective, size_bytes: float, axes: tuple[int, ...]) -> float:
         return collective_time_s(self.profile, self.mesh, kind, size_bytes, axes)

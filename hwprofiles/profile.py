@@ -201,6 +201,28 @@ class LinkSpec:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class HostSpec:
+    """The host a device offloads to: its copies to and from pinned host memory (one device copying
+    alone, per direction; all the node's devices copying at once, in all) and the optimizer step run
+    on its CPU cores (AdamW on one device's share of them)."""
+
+    copy_bandwidth_bytes_per_s: float
+    optimizer_step: OptimizerStep
+    node_copy_bandwidth_bytes_per_s: float | None = None  # None: no shared limit below the devices' own
+
+    def __post_init__(self) -> None:
+        check_positive(self, "copy_bandwidth_bytes_per_s")
+        if self.node_copy_bandwidth_bytes_per_s is not None:
+            check_positive(self, "node_copy_bandwidth_bytes_per_s")
+
+    def copy_rate(self, copying: int) -> float:
+        """Bytes per second each of `copying` devices of one node moves when all copy at once."""
+        node = self.node_copy_bandwidth_bytes_per_s
+        return min(self.copy_bandwidth_bytes_per_s, node / copying) if node is not None else \
+            self.copy_bandwidth_bytes_per_s
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class HardwareProfile:
     name: str
     description: str
@@ -210,6 +232,7 @@ class HardwareProfile:
     links: Mapping[LinkLevel, LinkSpec]
     collectives: Mapping[tuple[LinkLevel, Collective], CollectiveModel]
     sources: Mapping[str, str] = field(default_factory=dict)  # dotted field path → where the number comes from
+    host: HostSpec | None = None  # None: nothing may be offloaded to the host
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1:
@@ -250,7 +273,8 @@ _UNITS = {
     "half_channels": "1", "devices_per_node": "1", "bandwidth_bytes_per_s": "B/s", "latency_s": "s", "rails": "1",
     "alpha_s": "s", "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
     "rank_skew": "1", "collective_wait_s": "s", "matmul_alignment": "1", "flops_per_s": "FLOP/s",
-    "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1"}
+    "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1", "copy_bandwidth_bytes_per_s": "B/s",
+    "node_copy_bandwidth_bytes_per_s": "B/s"}
 
 
 class _Reader:
@@ -355,7 +379,16 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                     table=tuple(TablePoint(ranks=int(p["ranks"]), size_bytes=float(p["bytes"]),
                                            time_s=float(p["seconds"])) for p in c.get("table", [])),
                 )
+        host = data.get("host")
         return HardwareProfile(
+            host=HostSpec(
+                copy_bandwidth_bytes_per_s=r.q(host, "copy_bandwidth_bytes_per_s", "host.copy_bandwidth_bytes_per_s"),
+                node_copy_bandwidth_bytes_per_s=(r.q(host, "node_copy_bandwidth_bytes_per_s",
+                                                     "host.node_copy_bandwidth_bytes_per_s")
+                                                 if "node_copy_bandwidth_bytes_per_s" in host else None),
+                optimizer_step=OptimizerStep(**{k: r.q(host["optimizer_step"], k, f"host.optimizer_step.{k}")
+                                                for k in ("fixed_s", "tensor_s", "param_s")}),
+            ) if host is not None else None,
             name=data["name"],
             description=data.get("description", ""),
             origin=data["origin"],
@@ -471,4 +504,14 @@ def profile_to_json(p: HardwareProfile, *, include_derived: bool = False) -> dic
                  "link": link(p.links[LinkLevel.INTRA_NODE], "node.link")},
         "network": link(p.links[LinkLevel.INTER_NODE], "network"),
         "collectives": collectives,
+        **({"host": _host_json(p.host, q)} if p.host is not None else {}),
     }
+
+
+def _host_json(h: HostSpec, q: Any) -> dict[str, Any]:
+    return {"copy_bandwidth_bytes_per_s": q(h.copy_bandwidth_bytes_per_s, "B/s", "host.copy_bandwidth_bytes_per_s"),
+            **({"node_copy_bandwidth_bytes_per_s": q(h.node_copy_bandwidth_bytes_per_s, "B/s",
+                                                     "host.node_copy_bandwidth_bytes_per_s")}
+               if h.node_copy_bandwidth_bytes_per_s is not None else {}),
+            "optimizer_step": {k: q(getattr(h.optimizer_step, k), "s", f"host.optimizer_step.{k}")
+                               for k in ("fixed_s", "tensor_s", "param_s")}}

@@ -25,7 +25,7 @@ import jsonschema
 from core.collectives import Cadence, Collective, Phase, PricedBucket, PricedCollective, Purpose
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
-from core.levers import Attention, LossKind, Mode, Recompute, Runtime, Search
+from core.levers import Attention, LossKind, Mode, Offload, Recompute, Runtime, Search
 from core.mesh import DeviceMesh
 from core.placement import Spec, parse_spec
 from costmodel.buckets import GRAD_BUCKET_BYTES, CommFusion
@@ -98,6 +98,9 @@ class TrainingSettings:
     # probabilities (a cost only where the probabilities are materialised).
     attention: Attention = Attention.FLASH
     attention_dropout: float = 0.0
+    # Parameter → where its states live (`core.levers.Offload`: "optimizer", "params,optimizer"); absent:
+    # on the device.
+    offload: Mapping[str, Offload] = field(default_factory=dict)
 
     @property
     def bucket_bytes(self) -> float:
@@ -167,6 +170,12 @@ class PredictedCost:
     composer: str = "serial"  # the step composer's policy (costmodel/compose.py)
     hidden_comm_s: float = 0.0  # communication the composer hides under compute (not in comm_s)
     bubble_s: float = 0.0  # a pipeline's idle time (fill and drain), in step_time_s
+    # Offloaded states: host-link copies the step waits for (in step_time_s) and those under compute, the
+    # bytes copied a step, and the bytes held in host memory per device.
+    host_s: float = 0.0
+    hidden_host_s: float = 0.0
+    host_copy_bytes: float = 0.0
+    host_memory_bytes: float = 0.0
 
     peak_bytes: float | None = None  # the most held at once (`costmodel.compose.peak_bytes`); None: the sum
 
@@ -319,7 +328,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "force_fp32_communication": s.training.force_fp32_communication,
                      "zero_shard_size": s.training.zero_shard_size,
                      "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
-                     **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {})},
+                     **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {}),
+                     **({"offload": {t: str(m) for t, m in s.training.offload.items()}} if s.training.offload else {})},
         "pipeline": pipeline_doc(s.pipeline),
         "tensors": {t: {"kind": p.kind.value, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
                         "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
@@ -335,6 +345,9 @@ def _document(s: Strategy) -> dict[str, Any]:
                  "optimizer_s": s.cost.optimizer_s, "overhead_s": s.cost.overhead_s, "comm_s": s.cost.comm_s,
                  "memory_bytes_per_device": s.cost.memory_bytes_per_device, "memory": dict(s.cost.memory),
                  "flops_per_device": s.cost.flops_per_device, "bubble_s": s.cost.bubble_s,
+                 **({"host": {"exposed_s": s.cost.host_s, "hidden_s": s.cost.hidden_host_s,
+                              "copy_bytes": s.cost.host_copy_bytes, "memory_bytes_per_device": s.cost.host_memory_bytes}}
+                    if s.cost.host_copy_bytes or s.cost.host_memory_bytes else {}),
                  **({"buckets": [_bucket_doc(b, s.mesh) for b in s.buckets]} if s.buckets is not None else {})},
         "solver": {"status": s.solver.status, "objective": s.solver.objective, "bound": s.solver.bound,
                    "gap": s.solver.gap, "time_s": s.solver.time_s, "num_variables": s.solver.num_variables,
@@ -421,7 +434,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   force_fp32_communication=tr.get("force_fp32_communication", False),
                                   zero_shard_size=tr.get("zero_shard_size"),
                                   attention=Attention(tr.get("attention", "flash")),
-                                  attention_dropout=tr.get("attention_dropout", 0.0)),
+                                  attention_dropout=tr.get("attention_dropout", 0.0),
+                                  offload={t: Offload(m) for t, m in tr.get("offload", {}).items()}),
         pipeline=pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))
@@ -440,7 +454,11 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                            overhead_s=c["overhead_s"], comm_s=c["comm_s"], memory=dict(c["memory"]),
                            flops_per_device=c["flops_per_device"], composer=c["composer"],
                            hidden_comm_s=c["hidden_comm_s"], bubble_s=c.get("bubble_s", 0.0),
-                           peak_bytes=c.get("memory_bytes_per_device")),
+                           peak_bytes=c.get("memory_bytes_per_device"),
+                           host_s=c.get("host", {}).get("exposed_s", 0.0),
+                           hidden_host_s=c.get("host", {}).get("hidden_s", 0.0),
+                           host_copy_bytes=c.get("host", {}).get("copy_bytes", 0.0),
+                           host_memory_bytes=c.get("host", {}).get("memory_bytes_per_device", 0.0)),
         solver=SolverStats(status=sv["status"], objective=sv["objective"], bound=sv["bound"], gap=sv["gap"],
                            time_s=sv["time_s"], num_variables=sv["num_variables"],
                            num_constraints=sv["num_constraints"], num_decision_nodes=sv["num_decisions"],

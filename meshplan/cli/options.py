@@ -198,6 +198,10 @@ def plan_options(fn: F) -> F:
                        "group, only where memory needs it)."),
         click.option("--recompute-layers", type=int, default=None, metavar="N",
                      help="With --recompute full: only the first N layers of each group (Megatron's --recompute-num-layers)."),
+        click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params,optimizer|auto",
+                     help="Model states in host memory: every parameter's optimizer states (optimizer, ZeRO-Offload), or "
+                       "its weights, gradients and optimizer states (params,optimizer, FSDP2's CPUOffloadPolicy), the "
+                       "optimizer step on the host; auto: the ILP decides per parameter."),
         click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE|KIND=SIZE,...|auto",
                      help="Bucket caps for gradient all-reduces and ZeRO's reduce-scatters and gathers (DDP's bucket_cap_mb, "
                        "MindSpore's comm_fusion): one size for all, per kind (allreduce=25MB,allgather=50MB,"
@@ -279,7 +283,7 @@ FLAGS = {
     "accumulation_steps": "--accumulation-steps", "devices": "--devices", "base": "--base", "verify": "--verify",
     "strategy_in": "--strategy-in", "recompute_layers": "--recompute-layers", "mesh_shape": "--mesh",
     "zero_shard_size": "--zero-shard-size", "time_limit_s": "--time-limit", "strategy_out": "--strategy-out",
-    "search": "--search", "save": "--save", "recompute": "--recompute", "strict": "--strict", "steps": "--steps",
+    "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload", "strict": "--strict", "steps": "--steps",
     "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
     "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",

@@ -111,10 +111,13 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
         overhead += f" + pipeline bubble {c.bubble_s * 1e3:.2f} ms"
     if c.hidden_comm_s:
         overhead += f" ({c.hidden_comm_s * 1e3:.2f} ms more communication hidden under compute)"
+    host = f" + host copies {c.host_s * 1e3:.2f} ms" if c.host_copy_bytes else ""
     head.add_row("step time", f"{c.step_time_s * 1e3:.2f} ms = compute {c.compute_s * 1e3:.2f} ms "
-                 f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{overhead}")
+                 f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{host}{overhead}")
     head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} at the peak ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
+    if tr.offload:
+        head.add_row("offload", offload_text(s))
     limit = s.settings.memory_limit_bytes
     if limit is not None and c.memory_bytes_per_device > limit:
         head.add_row("fits", f"NO: {fmt_bytes(c.memory_bytes_per_device)} > the limit {fmt_bytes(limit)}")
@@ -325,6 +328,19 @@ def zero_text(tr: TrainingSettings, *, short: bool = False) -> str:
         return "/".join(map(str, sorted({tr.zero_stage, *counts})))
     parts = ", ".join(f"{n} parameters at stage {stage}" for stage, n in sorted(counts.items()))
     return f"stage {tr.zero_stage}" + (f" ({parts})" if parts else "")
+
+
+def offload_text(s: Strategy) -> str:
+    """What the plan keeps in host memory, and what its host link carries."""
+    c, tr = s.cost, s.training
+    by_mode: dict[str, int] = {}
+    for m in tr.offload.values():
+        by_mode[str(m)] = by_mode.get(str(m), 0) + 1
+    modes = ", ".join(f"{m} of {n} parameter(s)" for m, n in sorted(by_mode.items()))
+    share = c.host_s / c.step_time_s if c.step_time_s else 0.0
+    return (f"{modes} on the host ({fmt_bytes(c.host_memory_bytes)} of host memory per device); host link "
+            f"{fmt_bytes(c.host_copy_bytes)} a step, {c.host_s * 1e3:.2f} ms waited for ({share:.1%} of the step), "
+            f"{c.hidden_host_s * 1e3:.2f} ms under compute; optimizer step on the host")
 
 
 def recompute_text(tr: TrainingSettings, *, short: bool = False) -> str:

@@ -162,7 +162,9 @@ def build_strategy(graph: OpGraph, model_path: str, profile: ProfileRef, mesh: D
         cost=PredictedCost(step_time_s=cost.step_time_s, compute_s=cost.compute_s, optimizer_s=cost.optimizer_s,
                            overhead_s=cost.overhead_s, comm_s=cost.comm_s, memory=dict(cost.memory),
                            flops_per_device=cost.flops_matmul, composer=cost.policy, hidden_comm_s=cost.hidden_comm_s,
-                           peak_bytes=cost.memory_bytes),
+                           peak_bytes=cost.memory_bytes, host_s=cost.host_s, hidden_host_s=cost.hidden_host_s,
+                           host_copy_bytes=cost.host_copy_bytes,
+                           host_memory_bytes=sum(cost.priced.host_memory.values())),
         solver=stats, candidates=candidates, buckets=tuple(cost.priced.buckets),
     )
 
@@ -191,7 +193,8 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         attention=req.attention, attention_dropout=req.attention_dropout, zero_shard_size=req.zero_shard_size,
         global_batch_size=micro * steps if micro is not None else None,
         micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
-        layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes)
+        layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes,
+        offload=dict(priced.offload))
 
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
@@ -240,4 +243,5 @@ def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel
                        options=SolverOptions(time_limit_s=time_limit_s or req.time_limit_s, backend=req.solver,
                                              num_workers=req.workers, cutoff_s=cutoff_s),
                        param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(),
-                       shard_freely=req.layout is None and req.zero_stage is None, **shape)
+                       shard_freely=req.layout is None and req.zero_stage is None,
+                       offload=req.offload, **shape)

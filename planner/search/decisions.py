@@ -10,6 +10,7 @@ from typing import Any
 
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
+from core.levers import Offload
 from core.placement import OpStrategy, Replicate, Spec, fully_sharded
 from costmodel.step import CostModel
 from planner.rules import RuleSet
@@ -53,6 +54,7 @@ class Solution:
     stats: SolverStats
     zero: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where one was chosen
     recompute: dict[str, int] = field(default_factory=dict)  # layer group → layers recomputed (the first), where any
+    offload: dict[str, Offload] = field(default_factory=dict)  # parameter → where its states live, where not the device
     constraints_by_family: dict[str, int] = field(default_factory=dict)
     # Under the overlapped step: the seconds of communication the objective leaves exposed, by term
     # (`ShardingILP.add_overlap`: "exposed_grads", "exposed_gathers").

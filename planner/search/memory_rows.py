@@ -10,8 +10,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from core.levers import Offload
+from costmodel.step import CostModel
 from planner.search.decisions import KIB, Decision, InfeasiblePlanError
 from planner.search.milp import LinearModel
+from planner.search.offload import LayerOffload
 from planner.search.recompute import BIG, GroupTerms
 
 # The price of 1 KiB over the memory limit in the objective (ns): 1 s per MiB, beyond any step time a
@@ -40,6 +43,9 @@ class MemoryRows:
     end_mem: dict[Decision, list[float]]
     over_vars: list[int]  # each memory row's excess over the limit, KiB (`_over`)
     memory_soft: bool  # the rows priced, never held (a layout priced fitting or not)
+    offload: Offload
+    offload_terms: dict[tuple[int, Offload], LayerOffload]
+    cost: CostModel
 
     def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
         """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
@@ -47,15 +53,23 @@ class MemoryRows:
         minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
         if self.floor_limit_bytes is None or self.stage_mem:
             return
-        floor = max(self.min_memory_bytes(self._with_all_recomputed(mem)), self.min_memory_bytes(self.end_mem))
+        floor = max(self.min_memory_bytes(self._with_all_recomputed(self._with_all_offloaded(mem, "saved_kib"))),
+                    self.min_memory_bytes(self._with_all_offloaded(self.end_mem, "saved_end_kib")))
         if floor > self.floor_limit_bytes:
             raise InfeasiblePlanError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
                 f"as its rules allow) but `memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise "
-                "`memory_limit_gib` or add devices")
+                f"`memory_limit_gib`{self._offload_hint()} or add devices")
 
-    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = ()) -> None:
-        """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation counts."""
+    def _offload_hint(self) -> str:
+        """Where states could go to the host and the plan does not let them: the lever that would."""
+        return ", offload model states to the host (`offload` auto)," if (
+            self.offload is Offload.NONE and self.cost.profile.host is not None) else ","
+
+    def add_memory(self, mem: dict[Decision, list[float]], extra: Sequence[tuple[int, int]] = (),
+                   end_extra: Sequence[tuple[int, int]] = ()) -> None:
+        """The memory row (one per pipeline stage); `extra`: (variable, KiB) terms of the recomputation and
+        offload counts; `end_extra`: the offload counts' in the end-of-backward row."""
         if self.memory_limit_bytes is None:
             return
         rows = dict(enumerate(self.stage_mem or [mem]))
@@ -77,8 +91,9 @@ class MemoryRows:
         if not self.gradients_held:
             terms = [(x, math.ceil(b / KIB)) for v, bs in self.end_mem.items() for b, x in zip(bs, self.x[v], strict=True)
                      if b]
-            over = self._over("memory_over[end of backward]", self.end_mem, ())
-            self.model.add("memory[end of backward]", [*terms, (over, -1)], -BIG, int(self.memory_limit_bytes // KIB))
+            over = self._over("memory_over[end of backward]", self.end_mem, end_extra)
+            self.model.add("memory[end of backward]", [*terms, *end_extra, (over, -1)], -BIG,
+                           int(self.memory_limit_bytes // KIB))
             self.constraint_counts["memory"] += 1
 
     def _over(self, name: str, row: dict[Decision, list[float]], extra: Sequence[tuple[int, int]]) -> int:
@@ -125,6 +140,18 @@ class MemoryRows:
         for terms in {id(t): t for t in self.layer_terms.values()}.values():
             for var, kib in terms.saved_kib.items():
                 saved[var] += max(kib, 0.0) * KIB * terms.layers
+        return {d: [b - saved.get(x, 0.0) for b, x in zip(bs, self.x[d], strict=True)] for d, bs in mem.items()}
+
+    def _with_all_offloaded(self, mem: dict[Decision, list[float]], row: str) -> dict[Decision, list[float]]:
+        """Each choice's memory less the most offloading every layer under any mode could free (`row`: the
+        terms' peak or end-of-backward savings; a lower bound for the infeasibility check)."""
+        saved: dict[int, float] = defaultdict(float)
+        for terms in self.offload_terms.values():
+            layers = terms.layers
+            for var, kib in getattr(terms, row).items():
+                saved[var] = max(saved[var], max(kib, 0.0) * KIB * layers)
+        if not saved:
+            return mem
         return {d: [b - saved.get(x, 0.0) for b, x in zip(bs, self.x[d], strict=True)] for d, bs in mem.items()}
 
     @staticmethod

@@ -14,6 +14,7 @@ from core.levers import (
     Dtype,
     LossKind,
     Mode,
+    Offload,
     Recompute,
     Runtime,
     Schedule,
@@ -59,6 +60,7 @@ class PlanRequest:
     zero_stage: int | None = None  # 0–3, or None: auto (each parameter's stage 0–2 chosen by the ILP)
     recompute: Recompute = Recompute.AUTO  # AUTO: the ILP decides how many layers per group
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
+    offload: Offload = Offload.NONE  # model states in host memory: every parameter's, or AUTO (the ILP, per parameter)
     # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
     layout: Layout | None = None
     schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
@@ -85,6 +87,7 @@ class PlanRequest:
     def __post_init__(self) -> None:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
         for name, kind in (("mode", Mode), ("search", Search), ("loss", LossKind), ("recompute", Recompute),
+                           ("offload", Offload),
                            ("composer", Composer), ("attention", Attention), ("runtime", Runtime), ("dtype", Dtype)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, lever(kind, getattr(self, name), name))
@@ -143,6 +146,13 @@ class PlanRequest:
         if self.zero_stage == 3 and not self.decides:
             raise MeshplanError(f"`zero_stage` 3 places the parameters through the ILP: use `mode` auto or semi (for data "
                                 f"parallelism with FSDP, `layout` dp_shard=N), not {self.mode}")
+        if self.offload is not Offload.NONE:
+            if not self.decides:
+                raise MeshplanError(f"`offload` {self.offload} is decided with the sharding by the ILP: use `mode` auto or "
+                                    f"semi, not {self.mode}")
+            if self.layout is not None and self.layout.pipeline > 1:
+                raise MeshplanError(f"`offload` {self.offload} with pp={self.layout.pipeline}: offload is not planned "
+                                    "for pipeline stages yet; drop pp from `layout` or use `offload` none")
         k, g = self.accumulation_steps, self.global_batch_size
         if k is not None and k < 1:
             raise MeshplanError(f"`accumulation_steps` {k}: needs at least 1 micro-step")
@@ -223,7 +233,7 @@ class PlanRequest:
     def searches_pipelines(self) -> bool:
         """Pipelines are tried where the planner chooses the mesh of a global batch."""
         return (self.layout is None and self.mesh_shape is None and self.mode is Mode.AUTO and self.search is Search.ILP
-                and self.global_batch_size is not None and self.micro_batch_size is None
+                and self.offload is Offload.NONE and self.global_batch_size is not None and self.micro_batch_size is None
                 and self.accumulation_steps is None and self.devices > 1)
 
     def recompute_candidates(self, devices_per_node: int = 1) -> list[Recompute]:

@@ -74,9 +74,9 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from core.collectives import Collective, Purpose
+from core.collectives import Cadence, Collective, Purpose
 from core.graph import OpGraph, TensorKind
-from core.levers import Composer
+from core.levers import Composer, Offload
 from core.placement import OpStrategy, Replicate, Shard, Spec
 from costmodel.step import CostModel
 from planner.rules import RuleSet
@@ -99,6 +99,7 @@ from planner.search.decisions import (
 )
 from planner.search.memory_rows import OVER_NS_PER_KIB, MemoryRows
 from planner.search.milp import LinearModel
+from planner.search.offload import MODES, LayerOffload, add_exposed_row, add_offload_counts
 from planner.search.overlap import OverlapTerms
 from planner.search.recompute import GroupTerms, add_counts
 from planner.stagecut import param_stages
@@ -114,7 +115,8 @@ class ShardingILP(MemoryRows, DecisionGraph):
                  zero_stages: tuple[int, ...] | None = None, no_zero: frozenset[str] = frozenset(),
                  recompute_model: CostModel | None = None, recompute_layers: int | None = None,
                  stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = (),
-                 shard_freely: bool = True, floor_limit_bytes: float | None = None, memory_soft: bool = False) -> None:
+                 shard_freely: bool = True, floor_limit_bytes: float | None = None, memory_soft: bool = False,
+                 offload: Offload = Offload.NONE) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `shard_freely`: each parameter may also be split over every axis it would be whole on (ZeRO-3
@@ -130,7 +132,10 @@ class ShardingILP(MemoryRows, DecisionGraph):
         the edges are built (a hand layout that must fit: its infeasible micro-step counts told fast).
         `memory_soft`: the memory rows' excess is only priced, never solved again held to 0 — the plan
         that fits where one does, else the one over by the least (a layout priced as written: proving a
-        tight row infeasible takes a MIP minutes on hundreds of devices)."""
+        tight row infeasible takes a MIP minutes on hundreds of devices).
+        `offload`: where the model states may live (`core.levers.Offload`): beside the sharding, how many
+        layers of each group (and whether the parameters outside them) keep their states on the host,
+        every layer held there for a mode other than auto (`planner/search/offload.py`)."""
         super().__init__(graph, rules, cost, pins=pins or {}, param_layout=param_layout, no_zero=no_zero, follow=follow,
                          zero_options=zero_stages if zero_stages is not None else (cost.zero_stage,),
                          shard_freely=shard_freely)
@@ -156,8 +161,70 @@ class ShardingILP(MemoryRows, DecisionGraph):
                 terms = GroupTerms(prefix=group.prefix, layers=group.num_layers,
                                    fixed=min(recompute_layers, group.num_layers) if recompute_layers is not None else None)
                 self.layer_terms.update({n: terms for n in group.nodes[0] if n != loss_node})
+        self.offload = offload
+        self._offload_groups()
 
     # -- helpers -----------------------------------------------------------------------------------------
+
+    def _offload_groups(self) -> None:
+        """Under offload, each representative parameter's layer group (−1: outside the repeated layers),
+        how many of it one layer holds, and per (group, mode) its per-layer terms (`offload.py`)."""
+        self.offload_terms: dict[tuple[int, Offload], LayerOffload] = {}
+        self.param_group: dict[str, tuple[int, float]] = {}  # representative → (group, instances per layer)
+        if self.offload is Offload.NONE:
+            return
+        g = self.graph
+        per: dict[str, int] = defaultdict(int)
+        for r in self.param_rep.values():
+            per[r] += 1
+        for gi, group in enumerate(g.layers):
+            for name in group.nodes[0]:
+                for t in g.node_by_name[name].inputs:
+                    if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and self.param_rep.get(t) is not None:
+                        r = self.param_rep[t]
+                        self.param_group.setdefault(r, (gi, per[r] / group.num_layers))
+        for r in self.params:
+            self.param_group.setdefault(r, (-1, per[r]))
+        for gi in [-1, *range(len(g.layers))]:
+            layers = g.layers[gi].num_layers if gi >= 0 else 1
+            for mode in MODES:
+                fixed = None if self.offload is Offload.AUTO else layers if mode is self.offload else 0
+                self.offload_terms[(gi, mode)] = LayerOffload(prefix=self.group_key(gi), mode=mode, layers=layers,
+                                                              fixed=fixed)
+
+    def group_key(self, gi: int) -> str:
+        """A layer group's name in the offload counts ("" outside the layers; the index where two share a prefix)."""
+        if gi < 0:
+            return ""
+        prefix = self.graph.layers[gi].prefix
+        return prefix if sum(1 for x in self.graph.layers if x.prefix == prefix) == 1 else f"{prefix}[{gi}]"
+
+    def _offload_param_terms(self, d: Decision, p: str, at: Sequence[tuple[Spec, int]]) -> None:
+        """A representative parameter's share of its group's per-layer offload terms, per choice: the
+        time one layer's instances add offloaded, the device bytes they free, their copies under compute."""
+        gi, k = self.param_group[p]
+        states = self.cost.states
+        per_step = {Cadence.MICRO_BATCH: self.cost.micro_batches, Cadence.STEP: 1}
+        for mode in MODES:
+            terms = self.offload_terms[(gi, mode)]
+            first: dict[int, float] = {}
+            for c, (spec, stage) in enumerate(at):
+                var = self.x[d][c]
+                w, g_, o = states.param_states(p, spec, stage=stage)
+                (w2, g2, o2), _ = states.offloaded(p, spec, mode, stage=stage)
+                peak = (w + g_ + o) - (w2 + g2 + o2) if self.gradients_held else (w + o) - (w2 + o2)
+                terms.saved_kib[var] += peak * k / KIB
+                terms.saved_end_kib[var] += ((w + g_ + o) - (w2 + g2 + o2)) * k / KIB
+                copies = states.host_copies(p, spec, mode, stage=stage)
+                waited = [x for x in copies if not (self.overlapped and x.hideable)]
+                hidden = [x for x in copies if self.overlapped and x.hideable]
+                terms.time_ns[var] += (states.host_optimizer_s(p, spec, stage=stage) - states.optimizer_s(p, spec, stage=stage)
+                                       + sum(x.time_s * per_step[x.cadence] for x in waited)) * k * NS_PER_S
+                terms.hideable_ns[var] += sum(x.time_s * per_step[x.cadence] for x in hidden) * k * NS_PER_S
+                if hidden:
+                    first[var] = max(x.time_s for x in hidden) * NS_PER_S
+            if first:
+                terms.first_ns.append(first)
 
     def _producer_spec(self, e: Edge, choice: int) -> tuple[Spec, int]:
         """The spec the edge's tensor is produced (stored) in, and (a parameter's) ZeRO stage."""
@@ -338,6 +405,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         costs = {d: [0.0] * k for d, k in self.decisions.items()}  # the edges inside a decision: `add_edges`
         self.backward_s = {d: [0.0] * k for d, k in self.decisions.items()}  # the step's backward, of the nodes
         self.compute_s = {d: [0.0] * k for d, k in self.decisions.items()}  # the whole step's, of the nodes
+        self.host_cover_s = {d: [0.0] * k for d, k in self.decisions.items()}  # the same less the loss's collectives
         mem = {d: [0.0] * k for d, k in self.decisions.items()}
         # Pipeline stages: per stage, how many of each representative's nodes (parameters) lie in it.
         count: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
@@ -371,6 +439,8 @@ class ShardingILP(MemoryRows, DecisionGraph):
                     self.stage_mem[st][d] = [b / pmult[p] * k for b in whole]
                 costs[d] = [c + self.cost.states.optimizer_s(p, spec, stage=stage) * pmult[p]
                             for c, (spec, stage) in zip(costs[d], at, strict=True)]
+                if self.offload_terms:
+                    self._offload_param_terms(d, p, at)
                 continue
             node = owner.node
             gnode, strategies = self.graph.node_by_name[node], self._strategies(node)
@@ -383,6 +453,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
                 # (the cover the gathers hide under: with the loss's collectives, as before — without them, the
                 # same optimum took CBC past its 60 s on Llama-3-70B at global batch 16; a lower bound)
                 self.compute_s[d][c] += pj.time_s * mult[node] * self.cost.micro_batches
+                self.host_cover_s[d][c] += pj.compute_s * mult[node] * self.cost.micro_batches
                 # A recomputed node holds its activations once (one layer at a time), its layer input
                 # in every layer it stands for.
                 mem[d][c] += priced[j].activation_bytes * mult[node] + priced[j].recomputed_bytes
@@ -463,15 +534,23 @@ class ShardingILP(MemoryRows, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
-        self.add_memory(mem, counts.memory)
+        offloads = add_offload_counts(self.model, list(self.offload_terms.values()))
+        self.add_memory(mem, [*counts.memory, *offloads.memory], end_extra=offloads.memory_end)
         edge_terms += self.add_overlap()
+        cover = [(v, round(t * NS_PER_S)) for d, ts in self.host_cover_s.items()
+                 for t, v in zip(ts, self.x[d], strict=True) if round(t * NS_PER_S)]
+        exposed_host = add_exposed_row(self.model, offloads, [*cover, *counts.objective])
+        if exposed_host is not None:
+            edge_terms.append((1, exposed_host))
+            self.overlap_vars["exposed_host"] = exposed_host
         self.add_pins()
         self._hint_replicated()
         node_terms = [(round(c * NS_PER_S), x) for d, cs in node_costs.items() for c, x in zip(cs, self.x[d], strict=True)]
         # Among plans of equal step time, prefer less memory: 1 ns per MiB per device, far below any
         # real difference in time (reported costs come from pricing the plan, not from this sum).
         tie_break = [(_tie_ns(b), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
-        self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective
+        self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective \
+            + offloads.objective
         self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
         fixed_s = sum(self.cost.fixed_s())  # in every plan's step, not in the model
@@ -502,6 +581,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
+        offload = _offloaded_layers(self, {key: sum(w * result.values[v] for v, w in bits) for key, bits in offloads.bits.items()})
         # The step the model prices at the solution: less the tie-break and any excess's price, plus
         # what every plan pays; the bound less the most tie-break any solution could carry.
         aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
@@ -515,9 +595,32 @@ class ShardingILP(MemoryRows, DecisionGraph):
             num_constraints=self.model.num_constraints,
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
         )
-        return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute,
+        return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute, offload=offload,
                         constraints_by_family=dict(self.constraint_counts),
                         exposed_s={n: result.values[v] / NS_PER_S for n, v in self.overlap_vars.items()})
+
+
+def _offloaded_layers(self: ShardingILP, counts: Mapping[tuple[str, Offload], int]) -> dict[str, Offload]:
+    """Every parameter's place from the counts: in each group, its first layers' states on the host
+    under params,optimizer, the next under optimizer; outside the layers, as that group's count says."""
+    g = self.graph
+    out: dict[str, Offload] = {}
+    in_layers: set[str] = set()
+    for gi, group in enumerate(g.layers):
+        key = self.group_key(gi)
+        modes = [Offload.PARAMS] * counts.get((key, Offload.PARAMS), 0) + \
+            [Offload.OPTIMIZER] * counts.get((key, Offload.OPTIMIZER), 0)
+        for i, layer in enumerate(group.nodes):
+            for name in layer:
+                for t in g.node_by_name[name].inputs:
+                    if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and t in self.param_rep:
+                        in_layers.add(t)
+                        if i < len(modes):
+                            out.setdefault(t, modes[i])
+    for mode in (Offload.PARAMS, Offload.OPTIMIZER):
+        if counts.get(("", mode)):
+            out.update({t: mode for t in self.param_rep if t not in in_layers and t not in out})
+    return out
 
 
 def _tie_ns(nbytes: float) -> int:

@@ -1,0 +1,152 @@
+"""Offload as a decision of the sharding ILP (`core.levers.Offload`): per parameter, its states on the
+device, its optimizer states on the host (ZeRO-Offload), or its weights, gradients and optimizer states
+on the host (FSDP2's CPUOffloadPolicy), with the optimizer step on the host. Priced from the profile's
+`host` block (copy bandwidth, the host's AdamW rate), the copies that can run under compute hidden there
+up to the step's compute, all but the first."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from core.errors import MeshplanError
+from core.levers import Offload
+from hwprofiles.files import load_profile
+from hwprofiles.profile import profile_from_json, profile_to_json
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
+from planner.strategy import Strategy, load_strategy
+
+TINY = {"batch": 4, "seq": 64}
+
+
+def _params(s: Strategy) -> dict[str, int]:
+    out = {}
+    for t, p in s.tensors.items():
+        if p.kind.value == "param":
+            n = 1
+            for d in p.shape:
+                n *= d
+            out[t] = n
+    return out
+
+
+def test_offloaded_step_is_the_closed_form(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """llama-tiny on one H100, every parameter's states on the host (mixed precision: fp32 weights and
+    gradients, 8 bytes of AdamW moments): each micro-batch copies every weight to the device twice
+    (forward, backward) and every gradient to the host, 12 bytes a parameter at the profile's copy
+    bandwidth; those hide under the step's compute but for the largest copy, which waits. The device
+    holds no model state; the host 16 bytes a parameter, and runs AdamW at its rate per parameter."""
+    s, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims=TINY, profile="h100-sxm", devices=1,
+                                 offload="params,optimizer"))
+    host = load_profile("h100-sxm").host
+    assert host is not None
+    params = _params(s)
+    assert s.training.offload == dict.fromkeys(params, Offload.PARAMS)
+    total = sum(params.values())
+    rate = host.copy_bandwidth_bytes_per_s  # one device copying: below the node's share
+    hideable = 12 * total / rate
+    first = 4 * max(params.values()) / rate
+    assert s.cost.host_copy_bytes == pytest.approx(12 * total, rel=1e-12)
+    assert s.cost.host_s == pytest.approx(max(first, hideable - s.cost.compute_s), rel=1e-9)
+    assert s.cost.host_s + s.cost.hidden_host_s == pytest.approx(hideable, rel=1e-9)
+    assert s.cost.host_memory_bytes == pytest.approx(16 * total, rel=1e-12)
+    assert s.cost.memory["parameters"] == s.cost.memory["gradients"] == s.cost.memory["optimizer"] == 0
+    step = host.optimizer_step
+    assert s.cost.optimizer_s == pytest.approx(len(params) * step.tensor_s + total * step.param_s, rel=1e-9)
+    # The ILP's objective is the step the composer prices (integer ns in the ILP)
+    assert s.solver.objective == pytest.approx(s.cost.step_time_s, rel=1e-6)
+    # ... and the strategy file keeps it
+    s.save(tmp_path / "s.json")
+    back = load_strategy(tmp_path / "s.json")
+    assert back.training.offload == s.training.offload
+    assert (back.cost.host_s, back.cost.host_copy_bytes) == (s.cost.host_s, s.cost.host_copy_bytes)
+
+
+def test_optimizer_offload_on_the_serial_step(zoo: Callable[[str], Path]) -> None:
+    """On the CPU profile (gloo: nothing overlapped) the optimizer states on the host: each step copies
+    every gradient out and every updated weight back, fp32, all waited for; the device keeps its
+    weights and gradients."""
+    s, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims=TINY, profile="cpu", devices=1,
+                                 offload="optimizer"))
+    host = load_profile("cpu").host
+    assert host is not None
+    total = sum(_params(s).values())
+    assert s.cost.host_s == pytest.approx(8 * total / host.copy_bandwidth_bytes_per_s, rel=1e-9)
+    assert s.cost.hidden_host_s == 0.0
+    assert s.cost.memory["optimizer"] == 0 and s.cost.memory["parameters"] == pytest.approx(4 * total)
+    assert s.cost.host_memory_bytes == pytest.approx(8 * total)
+
+
+def test_auto_offloads_only_where_memory_needs_it(zoo: Callable[[str], Path]) -> None:
+    """GPT-2-medium on one H100: without a limit nothing goes to the host (the device's optimizer step
+    and no copies are faster). Under a limit below what its states and activations need on the device,
+    `auto` fits by offloading, and is no slower than either offload held for every parameter."""
+    base = dict(model=str(zoo("gpt2-medium")), dims={"batch": 4, "seq": 512}, profile="h100-sxm", devices=1)
+    free, _ = make_plan(PlanRequest(**base, offload="auto"))
+    assert free.training.offload == {}
+    tight = free.cost.memory_bytes_per_device / 2**30 * 0.6
+    with pytest.raises(MeshplanError, match=r"offload"):
+        make_plan(PlanRequest(**base, memory_limit_gib=tight, recompute="none"))
+    auto, _ = make_plan(PlanRequest(**base, memory_limit_gib=tight, offload="auto"))
+    assert auto.training.offload and auto.cost.memory_bytes_per_device <= tight * 2**30
+    for held in ("optimizer", "params,optimizer"):
+        try:
+            other, _ = make_plan(PlanRequest(**base, memory_limit_gib=tight, offload=held))
+        except MeshplanError:
+            continue
+        assert auto.cost.step_time_s <= other.cost.step_time_s * (1 + 1e-9), held
+
+
+def test_profile_host_block_round_trips() -> None:
+    p = load_profile("h100-sxm")
+    assert p.host is not None and p.host.copy_rate(8) == pytest.approx(min(p.host.copy_bandwidth_bytes_per_s,
+                                                                            614.4e9 / 8))
+    back = profile_from_json(profile_to_json(p))
+    assert back.host == p.host and back.digest == p.digest
+
+
+@pytest.mark.parametrize("case", ["no-host", "pipeline", "data-parallel", "word"])
+def test_offload_refusals_are_one_line(case: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    model = str(zoo("llama-tiny"))
+    args = [model, "--dim", "batch=4", "--dim", "seq=64", "--devices", "1", "-o", str(tmp_path / "s.json")]
+    if case == "no-host":
+        doc = profile_to_json(load_profile("cpu"))
+        del doc["host"]
+        (tmp_path / "p.json").write_text(json.dumps(doc))
+        args += ["--profile", str(tmp_path / "p.json"), "--offload", "optimizer"]
+        want = "has no `host` block"
+    elif case == "pipeline":
+        args = [model, "--dim", "seq=64", "--global-batch-size", "4", "--devices", "2", "--layout", "pp=2",
+                "--offload", "auto", "-o", str(tmp_path / "s.json")]
+        want = "not planned for pipeline stages"
+    elif case == "data-parallel":
+        args = [*args[:-4], "--devices", "2", "--mode", "data-parallel", "--offload", "auto", *args[-2:]]
+        want = "decided with the sharding by the ILP"
+    else:
+        args += ["--offload", "disk"]
+        want = "--offload disk: choose one of none, optimizer, params,optimizer, auto"
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    assert want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_llama3_8b_on_one_h100_fits_only_with_offload(zoo: Callable[[str], Path]) -> None:
+    """The issue's case: Llama-3-8B, 1 × 4096 tokens, one H100. Its model states alone are 16 bytes a
+    parameter, 120 GiB: no plan fits without offload, and the refusal names the bytes and the lever.
+    With `auto` a plan fits, states on the host, its host-link share of the step shown."""
+    base = dict(model=str(zoo("llama3-8b")), dims={"batch": 1, "seq": 4096}, profile="h100-sxm", devices=1)
+    with pytest.raises(MeshplanError, match=r"at least 119\.\d GiB per device.*offload"):
+        make_plan(PlanRequest(**base))
+    s, _ = make_plan(PlanRequest(**base, offload="auto"))
+    assert s.cost.memory_bytes_per_device <= 0.9 * 80e9
+    assert s.training.offload and s.cost.host_memory_bytes > 40 * 2**30
+    assert 0 < s.cost.host_s < s.cost.step_time_s
+    assert s.solver.objective == pytest.approx(s.cost.step_time_s, rel=1e-6)
