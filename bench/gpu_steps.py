@@ -83,12 +83,44 @@ def predictions(profile: str | None = None) -> list[dict[str, Any]]:
     return out
 
 
+OFFLOAD = GPU / "h100" / "session-2026-11-26-2330" / "offload.json"
+
+
+def offload_predictions(profile: str = "h100-sxm-calibrated") -> list[dict[str, Any]]:
+    """The whole steps of bench/gpu/measure_offload.py (a 0.85B Llama, 4 × 2048, fully_shard per block on
+    one H100 with MixedPrecisionPolicy(bf16, fp32), fused AdamW; with and without CPUOffloadPolicy) beside
+    meshplan's plans of the same: `--dtype mixed`, every parameter's states on the host or none."""
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    out = []
+    for r in json.loads(OFFLOAD.read_text())["steps"]:
+        s, _ = make_plan(PlanRequest(model=str(exported("llama-0.85b")), dims={"batch": r["batch"], "seq": r["seq"]},
+                                     profile=profile, devices=1, dtype="mixed", recompute="none",
+                                     offload="params,optimizer" if r["offload"] else "none"))
+        out.append({**r, "predicted_step_s": s.step_time_s, "predicted_optimizer_s": s.cost.optimizer_s,
+                    "predicted_host_s": s.cost.host_s, "predicted_bytes": s.cost.memory_bytes_per_device})
+    return out
+
+
 def bench_gpu_steps(console: Console) -> None:
     """The steps on the profile fitted from micro.json, then on `h100-sxm-calibrated` (calibrate run on
     an H100 on 2026-11-26: the same kind of GPU, another machine and day)."""
     for profile, title in ((None, "profile fitted from micro.json alone"),
                            ("h100-sxm-calibrated", "preset h100-sxm-calibrated: calibrate on an H100, 2026-11-26")):
         _table(console, predictions(profile), title)
+    table = Table(title="one H100: FSDP2 steps with and without CPUOffloadPolicy (offload.json) against meshplan "
+                        "(h100-sxm-calibrated)")
+    for col in ("offload", "step measured", "predicted", "error", "optimizer measured", "predicted",
+                "host copies waited (predicted)", "peak memory measured", "predicted"):
+        table.add_column(col, justify="right")
+    for r in offload_predictions():
+        table.add_row("params,optimizer" if r["offload"] else "none", f"{r['step_s'] * 1e3:.1f} ms",
+                      f"{r['predicted_step_s'] * 1e3:.1f} ms", f"{r['predicted_step_s'] / r['step_s'] - 1:+.1%}",
+                      f"{r['optimizer_s'] * 1e3:.1f} ms", f"{r['predicted_optimizer_s'] * 1e3:.1f} ms",
+                      f"{r['predicted_host_s'] * 1e3:.1f} ms", f"{r['peak_bytes'] / 2**30:.1f} GiB",
+                      f"{r['predicted_bytes'] / 2**30:.1f} GiB")
+    console.print(table)
 
 
 def _table(console: Console, rows: list[dict[str, Any]], title: str) -> None:

@@ -121,10 +121,16 @@ class ModelStates:
     def offloaded(self, tensor: str, spec: Spec, mode: Offload, zero_degree: int | None = None, *,
                   stage: int | None = None) -> tuple[tuple[float, float, float], float]:
         """A parameter's (weights, gradients, optimizer states) bytes left on the device under `mode`, and
-        the bytes it holds in host memory."""
+        the bytes it holds in host memory: OPTIMIZER, the optimizer's shard's states with its gradient
+        copied out and, where the weights are fp32 (no master copy among the states), the fp32 weights it
+        steps (ZeRO-Offload's host copy); PARAMS, the whole states (FSDP2 keeps the sharded fp32
+        parameters, their gradients and the optimizer states on the host)."""
         w, g, o = self.param_states(tensor, spec, zero_degree, stage=stage)
         if mode is Offload.OPTIMIZER:
-            return (w, g, 0.0), o
+            dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
+            shard = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / max(dp, 1)
+            p = self.precision
+            return (w, g, 0.0), o + shard * (p.grad_bytes + (p.weight_bytes if p.weight_bytes == 4 else 0))
         if mode is Offload.PARAMS:
             return (0.0, 0.0, 0.0), w + g + o
         return (w, g, o), 0.0

@@ -79,7 +79,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
                                  key=lambda p: sum(p.values())),  # the slowest rank's
         "predicted_phases_s": {"compute_s": strategy.cost.compute_s, "comm_s": strategy.cost.comm_s,
                                "bubble_s": strategy.cost.bubble_s, "optimizer_s": strategy.cost.optimizer_s,
-                               "overhead_s": strategy.cost.overhead_s},
+                               "overhead_s": strategy.cost.overhead_s, "host_s": strategy.cost.host_s},
         "predicted_memory_bytes": strategy.cost.memory_bytes_per_device if on_gpu else metered(strategy.cost.memory),
         "measured_memory_bytes": max(r["measured_memory_bytes"] for r in reports.values()),
         "collectives_planned": planned_counts(strategy, graph=graph, backend=r0.get("backend", "gloo")),
@@ -90,6 +90,9 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
     result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)
+    if "measured_host_bytes" in r0:  # optimizer states on the host (`executor/offload.py`)
+        result["predicted_host_bytes"] = strategy.cost.host_memory_bytes
+        result["measured_host_bytes"] = max(r["measured_host_bytes"] for r in reports.values())
     if "load_peak_extra_bytes" in r0:
         result["load_peak_extra_bytes"] = max(r["load_peak_extra_bytes"] for r in reports.values())
         result["largest_parameter_bytes"] = r0["largest_parameter_bytes"]

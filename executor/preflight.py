@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from core.collectives import Cadence, Collective
 from core.errors import MeshplanError
 from core.graph import OpGraph, TensorKind
-from core.levers import Attention, LossKind
+from core.levers import Attention, LossKind, Offload
 from costmodel.bucketing import is_bucketed
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
@@ -93,6 +93,11 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
                        f"dropout; this plan prices {tr.attention} attention"
                        + (f" with dropout {tr.attention_dropout:g}" if tr.attention_dropout else "")
                        + ": plan with `attention` flash or eager and `attention_dropout` 0 to run it")
+    weights_out = sorted(t for t, m in tr.offload.items() if m == Offload.PARAMS)
+    if weights_out:
+        raise RunError(f"the plan keeps {weights_out[0]}'s weights on the host (offload params,optimizer; "
+                       f"{len(weights_out)} parameters): `run` keeps every weight on its device; train it under "
+                       "meshplan.apply (FSDP2's CPUOffloadPolicy) or plan with `offload` optimizer")
     k = strategy.training.micro_batches
     # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()

@@ -515,8 +515,13 @@ class SpmdRunner:
     def optimizer_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimizer steps: every parameter, except that a ZeRO bucket is stepped on this rank's
         shard of it only (call after the first step, which packs the buckets)."""
+        return [p for _, p in self.optimizer_groups()]
+
+    def optimizer_groups(self) -> list[tuple[tuple[str, ...], torch.nn.Parameter]]:
+        """`optimizer_parameters`, each with the graph parameters it holds (a ZeRO bucket's, or one)."""
         zeroed = {n for b in self.zero_buckets for n in b.names}
-        return [p for n, p in self.params.items() if n not in zeroed] + [b.shard for b in self.zero_buckets]
+        return [((n,), p) for n, p in self.params.items() if n not in zeroed] + \
+            [(tuple(b.names), b.shard) for b in self.zero_buckets]
 
     def after_optimizer_step(self) -> None:
         """ZeRO: every rank's updated shard all-gathered into the flat parameters (the module's views)."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from typing import Any
 
 import torch
@@ -144,11 +144,13 @@ def diverge(module: torch.nn.Module, seed: int) -> None:
             p.add_(0.01 * torch.randn(p.shape, generator=g).to(p.device))
 
 
-def state_bytes(module: torch.nn.Module, optim: torch.optim.Optimizer, runner: SpmdRunner) -> int:
-    """Model states held by this rank: weights, gradients, optimizer state tensors, ZeRO-2 gradient shards."""
+def state_bytes(module: torch.nn.Module, optim: torch.optim.Optimizer, runner: SpmdRunner, *,
+                host: Container[int] = frozenset()) -> int:
+    """Model states held by this rank's device: weights, gradients, optimizer state tensors (but those of
+    the parameters stepped on the host, by id: `host`), ZeRO-2 gradient shards."""
     out = sum(p.numel() * p.element_size() for p in module.parameters())
     out += sum(p.grad.numel() * p.grad.element_size() for p in module.parameters() if p.grad is not None)
-    out += sum(v.numel() * v.element_size() for st in optim.state.values() for v in st.values()
+    out += sum(v.numel() * v.element_size() for p, st in optim.state.items() if id(p) not in host for v in st.values()
                if isinstance(v, torch.Tensor) and v.dim() > 0)
     return out + runner.grad_shard_bytes()
 

@@ -29,6 +29,7 @@ from costmodel.loss import loss_input_spec, loss_kind
 from executor.dtensors import local_shard
 from executor.interpreter import OnnxModule, load_module
 from executor.measure import CollectiveCounter, SavedMeter
+from executor.offload import HostStates
 from executor.pipeline import PipelinedStep
 from executor.preflight import RunError, RunOptions, check_step
 from executor.spmd import SpmdRunner
@@ -195,7 +196,12 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     train.after_load()
 
     first_loss, _, _, peak_saved = train.step(measure=True)  # a pipeline's first step also infers its shapes
-    optim = make_optimizer(runner.optimizer_parameters(), opts)  # the first step packed ZeRO's shards
+    host = HostStates(runner, dict(strategy.training.offload), device) if strategy.training.offload else None
+    if host is not None and (opts.load or opts.save):
+        raise RunError("checkpoints of a plan whose optimizer states live on the host are not written or read yet; "
+                       "drop --save/--load or plan with `offload` none")
+    # (the first step packed ZeRO's shards; offloaded ones stepped through their host copies)
+    optim = make_optimizer(host.params if host is not None else runner.optimizer_parameters(), opts)
     if opts.load:
         checkpoint.init_optimizer_state(runner, optim)  # this rank's shards of the states, which the load fills
         assert load_peak is not None
@@ -209,7 +215,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.verify:
         # Copies: a replicated value's full tensor is the local one, which later steps update in place.
         grads = {n: runner.gradient(n).cpu().clone() for n, _ in own}
-    optim.step()
+    optimizer_step(optim, host)
     runner.after_optimizer_step()  # ZeRO: the updated shards gathered
     if opts.verify:
         after = {n: runner.full_parameter(n, p.detach()).cpu().clone() for n, p in own}
@@ -238,7 +244,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
         _, executed, spans, peak = train.step(measure=warm and i > 0, count=i == 0)
         t1 = clock(device)
         with CollectiveCounter() if i == 0 else contextlib.nullcontext() as comm:
-            optim.step()
+            optimizer_step(optim, host)
             runner.after_optimizer_step()
         t2 = clock(device)
         if comm is not None:
@@ -284,11 +290,24 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
                                    enumerate((*train.phases, "optimizer"))} if phases else {}
     # Memory the cost model predicts, measured: model states and the activations autograd saved for
     # backward in one step (the largest step's).
-    report["measured_memory_bytes"] = state_bytes(module, optim, runner) + peak_saved
+    report["measured_memory_bytes"] = state_bytes(module, optim, runner, host=host.host if host else frozenset()) \
+        + peak_saved
+    if host is not None:
+        report["measured_host_bytes"] = host.host_bytes(optim)
     if device.type == "cuda":  # what the allocator held at its peak over the steps (states, activations, transients)
         report["measured_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0
     return report
+
+
+def optimizer_step(optim: torch.optim.Optimizer, host: HostStates | None) -> None:
+    """The optimizer's step; offloaded states stepped on the host, their gradients copied there first and
+    their weights back after (`executor/offload.py`)."""
+    if host is not None:
+        host.before_step()
+    optim.step()
+    if host is not None:
+        host.after_step()
 
 
 def worker(rank: int, world: int, port: int, strategy_json: str, model_path: str, opts: RunOptions, out: Any) -> None:

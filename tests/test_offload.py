@@ -71,7 +71,7 @@ def test_offloaded_step_is_the_closed_form(zoo: Callable[[str], Path], tmp_path:
 def test_optimizer_offload_on_the_serial_step(zoo: Callable[[str], Path]) -> None:
     """On the CPU profile (gloo: nothing overlapped) the optimizer states on the host: each step copies
     every gradient out and every updated weight back, fp32, all waited for; the device keeps its
-    weights and gradients."""
+    weights and gradients, the host the fp32 weights it steps, their gradients and AdamW's moments."""
     s, _ = make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims=TINY, profile="cpu", devices=1,
                                  offload="optimizer"))
     host = load_profile("cpu").host
@@ -80,7 +80,7 @@ def test_optimizer_offload_on_the_serial_step(zoo: Callable[[str], Path]) -> Non
     assert s.cost.host_s == pytest.approx(8 * total / host.copy_bandwidth_bytes_per_s, rel=1e-9)
     assert s.cost.hidden_host_s == 0.0
     assert s.cost.memory["optimizer"] == 0 and s.cost.memory["parameters"] == pytest.approx(4 * total)
-    assert s.cost.host_memory_bytes == pytest.approx(8 * total)
+    assert s.cost.host_memory_bytes == pytest.approx(16 * total)
 
 
 def test_auto_offloads_only_where_memory_needs_it(zoo: Callable[[str], Path]) -> None:
@@ -150,3 +150,53 @@ def test_llama3_8b_on_one_h100_fits_only_with_offload(zoo: Callable[[str], Path]
     assert s.training.offload and s.cost.host_memory_bytes > 40 * 2**30
     assert 0 < s.cost.host_s < s.cost.step_time_s
     assert s.solver.objective == pytest.approx(s.cost.step_time_s, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_fsdp2_cpu_offload_step_measured_on_an_h100() -> None:
+    """bench/gpu/h100/session-2026-11-26-2330/offload.json: a 0.85B Llama on one H100, FSDP2 mixed
+    precision, 151.6 ms a step on the device and 470.9 ms under CPUOffloadPolicy (AdamW on 16 host
+    threads 199.0 ms). The plans price both within 20%, the host's optimizer step within 5%, and the
+    offloaded step's slowdown at least 2.5x (measured 3.1x)."""
+    from bench.gpu_steps import offload_predictions
+
+    rows = {r["offload"]: r for r in offload_predictions()}
+    for r in rows.values():
+        assert abs(r["predicted_step_s"] / r["step_s"] - 1) < 0.2, r
+    assert rows[True]["predicted_optimizer_s"] == pytest.approx(rows[True]["optimizer_s"], rel=0.05)
+    assert rows[True]["predicted_step_s"] / rows[False]["predicted_step_s"] > 2.5
+    assert rows[True]["predicted_bytes"] < rows[False]["predicted_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 2])
+def test_run_with_optimizer_states_on_the_host_equals_one_process(zero: int, zoo: Callable[[str], Path],
+                                                                  tmp_path: Path) -> None:
+    """`meshplan run` of gpt2-tiny data-parallel on 2 gloo ranks with every optimizer state on the host
+    (ZeRO-2's shards too): AdamW stepped on host copies, gradients copied out and weights back (CPU to
+    CPU here), equal to one process (< 1e-5, fp32) with the planned collectives; the device holds the
+    weights, gradients and activations the plan predicts (within 10%: no optimizer state), the host the
+    bytes it predicts."""
+    from tests.test_training_step import run_equals_one_process
+
+    model = zoo("gpt2-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 32}, profile="cpu", devices=2,
+                                 layout="dp_replicate=2", zero_stage=zero, offload="optimizer"))
+    assert set(s.training.offload.values()) == {Offload.OPTIMIZER} and len(s.training.offload) == len(_params(s))
+    assert s.cost.memory["optimizer"] == 0
+    r = run_equals_one_process(s, model, tmp_path)
+    assert r["measured_memory_bytes"] == pytest.approx(r["predicted_memory_bytes"], rel=0.10), r
+    assert r["measured_host_bytes"] == pytest.approx(r["predicted_host_bytes"], rel=1e-6), r
+
+
+def test_run_refuses_weights_on_the_host(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    from executor.launch import run
+    from executor.preflight import RunOptions
+
+    model = zoo("gpt2-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 32}, profile="cpu", devices=1,
+                                 offload="params,optimizer"))
+    s.save(tmp_path / "s.json")
+    with pytest.raises(MeshplanError, match=r"`run` keeps every weight on its device.*meshplan.apply"):
+        run(str(tmp_path / "s.json"), str(model), nproc=1, timeout_s=120, opts=RunOptions(steps=1))
