@@ -63,13 +63,15 @@ from torch.distributed.tensor.parallel import parallelize_module
 from core import placement as mp
 from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
-from core.levers import Runtime
+from core.levers import Offload, Runtime
 from executor.apply_layers import (
     compile_module,
     inductor_missing,
     layer_module,
     module_keys,
+    offloaded_units,
     recompute_layers,
+    weights_offloaded,
 )
 from executor.apply_tp import module_boundaries
 from executor.apply_tp_plan import planned_spec, source_parameter
@@ -107,6 +109,7 @@ class ApplyReport:
     runtime: str = "eager"  # the plan's runtime (what it priced)
     dp_rank: int = 0  # this rank's share of the batch (its index over the data-parallel axes) …
     dp_size: int = 1  # … among this many
+    offloaded: list[str] = field(default_factory=list)  # fully_shard units under CPUOffloadPolicy ("" the root)
 
     def batch_share(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global batch, as a data loader gives them (all rows where no axis splits
@@ -152,6 +155,10 @@ class ApplyReport:
             out.append(f"replicated over {self.tp_axis}: every rank computes the whole step, as the plan does")
         if self.zero:
             out.append(self.zero)
+        if self.offloaded:
+            layers = [u for u in self.offloaded if u]
+            out.append(f"offload: weights, gradients and optimizer states on the host (fully_shard's CPUOffloadPolicy) "
+                       f"for {len(layers)} layers" + (" and the root" if "" in self.offloaded else ""))
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules"
                        + (" (selective: attention's and every other matmul's outputs saved)"
@@ -277,8 +284,13 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report)
     elif dp_big:
         _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
-    elif s.settings.dtype == "mixed" and not tp_axes:  # one device: the policy alone, as a user's FSDP2 run has it
+    elif (s.settings.dtype == "mixed" or weights_offloaded(s)) and not tp_axes:  # one device: the policy (and
+        # the offload) alone, as a user's FSDP2 run has them
         _fully_shard(s, module, mesh[names[0]] if len(names) > 1 else mesh, None, report)
+    if any(m == Offload.OPTIMIZER for m in s.training.offload.values()):
+        report.fallbacks.append("offload optimizer: the optimizer is yours and FSDP2 offloads no optimizer state alone; "
+                                "its states stay on the device (plan with `offload` params,optimizer for "
+                                "CPUOffloadPolicy, or train with meshplan run)")
     if s.settings.dtype in ("bf16", "fp16"):  # no policy is applied for them, under fully_shard or not
         report.fallbacks.append(f"{s.settings.dtype}: the module trains in its own dtype (plan with `dtype` mixed "
                                 "for fully_shard's MixedPrecisionPolicy, or amp to run under report.autocast())")
@@ -385,8 +397,13 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         report.data_parallel = "fully_shard"
         if not again:
             _zero_as_fully_shard(module, zero, report)
-        _expect(report, {"all_gather": 2 if again else 1, "reduce_scatter": 1})  # one unit: the root
+        units = 1 + len([u for u in report.offloaded if u])  # the root, and each offloaded layer
+        _expect(report, {"all_gather": (2 if again else 1) * units, "reduce_scatter": units})
     else:
+        if weights_offloaded(s):
+            raise ApplyError(f"the plan keeps weights on the host (offload params,optimizer) and every parameter whole "
+                             f"over '{name}' (DDP); apply offloads weights with fully_shard's CPUOffloadPolicy: plan with "
+                             "`zero_stage` 3 (or `layout` dp_shard=N)")
         from torch.distributed._composable.replicate import replicate
 
         cap = s.training.comm_fusion.allreduce
@@ -462,11 +479,22 @@ def _sharded_together(axis: str, whole: int, report: ApplyReport) -> None:
 def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
                  report: ApplyReport) -> None:
     """`fully_shard` on `mesh`; a mixed plan under MixedPrecisionPolicy (bf16 compute on the gathered
-    weights, fp32 reductions and states). `reshard_after_forward` None: FSDP2's default."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    weights, fp32 reductions and states). `reshard_after_forward` None: FSDP2's default. Where the plan
+    keeps layers' weights on the host (offload params,optimizer), each such layer its own unit under
+    CPUOffloadPolicy, and the root under it where the parameters outside them are too
+    (`apply_layers.offloaded_units`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mixed = s.settings.dtype == "mixed"
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
         else MixedPrecisionPolicy()
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    host = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    units, root = offloaded_units(s, module, report)
+    for fqn, layer in units:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=host)
+        report.offloaded.append(fqn)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                offload_policy=host if root else OffloadPolicy())
+    if root:
+        report.offloaded.append("")
     report.mixed_policy = mixed

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from core.graph import OpGraph
-from core.levers import Recompute
+from core.levers import Offload, Recompute
 from executor.binding import best_match, name_key
 from executor.recompute import selective_contexts
 from planner.strategy import Strategy
@@ -53,6 +53,32 @@ def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: Any
         report.recompute = str(policy)
 
 
+
+
+def weights_offloaded(s: Strategy) -> bool:
+    """Whether the plan keeps any weights on the host (offload params,optimizer)."""
+    return any(m == Offload.PARAMS for m in s.training.offload.values())
+
+
+def offloaded_units(s: Strategy, module: nn.Module, report: Any) -> tuple[list[tuple[str, nn.Module]], bool]:
+    """The layers whose weights the plan keeps on the host, each a module whose parameters are all
+    offloaded (its FQN and module), and whether the parameters outside them are too (the root's)."""
+    if not weights_offloaded(s):
+        return [], False
+    offloaded = {fqn for b in report.bindings for fqn in b.fqns if s.training.offload.get(b.onnx) == Offload.PARAMS}
+    names = [n for n, _ in module.named_parameters(remove_duplicate=False)]
+    units: list[tuple[str, nn.Module]] = []
+    taken: set[str] = set()
+    for fqn, sub in module.named_modules():
+        mine = [n for n in names if n.startswith(f"{fqn}.")]
+        if not fqn or not mine or any(fqn.startswith(f"{u}.") for u, _ in units):
+            continue
+        # a layer: its parameters all offloaded, and it is one of the repeated blocks (a module list's entry)
+        if all(n in offloaded for n in mine) and fqn.rsplit(".", 1)[-1].isdigit():
+            units.append((fqn, sub))
+            taken.update(mine)
+    rest = [n for n in names if n not in taken]
+    return units, bool(rest) and all(n in offloaded for n in rest)
 
 
 def compile_module(graph: OpGraph, module: nn.Module, report: Any) -> None:

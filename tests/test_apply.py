@@ -56,7 +56,10 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "recompute-compiled": {"mode": "data-parallel", "zero_stage": 0, "recompute": "full",
                                                            "runtime": "compiled"},
                                     # HSDP on 4 ranks: whole over dp_replicate, split over dp_shard
-                                    "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3}}
+                                    "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3},
+                                    # every layer and the root under CPUOffloadPolicy (a no-op move on CPU ranks)
+                                    "zero3-offload": {"layout": "dp_shard=2", "zero_stage": 3,
+                                                      "offload": "params,optimizer"}}
 RANKS = {"hsdp": 4}  # (the others: 2)
 
 
@@ -188,7 +191,7 @@ CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
     [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")] + [(m, "selective") for m in ("gpt2-tiny", "llama-tiny")] + \
-    [("gpt2-tiny", "selective-compiled")]
+    [("gpt2-tiny", "selective-compiled"), ("gpt2-tiny", "zero3-offload")]
 
 
 # Heavier variants a lighter case covers (the same path on the other model, or compiled): `make check`.
@@ -247,6 +250,10 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         off_fp32 = max(float(abs(grads[n] - fp32_grads[n]).max()) for n in grads)
         assert off_bf16 < off_fp32, (off_bf16, off_fp32)  # bf16 arithmetic ran, not fp32's
         kind = kind.removesuffix("-mixed")
+    if kind == "zero3-offload":  # each block a unit under the policy, and the root
+        assert "offload: weights, gradients and optimizer states on the host (fully_shard's CPUOffloadPolicy) for 2 " \
+               "layers and the root" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
     if kind == "tp":  # the MLPs run Megatron's column / row split, as pinned, with no fallback
         layers = "transformer.h" if name == "gpt2-tiny" else "model.layers"
         up = ("c_fc",) if name == "gpt2-tiny" else ("gate_proj", "up_proj")

@@ -23,7 +23,7 @@ E = max(the longest copy offloaded, hideable − compute), as `compose.host_expo
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from core.levers import Offload
@@ -62,17 +62,30 @@ class OffloadCounts:
     bits: dict[tuple[str, Offload], list[tuple[int, int]]]
 
 
-def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload]) -> OffloadCounts:
+def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decision: Mapping[int, int]) -> OffloadCounts:
+    """`decision`: each choice variable's decision (one choice of each is taken: an expression's bounds
+    are the sums of its per-decision extremes, not of all its coefficients, which keeps the linearisation's
+    big-M rows tight)."""
     out = OffloadCounts([], [], [], [], [], {})
     by_group: dict[str, list[tuple[int, int]]] = defaultdict(list)
+
+    def most(e: Mapping[int, int]) -> int:
+        best: dict[int, int] = defaultdict(int)
+        for v, c in e.items():
+            best[decision.get(v, -v - 1)] = max(best[decision.get(v, -v - 1)], c)
+        return sum(best.values())
+
+    def least(e: Mapping[int, int]) -> int:
+        return -most({v: -c for v, c in e.items()})
+
     for gi, g in enumerate(groups):
         t = {v: round(c) for v, c in g.time_ns.items() if round(c)}
-        low = sum(c for c in t.values() if c < 0)  # T⁻: the least T takes
-        hi = max(1, sum(c for c in t.values() if c > 0) - low)
+        low = least(t)  # T⁻: the least T takes (≤ 0)
+        hi = max(1, most(t) - low)
         s = {v: int(c) for v, c in g.saved_kib.items() if int(c)}  # rounded down: the saving is not overstated
         se = {v: int(c) for v, c in g.saved_end_kib.items() if int(c)}
         h = {v: round(c) for v, c in g.hideable_ns.items() if round(c)}
-        us, use, uh = (max(1, sum(c for c in e.values() if c > 0)) for e in (s, se, h))
+        us, use, uh = (max(1, most(e)) for e in (s, se, h))
         width = g.layers.bit_length()
         b = [model.bool_var(f"offload_bit[{gi},{j}]") for j in range(width)]
         out.bits[(g.prefix, g.mode)] = [(v, 2**j) for j, v in enumerate(b)]
