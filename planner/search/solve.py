@@ -534,8 +534,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
-        offloads = add_offload_counts(self.model, list(self.offload_terms.values()),
-                                      {x: i for i, xs in enumerate(self.x.values()) for x in xs})
+        offloads = add_offload_counts(self.model, list(self.offload_terms.values()))
         self.add_memory(mem, [*counts.memory, *offloads.memory], end_extra=offloads.memory_end)
         edge_terms += self.add_overlap()
         cover = [(v, round(t * NS_PER_S)) for d, ts in self.host_cover_s.items()
@@ -582,7 +581,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
-        offload = _offloaded_layers(self, {key: sum(w * result.values[v] for v, w in bits) for key, bits in offloads.bits.items()})
+        offload = _offloaded_layers(self, {key: result.values[n] for key, n in offloads.counts.items()})
         # The step the model prices at the solution: less the tie-break and any excess's price, plus
         # what every plan pays; the bound less the most tie-break any solution could carry.
         aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
