@@ -127,7 +127,7 @@ def test_offload_refusals_are_one_line(case: str, zoo: Callable[[str], Path], tm
         want = "not planned for pipeline stages"
     elif case == "data-parallel":
         args = [*args[:-4], "--devices", "2", "--mode", "data-parallel", "--offload", "auto", *args[-2:]]
-        want = "decided with the sharding by the ILP"
+        want = "--offload auto is decided with the sharding by the ILP"
     else:
         args += ["--offload", "disk"]
         want = "--offload disk: choose one of none, optimizer, params,optimizer, auto"
@@ -182,7 +182,8 @@ def test_run_with_optimizer_states_on_the_host_equals_one_process(zero: int, zoo
 
     model = zoo("gpt2-tiny")
     s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 32}, profile="cpu", devices=2,
-                                 layout="dp_replicate=2", zero_stage=zero, offload="optimizer"))
+                                 mode="data-parallel", zero_stage=zero, offload="optimizer"))
+    assert set((s.training.zero_stages or {}).values()) == ({zero} if zero else set())
     assert set(s.training.offload.values()) == {Offload.OPTIMIZER} and len(s.training.offload) == len(_params(s))
     assert s.cost.memory["optimizer"] == 0
     r = run_equals_one_process(s, model, tmp_path)

@@ -198,6 +198,11 @@ def plan_options(fn: F) -> F:
                        "group, only where memory needs it)."),
         click.option("--recompute-layers", type=int, default=None, metavar="N",
                      help="With --recompute full: only the first N layers of each group (Megatron's --recompute-num-layers)."),
+        click.option("--gradient-accumulation-shard", "gradient_accumulation_shard", default="auto", show_default=True,
+                     type=click.Choice(["auto", "on", "off"]),
+                     help="Under ZeRO-1/2 with accumulation steps > 1 (MindSpore's gradient_accumulation_shard): on keeps "
+                       "the accumulated gradient sharded, a reduce-scatter per micro-step (ZeRO-2); off keeps it whole, "
+                       "reduced once (ZeRO-1); auto: the ILP's choice per parameter."),
         click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params,optimizer|auto",
                      help="Model states in host memory: every parameter's optimizer states (optimizer, ZeRO-Offload), or "
                        "its weights, gradients and optimizer states (params,optimizer, FSDP2's CPUOffloadPolicy), the "
@@ -283,7 +288,8 @@ FLAGS = {
     "accumulation_steps": "--accumulation-steps", "devices": "--devices", "base": "--base", "verify": "--verify",
     "strategy_in": "--strategy-in", "recompute_layers": "--recompute-layers", "mesh_shape": "--mesh",
     "zero_shard_size": "--zero-shard-size", "time_limit_s": "--time-limit", "strategy_out": "--strategy-out",
-    "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload", "strict": "--strict", "steps": "--steps",
+    "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload",
+    "gradient_accumulation_shard": "--gradient-accumulation-shard", "strict": "--strict", "steps": "--steps",
     "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
     "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",

@@ -77,7 +77,9 @@ def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequ
             continue
         try:
             out.append((hand, plan(replace(req, layout=layout, zero_stage=hand.zero, mesh_shape=None, axis_names=None,
-                                           mode=Mode.AUTO, must_fit=True))))
+                                           mode=Mode.AUTO, must_fit=True,
+                                           gradient_accumulation_shard="auto" if hand.zero in (0, 3)
+                                           else req.gradient_accumulation_shard))))
         except MeshplanError as e:
             out.append((hand, str(e).splitlines()[0]))
     return out

@@ -416,6 +416,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
             else:
                 say(f"mesh {mesh}: propagating")
                 choice, param_specs, stats = propagate(graph, rules, cm, pins)
+                if req.offload is not Offload.NONE:  # held for every parameter (auto needs the ILP: refused)
+                    cm = cm.offloaded(dict.fromkeys(cm.param_owner, req.offload))
                 cost = _best_uniform_zero(cm, choice, param_specs, req.zero_options(), limit)
             if req.fusion is None:
                 cost = _best_fusion(cm, cost)

@@ -61,6 +61,10 @@ class PlanRequest:
     recompute: Recompute = Recompute.AUTO  # AUTO: the ILP decides how many layers per group
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
     offload: Offload = Offload.NONE  # model states in host memory: every parameter's, or AUTO (the ILP, per parameter)
+    # MindSpore's gradient_accumulation_shard: under ZeRO with accumulation, the accumulated gradient kept
+    # sharded (a reduce-scatter per micro-step: ZeRO-2) or whole (reduced once: ZeRO-1); "auto": the
+    # ILP's choice per parameter (`zero_options`).
+    gradient_accumulation_shard: str = "auto"
     # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
     layout: Layout | None = None
     schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
@@ -146,10 +150,11 @@ class PlanRequest:
         if self.zero_stage == 3 and not self.decides:
             raise MeshplanError(f"`zero_stage` 3 places the parameters through the ILP: use `mode` auto or semi (for data "
                                 f"parallelism with FSDP, `layout` dp_shard=N), not {self.mode}")
+        self._check_accumulation_shard()
         if self.offload is not Offload.NONE:
-            if not self.decides:
-                raise MeshplanError(f"`offload` {self.offload} is decided with the sharding by the ILP: use `mode` auto or "
-                                    f"semi, not {self.mode}")
+            if self.offload is Offload.AUTO and not self.decides:
+                raise MeshplanError(f"`offload` auto is decided with the sharding by the ILP: use `mode` auto or semi, not "
+                                    f"{self.mode} (or hold it: `offload` optimizer or params,optimizer)")
             if self.layout is not None and self.layout.pipeline > 1:
                 raise MeshplanError(f"`offload` {self.offload} with pp={self.layout.pipeline}: offload is not planned "
                                     "for pipeline stages yet; drop pp from `layout` or use `offload` none")
@@ -168,6 +173,25 @@ class PlanRequest:
         elif k is not None and k > 1 and "batch" in self.dims:
             raise MeshplanError(f"`accumulation_steps` {k} splits a global batch: give `global_batch_size` "
                                 "(the batch per optimizer step) instead of `dims` batch")
+
+    def _check_accumulation_shard(self) -> None:
+        gas = self.gradient_accumulation_shard
+        if gas not in ("auto", "on", "off"):
+            raise MeshplanError(f"`gradient_accumulation_shard` {gas!r}: choose on, off or auto")
+        if gas == "auto":
+            return
+        if self.zero_stage in (0, 3):
+            raise MeshplanError(f"`gradient_accumulation_shard` {gas} chooses how ZeRO-1/2 accumulate gradients; with "
+                                f"`zero_stage` {self.zero_stage} there is no such choice: give `zero_stage` 1, 2 or auto")
+        k = self.accumulation_steps
+        if k is None and self.micro_batch_size is not None and self.global_batch_size is not None and \
+                self.layout is not None:
+            k = self.global_batch_size // (self.micro_batch_size * self.layout.data_parallel)
+        if k is None or k < 2:
+            raise MeshplanError(f"`gradient_accumulation_shard` {gas} keeps an accumulated gradient sharded or whole "
+                                "over micro-steps; give `accumulation_steps` 2 or more (with `global_batch_size`)")
+        if self.zero_stage is not None:  # ZeRO-1 with sharded accumulation is ZeRO-2, ZeRO-2 without it ZeRO-1
+            object.__setattr__(self, "zero_stage", 2 if gas == "on" else 1)
 
     def for_profile(self, gpu: bool) -> PlanRequest:
         """The request with the levers left to the profile decided: the precision (`default_dtype`:
@@ -257,7 +281,9 @@ class PlanRequest:
 
     def zero_options(self) -> tuple[int, ...]:
         """The ZeRO-1/2 stages a parameter may take (ZeRO-3 is a placement, chosen by the ILP)."""
-        return (0, 1, 2) if self.zero_stage is None else (self.zero_stage % 3,)
+        if self.zero_stage is not None:
+            return (self.zero_stage % 3,)
+        return {"on": (0, 2), "off": (0, 1)}.get(self.gradient_accumulation_shard, (0, 1, 2))
 
 
 # Bucket caps `--comm-fusion auto` chooses among, per fused kind.
