@@ -114,10 +114,12 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          dtype: str | None, mode: str, search: str, pins: tuple[str, ...], pin_file: str | None,
          memory_limit: float | None, time_limit: float, solver: str, workers: int, no_follow: bool, no_all_to_all: bool,
          strict: bool, loss: str, global_batch_size: int | None, accumulation_steps: str, zero_stage: str,
-         recompute: str, recompute_layers: int | None, gradient_accumulation_shard: str, offload: str, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
+         recompute: str, recompute_layers: int | None, gradient_accumulation_shard: str, dataset_strategy: str,
+         offload: str, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool | None,
          attention: str, attention_dropout: float, runtime: str, layout: str | None, schedule: str | None,
-         micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, only_trainable_params: bool,
+         micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, group_ckpt_out: str | None,
+         only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
     from dataclasses import replace
@@ -150,7 +152,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=parse_zero(zero_stage), recompute=Recompute(recompute),
                       recompute_layers=recompute_layers, offload=lever(Offload, offload, "offload"),
-                      gradient_accumulation_shard=gradient_accumulation_shard,
+                      gradient_accumulation_shard=gradient_accumulation_shard, dataset_strategy=dataset_strategy,
                       layout=parse_layout(layout, devices) if layout else None,
                       micro_batch_size=micro_batch_size, schedule=lever(Schedule, schedule, "schedule") if schedule else None,
                       composer=None if overlap is None else Composer.OVERLAP if overlap else Composer.SERIAL,
@@ -170,6 +172,11 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                                         offload=Offload.AUTO if offload != Offload.NONE else Offload.NONE), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
+    if group_ckpt_out:
+        from planner.graph import load_graph
+        from planner.groups import save_groups
+
+        save_groups(strategy, load_graph(model, dict(strategy.model.dims)) if strategy.pipeline else None, group_ckpt_out)
     if strategy_out:
         from planner.strategy_ckpt import save_strategy_checkpoint
 

@@ -63,7 +63,7 @@ from costmodel.compute import (
 )
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
-from costmodel.items import LossCost, NodeCost, PricedStep
+from costmodel.items import HostCopy, LossCost, NodeCost, PricedStep
 from costmodel.loss import loss_cost, loss_input_spec, loss_kind
 from costmodel.memory import (
     ALIAS_OPS,
@@ -97,7 +97,7 @@ class CostModel:
                  composer: str = Composer.SERIAL, zero_threshold_bytes: float = 0.0,
                  recompute_layers: Mapping[str, int] | None = None,
                  fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = Attention.FLASH,
-                 attention_dropout: float = 0.0, runtime: str = Runtime.EAGER) -> None:
+                 attention_dropout: float = 0.0, runtime: str = Runtime.EAGER, full_batch: bool = False) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -115,7 +115,10 @@ class CostModel:
         `attention`: how the runtime runs attention (`attention.ATTENTION_KERNELS`): FlashAttention, or
         with its s×s tensors in memory (torch's eager ops, Megatron-LM's fused softmax), whose kernels
         `attention.materialized_kernels` lists — with dropout on the probabilities when
-        `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost)."""
+        `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost); `full_batch`: every rank loads
+        each input whole and slices its share (MindSpore's dataset_strategy full_batch): the rows beyond
+        its share cross the host link for nothing, each micro-batch (`planner/dataset.py`)."""
+        self.full_batch = full_batch
         self.fp32_communication = fp32_communication
         attention, composer = lever(Attention, attention, "attention"), lever(Composer, composer, "composer")
         recompute = lever(Recompute, recompute, "recompute")
@@ -562,6 +565,15 @@ class CostModel:
                 self.states.offloaded(t, placed[t], mode, dp, stage=stage)
             priced.host_copies.extend(self.states.host_copies(t, placed[t], mode, dp, stage=stage))
         priced.memory = mem
+        if self.full_batch:
+            for t in g.inputs:
+                info = g.tensors[t]
+                whole = tensor_bytes(info, info.shape, p)
+                extra = whole - (tensor_bytes(info, placed[t].local_shape(info.shape, self.mesh.shape), p)
+                                 if t in placed else whole)
+                if extra > 0:
+                    priced.host_copies.append(HostCopy(t, "input rows beyond the share", extra,
+                                                       extra / self.states.host_rate(), Cadence.MICRO_BATCH, False))
         if buckets:
             price_buckets(priced, self.param_owner, self.bucket_time_s)
         return priced

@@ -32,6 +32,7 @@ from core.levers import LossKind, Schedule
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.dtensors import local_shard
+from executor.groups import check_groups, mesh_groups
 from executor.interpreter import load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.preflight import RunOptions, check_step
@@ -39,6 +40,7 @@ from executor.spmd import SpmdRunner
 from executor.step import Loss, batch_shards, clock, diverge, make_batch, micro_batch, precision_context
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
+from planner.strategy_pipeline import Pipeline
 
 # A pipelined step's measured phases, in order (summed over the micro-batches): its chunks' forwards and
 # backwards, the rest of the schedule (waits, sends, the loss), the gradient reductions after it, the
@@ -120,6 +122,20 @@ def counting_sends() -> Iterator[None]:
         CountedStage.counting = False
 
 
+def stage_groups(pipe: Pipeline, holders: dict[str, tuple[int, ...]], shared: list[str], stage: int,
+                 place: int) -> tuple[dict[str, Any], Any]:
+    """The groups summing a tied weight's copies across the stages reading it (one per position in the
+    stage mesh), this rank's by weight, and this rank's stage group. Every rank creates every group, in
+    the same order (`planner/groups.py` lists them)."""
+    tie_groups = {}
+    for t in shared:
+        for j in range(len(pipe.stages[0].devices)):
+            group = dist.new_group([pipe.stages[s].devices[j] for s in holders[t]])
+            if j == place and stage in holders[t]:
+                tie_groups[t] = group
+    return tie_groups, [dist.new_group(list(st.devices)) for st in pipe.stages][stage]
+
+
 class PipelinedStep:
     """This rank's part of a pipelined plan (the rank loop is `executor.train.run_rank`): its stage's
     chunks as `PipelineStage`s on a (pp, *stage mesh) device mesh, driven by the plan's schedule; then
@@ -147,14 +163,10 @@ class PipelinedStep:
         nodes = {chunk: {x for x, c in chunk_of.items() if c == chunk} for chunk in mine}
         self.holders = holders = param_stages(graph, chunk_of, p)
         self.shared = sorted(t for t, held in holders.items() if len(held) > 1)
-        # Every rank creates every group, in the same order.
-        self.tie_groups = {}
-        for t in self.shared:
-            for j in range(n):
-                group = dist.new_group([pipe.stages[s].devices[j] for s in holders[t]])
-                if j == place and stage in holders[t]:
-                    self.tie_groups[t] = group
-        self.stage_group = [dist.new_group(list(st.devices)) for st in pipe.stages][stage]
+        self.tie_groups, self.stage_group = stage_groups(pipe, holders, self.shared, stage, place)
+        self.groups_checked = check_groups(strategy, graph, [
+            *mesh_groups(self.world), ("pipeline stage", tuple(dist.get_process_group_ranks(self.stage_group))),
+            *((f"tied weight {t}", tuple(dist.get_process_group_ranks(g))) for t, g in self.tie_groups.items())])
         if opts.diverge_ranks:
             with torch.no_grad():
                 diverge(module, opts.seed)

@@ -27,6 +27,7 @@ from core.levers import LossKind
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
 from executor.dtensors import local_shard
+from executor.groups import check_groups, mesh_groups
 from executor.interpreter import OnnxModule, load_module
 from executor.measure import CollectiveCounter, SavedMeter
 from executor.offload import HostStates
@@ -57,6 +58,7 @@ PHASES = ("forward", "backward", "gradient_sync", "optimizer")
 class TrainingStep(Protocol):
     """What the rank loop drives: a built model under the plan, one step of it at a time."""
 
+    groups_checked: int  # the process groups checked against the plan's at start (`executor/groups.py`)
     runner: SpmdRunner
     module: OnnxModule
     phases: tuple[str, ...]  # the measured phases `step` returns the seconds of, in order (then the optimizer)
@@ -90,6 +92,7 @@ class PlainStep:
 
     def __init__(self, strategy: Strategy, model_path: str, opts: RunOptions, device: torch.device) -> None:
         self.mesh = init_device_mesh(device.type, strategy.mesh.shape, mesh_dim_names=strategy.mesh.axis_names)
+        self.groups_checked = check_groups(strategy, None, mesh_groups(self.mesh))  # as `plan --group-ckpt-out` lists
         self.dtype, self.device = strategy.settings.dtype, device
         self.module = load_module(model_path, strategy.model.dims, seed=opts.seed).to_device(device)
         graph = self.module.graph
@@ -184,7 +187,8 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     runner, module = train.runner, train.module
     graph = module.graph
     before = 0  # optimizer steps the parameters had (a loaded checkpoint's)
-    report: dict[str, Any] = {"rank": dist.get_rank(), "backend": str(dist.get_backend())}
+    report: dict[str, Any] = {"rank": dist.get_rank(), "backend": str(dist.get_backend()),
+                              "groups_checked": train.groups_checked}
     load_peak = None
     if opts.load:
         from executor import checkpoint

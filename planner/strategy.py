@@ -101,6 +101,8 @@ class TrainingSettings:
     # Parameter → where its states live (`core.levers.Offload`: "optimizer", "params,optimizer"); absent:
     # on the device.
     offload: Mapping[str, Offload] = field(default_factory=dict)
+    # How each rank reads its inputs (planner/dataset.py): data_parallel, full_batch, or the per-input splits.
+    dataset_strategy: str = "data_parallel"
 
     @property
     def bucket_bytes(self) -> float:
@@ -329,7 +331,9 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "zero_shard_size": s.training.zero_shard_size,
                      "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {}),
-                     **({"offload": {t: str(m) for t, m in s.training.offload.items()}} if s.training.offload else {})},
+                     **({"offload": {t: str(m) for t, m in s.training.offload.items()}} if s.training.offload else {}),
+                     **({"dataset_strategy": s.training.dataset_strategy}
+                        if s.training.dataset_strategy != "data_parallel" else {})},
         "pipeline": pipeline_doc(s.pipeline),
         "tensors": {t: {"kind": p.kind.value, "shape": list(p.shape), "placements": [str(x) for x in p.spec.placements],
                         "dims_mapping": p.spec.dims_mapping(len(p.shape))} for t, p in s.tensors.items()},
@@ -435,7 +439,8 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   zero_shard_size=tr.get("zero_shard_size"),
                                   attention=Attention(tr.get("attention", "flash")),
                                   attention_dropout=tr.get("attention_dropout", 0.0),
-                                  offload={t: Offload(m) for t, m in tr.get("offload", {}).items()}),
+                                  offload={t: Offload(m) for t, m in tr.get("offload", {}).items()},
+                                  dataset_strategy=tr.get("dataset_strategy", "data_parallel")),
         pipeline=pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),
                                        spec=parse_spec(",".join(t["placements"]), len(t["shape"])))

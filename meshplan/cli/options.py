@@ -203,6 +203,11 @@ def plan_options(fn: F) -> F:
                      help="Under ZeRO-1/2 with accumulation steps > 1 (MindSpore's gradient_accumulation_shard): on keeps "
                        "the accumulated gradient sharded, a reduce-scatter per micro-step (ZeRO-2); off keeps it whole, "
                        "reduced once (ZeRO-1); auto: the ILP's choice per parameter."),
+        click.option("--dataset-strategy", "dataset_strategy", default="data_parallel", show_default=True,
+                     metavar="data_parallel|full_batch|SPLITS",
+                     help="How each rank reads its inputs (MindSpore's dataset_strategy): its data-parallel share, the "
+                       "whole batch sliced after loading (the extra rows priced over the host link), or per-input "
+                       "splits, one tuple of split counts per input, e.g. '((2, 1), (2, 1))' (the inputs placed so)."),
         click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params,optimizer|auto",
                      help="Model states in host memory: every parameter's optimizer states (optimizer, ZeRO-Offload), or "
                        "its weights, gradients and optimizer states (params,optimizer, FSDP2's CPUOffloadPolicy), the "
@@ -243,6 +248,10 @@ def plan_options(fn: F) -> F:
         click.option("--micro-batch-size", type=int, default=None, metavar="M",
                      help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout)."),
         click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json)."),
+        click.option("--group-ckpt-out", "group_ckpt_out", default=None, metavar="FILE",
+                     help="Write every process group the plan's run creates (mesh axes, pipeline stages, tied weights) "
+                       "as rank lists with their purpose (MindSpore's group_ckpt_save_file); the executor checks at "
+                       "start that it created these."),
         click.option("--strategy-out", default=None, metavar="FILE",
                      help="Also write a strategy checkpoint (MindSpore's strategy_ckpt_save_file): the strategy JSON, or "
                        "with --only-trainable-params the parameters' layout only."),
@@ -289,7 +298,7 @@ FLAGS = {
     "strategy_in": "--strategy-in", "recompute_layers": "--recompute-layers", "mesh_shape": "--mesh",
     "zero_shard_size": "--zero-shard-size", "time_limit_s": "--time-limit", "strategy_out": "--strategy-out",
     "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload",
-    "gradient_accumulation_shard": "--gradient-accumulation-shard", "strict": "--strict", "steps": "--steps",
+    "gradient_accumulation_shard": "--gradient-accumulation-shard", "dataset_strategy": "--dataset-strategy", "strict": "--strict", "steps": "--steps",
     "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
     "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",

@@ -118,6 +118,11 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
     if tr.offload:
         head.add_row("offload", offload_text(s))
+    if tr.dataset_strategy != "data_parallel":
+        head.add_row("dataset", f"{tr.dataset_strategy}" + (
+            f": each rank loads the whole batch, {fmt_bytes(c.host_copy_bytes)} a step beyond its share over the "
+            f"host link ({c.host_s * 1e3:.3f} ms)" if tr.dataset_strategy == "full_batch" and not tr.offload else
+            ": the inputs placed as split"))
     limit = s.settings.memory_limit_bytes
     if limit is not None and c.memory_bytes_per_device > limit:
         head.add_row("fits", f"NO: {fmt_bytes(c.memory_bytes_per_device)} > the limit {fmt_bytes(limit)}")

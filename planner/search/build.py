@@ -105,7 +105,7 @@ def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: 
     key = ("cost model", id(graph), mesh.shape, mesh.devices, mesh.devices_per_node, profile.digest, precision.name, steps, policy,
            tuple(sorted((layers or {}).items())), req.all_to_all, req.loss, (req.zero_stage or 0) % 3, req.composer,
            req.fusion, req.zero_threshold_bytes, req.force_fp32_communication, req.zero_shard_size, req.attention,
-           req.attention_dropout, req.runtime)
+           req.attention_dropout, req.runtime, req.dataset_strategy == "full_batch")
     if key not in _SHARED:
         _SHARED[key] = _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
     cm: CostModel = _SHARED[key]
@@ -119,7 +119,8 @@ def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: Har
                      composer=req.composer or Composer.SERIAL,
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
                      fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
-                     attention=req.attention, attention_dropout=req.attention_dropout, runtime=req.runtime)
+                     attention=req.attention, attention_dropout=req.attention_dropout, runtime=req.runtime,
+                     full_batch=req.dataset_strategy == "full_batch")
 
 
 def profile_source(name_or_path: str) -> str:
@@ -194,7 +195,7 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         global_batch_size=micro * steps if micro is not None else None,
         micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
         layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes,
-        offload=dict(priced.offload))
+        offload=dict(priced.offload), dataset_strategy=req.dataset_strategy)
 
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:

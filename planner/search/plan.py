@@ -33,6 +33,7 @@ from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from hwprofiles.profile import HardwareProfile
+from planner.dataset import check_splits, parse_dataset_strategy, split_pins
 from planner.rules import RuleSet, rules_for_graph
 from planner.search.baselines import replicated_plan
 from planner.search.build import (
@@ -372,6 +373,10 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         cm = model(Recompute.NONE if counted or recompute is Recompute.AUTO else recompute)
         recomputed = {g.prefix: g.num_layers for g in graph.layers} if recompute is Recompute.FULL else {}
         pins = resolve_pins(graph, mesh, req.pins)
+        splits = parse_dataset_strategy(req.dataset_strategy)
+        if isinstance(splits, tuple):  # the inputs placed as the dataset splits them
+            check_splits(splits, graph)
+            pins = {**resolve_pins(graph, mesh, split_pins(splits, graph, mesh)), **pins}
         if req.mode is Mode.DATA_PARALLEL:
             pins = {**data_parallel_pins(graph, mesh), **pins}
         if layout is not None:

@@ -25,6 +25,7 @@ from core.levers import (
 from core.mesh import DeviceMesh
 from costmodel.buckets import CommFusion
 from costmodel.compose import StepCost
+from planner.dataset import parse_dataset_strategy
 from planner.strategy import (
     SolverStats,
 )
@@ -65,6 +66,8 @@ class PlanRequest:
     # sharded (a reduce-scatter per micro-step: ZeRO-2) or whole (reduced once: ZeRO-1); "auto": the
     # ILP's choice per parameter (`zero_options`).
     gradient_accumulation_shard: str = "auto"
+    # MindSpore's dataset_strategy (planner/dataset.py): data_parallel, full_batch, or per-input splits
+    dataset_strategy: str = "data_parallel"
     # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
     layout: Layout | None = None
     schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
@@ -151,6 +154,7 @@ class PlanRequest:
             raise MeshplanError(f"`zero_stage` 3 places the parameters through the ILP: use `mode` auto or semi (for data "
                                 f"parallelism with FSDP, `layout` dp_shard=N), not {self.mode}")
         self._check_accumulation_shard()
+        parse_dataset_strategy(self.dataset_strategy)
         if self.offload is not Offload.NONE:
             if self.offload is Offload.AUTO and not self.decides:
                 raise MeshplanError(f"`offload` auto is decided with the sharding by the ILP: use `mode` auto or semi, not "
