@@ -25,10 +25,15 @@ longest copy offloaded, hideable − compute) at an optimum, as `compose.host_ex
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from core.collectives import Cadence
+from core.graph import OpGraph, TensorKind
 from core.levers import Offload
+from core.placement import Spec
+from costmodel.step import CostModel
+from planner.search.decisions import KIB, NS_PER_S, Decision
 from planner.search.milp import LinearModel
 from planner.search.recompute import BIG
 
@@ -115,3 +120,100 @@ def add_exposed_row(model: LinearModel, counts: OffloadCounts, cover: Sequence[t
         # E ≥ F − most·(1 − z)
         model.add(f"first_host_copy[{k}]", [(e, 1), *[(v, -c) for v, c in terms], (z, -most)], -most, BIG)
     return e
+
+
+class OffloadDecisions:
+    """The offload counts' terms from the sharding ILP's parameter decisions (mixed into `ShardingILP`,
+    which sets these), and the parameters' places from the counts solved."""
+
+    graph: OpGraph
+    offload: Offload
+    params: list[str]
+    param_rep: dict[str, str]
+    x: dict[Decision, list[int]]
+    cost: CostModel
+    gradients_held: bool
+    overlapped: bool
+
+    def _offload_groups(self) -> None:
+        """Under offload, each representative parameter's layer group (−1: outside the repeated layers),
+        how many of it one layer holds, and per (group, mode) its per-layer terms (`offload.py`)."""
+        self.offload_terms: dict[tuple[int, Offload], LayerOffload] = {}
+        self.param_group: dict[str, tuple[int, float]] = {}  # representative → (group, instances per layer)
+        if self.offload is Offload.NONE:
+            return
+        g = self.graph
+        per: dict[str, int] = defaultdict(int)
+        for r in self.param_rep.values():
+            per[r] += 1
+        for gi, group in enumerate(g.layers):
+            for name in group.nodes[0]:
+                for t in g.node_by_name[name].inputs:
+                    if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and self.param_rep.get(t) is not None:
+                        r = self.param_rep[t]
+                        self.param_group.setdefault(r, (gi, per[r] / group.num_layers))
+        for r in self.params:
+            self.param_group.setdefault(r, (-1, per[r]))
+        for gi in [-1, *range(len(g.layers))]:
+            layers = g.layers[gi].num_layers if gi >= 0 else 1
+            for mode in MODES:
+                fixed = None if self.offload is Offload.AUTO else layers if mode is self.offload else 0
+                self.offload_terms[(gi, mode)] = LayerOffload(prefix=self.group_key(gi), mode=mode, layers=layers,
+                                                              fixed=fixed)
+
+    def group_key(self, gi: int) -> str:
+        """A layer group's name in the offload counts ("" outside the layers; the index where two share a prefix)."""
+        if gi < 0:
+            return ""
+        prefix = self.graph.layers[gi].prefix
+        return prefix if sum(1 for x in self.graph.layers if x.prefix == prefix) == 1 else f"{prefix}[{gi}]"
+
+    def _offload_param_terms(self, d: Decision, p: str, at: Sequence[tuple[Spec, int]]) -> None:
+        """A representative parameter's share of its group's per-layer offload terms, per choice: the
+        time one layer's instances add offloaded, the device bytes they free, their copies under compute."""
+        gi, k = self.param_group[p]
+        states = self.cost.states
+        per_step = {Cadence.MICRO_BATCH: self.cost.micro_batches, Cadence.STEP: 1}
+        for mode in MODES:
+            terms = self.offload_terms[(gi, mode)]
+            first: dict[int, float] = {}
+            for c, (spec, stage) in enumerate(at):
+                var = self.x[d][c]
+                w, g_, o = states.param_states(p, spec, stage=stage)
+                (w2, g2, o2), _ = states.offloaded(p, spec, mode, stage=stage)
+                peak = (w + g_ + o) - (w2 + g2 + o2) if self.gradients_held else (w + o) - (w2 + o2)
+                terms.saved_kib[var] += peak * k / KIB
+                terms.saved_end_kib[var] += ((w + g_ + o) - (w2 + g2 + o2)) * k / KIB
+                copies = states.host_copies(p, spec, mode, stage=stage)
+                waited = [x for x in copies if not (self.overlapped and x.hideable)]
+                hidden = [x for x in copies if self.overlapped and x.hideable]
+                terms.time_ns[var] += (states.host_optimizer_s(p, spec, stage=stage) - states.optimizer_s(p, spec, stage=stage)
+                                       + sum(x.time_s * per_step[x.cadence] for x in waited)) * k * NS_PER_S
+                terms.hideable_ns[var] += sum(x.time_s * per_step[x.cadence] for x in hidden) * k * NS_PER_S
+                if hidden:
+                    first[var] = max(x.time_s for x in hidden) * NS_PER_S
+            if first:
+                terms.first_ns.append(first)
+
+
+    def offloaded_layers(self, counts: Mapping[tuple[str, Offload], int]) -> dict[str, Offload]:
+        """Every parameter's place from the counts: in each group, its first layers' states on the host
+        under params,optimizer, the next under optimizer; outside the layers, as that group's count says."""
+        g = self.graph
+        out: dict[str, Offload] = {}
+        in_layers: set[str] = set()
+        for gi, group in enumerate(g.layers):
+            key = self.group_key(gi)
+            modes = [Offload.PARAMS] * counts.get((key, Offload.PARAMS), 0) + \
+                [Offload.OPTIMIZER] * counts.get((key, Offload.OPTIMIZER), 0)
+            for i, layer in enumerate(group.nodes):
+                for name in layer:
+                    for t in g.node_by_name[name].inputs:
+                        if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and t in self.param_rep:
+                            in_layers.add(t)
+                            if i < len(modes):
+                                out.setdefault(t, modes[i])
+        for mode in (Offload.PARAMS, Offload.OPTIMIZER):
+            if counts.get(("", mode)):
+                out.update({t: mode for t in self.param_rep if t not in in_layers and t not in out})
+        return out

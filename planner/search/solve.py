@@ -74,7 +74,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
-from core.collectives import Cadence, Collective, Purpose
+from core.collectives import Collective, Purpose
 from core.graph import OpGraph, TensorKind
 from core.levers import Composer, Offload
 from core.placement import OpStrategy, Replicate, Shard, Spec
@@ -99,14 +99,14 @@ from planner.search.decisions import (
 )
 from planner.search.memory_rows import OVER_NS_PER_KIB, MemoryRows
 from planner.search.milp import LinearModel
-from planner.search.offload import MODES, LayerOffload, add_exposed_row, add_offload_counts
+from planner.search.offload import OffloadDecisions, add_exposed_row, add_offload_counts
 from planner.search.overlap import OverlapTerms
 from planner.search.recompute import GroupTerms, add_counts
 from planner.stagecut import param_stages
 from planner.strategy import SolverStats
 
 
-class ShardingILP(MemoryRows, DecisionGraph):
+class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
     """Builds and solves the ILP for one graph, mesh and cost model. One method per constraint family."""
 
     def __init__(self, graph: OpGraph, rules: RuleSet, cost: CostModel, *, memory_limit_bytes: float | None = None,
@@ -165,66 +165,6 @@ class ShardingILP(MemoryRows, DecisionGraph):
         self._offload_groups()
 
     # -- helpers -----------------------------------------------------------------------------------------
-
-    def _offload_groups(self) -> None:
-        """Under offload, each representative parameter's layer group (−1: outside the repeated layers),
-        how many of it one layer holds, and per (group, mode) its per-layer terms (`offload.py`)."""
-        self.offload_terms: dict[tuple[int, Offload], LayerOffload] = {}
-        self.param_group: dict[str, tuple[int, float]] = {}  # representative → (group, instances per layer)
-        if self.offload is Offload.NONE:
-            return
-        g = self.graph
-        per: dict[str, int] = defaultdict(int)
-        for r in self.param_rep.values():
-            per[r] += 1
-        for gi, group in enumerate(g.layers):
-            for name in group.nodes[0]:
-                for t in g.node_by_name[name].inputs:
-                    if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and self.param_rep.get(t) is not None:
-                        r = self.param_rep[t]
-                        self.param_group.setdefault(r, (gi, per[r] / group.num_layers))
-        for r in self.params:
-            self.param_group.setdefault(r, (-1, per[r]))
-        for gi in [-1, *range(len(g.layers))]:
-            layers = g.layers[gi].num_layers if gi >= 0 else 1
-            for mode in MODES:
-                fixed = None if self.offload is Offload.AUTO else layers if mode is self.offload else 0
-                self.offload_terms[(gi, mode)] = LayerOffload(prefix=self.group_key(gi), mode=mode, layers=layers,
-                                                              fixed=fixed)
-
-    def group_key(self, gi: int) -> str:
-        """A layer group's name in the offload counts ("" outside the layers; the index where two share a prefix)."""
-        if gi < 0:
-            return ""
-        prefix = self.graph.layers[gi].prefix
-        return prefix if sum(1 for x in self.graph.layers if x.prefix == prefix) == 1 else f"{prefix}[{gi}]"
-
-    def _offload_param_terms(self, d: Decision, p: str, at: Sequence[tuple[Spec, int]]) -> None:
-        """A representative parameter's share of its group's per-layer offload terms, per choice: the
-        time one layer's instances add offloaded, the device bytes they free, their copies under compute."""
-        gi, k = self.param_group[p]
-        states = self.cost.states
-        per_step = {Cadence.MICRO_BATCH: self.cost.micro_batches, Cadence.STEP: 1}
-        for mode in MODES:
-            terms = self.offload_terms[(gi, mode)]
-            first: dict[int, float] = {}
-            for c, (spec, stage) in enumerate(at):
-                var = self.x[d][c]
-                w, g_, o = states.param_states(p, spec, stage=stage)
-                (w2, g2, o2), _ = states.offloaded(p, spec, mode, stage=stage)
-                peak = (w + g_ + o) - (w2 + g2 + o2) if self.gradients_held else (w + o) - (w2 + o2)
-                terms.saved_kib[var] += peak * k / KIB
-                terms.saved_end_kib[var] += ((w + g_ + o) - (w2 + g2 + o2)) * k / KIB
-                copies = states.host_copies(p, spec, mode, stage=stage)
-                waited = [x for x in copies if not (self.overlapped and x.hideable)]
-                hidden = [x for x in copies if self.overlapped and x.hideable]
-                terms.time_ns[var] += (states.host_optimizer_s(p, spec, stage=stage) - states.optimizer_s(p, spec, stage=stage)
-                                       + sum(x.time_s * per_step[x.cadence] for x in waited)) * k * NS_PER_S
-                terms.hideable_ns[var] += sum(x.time_s * per_step[x.cadence] for x in hidden) * k * NS_PER_S
-                if hidden:
-                    first[var] = max(x.time_s for x in hidden) * NS_PER_S
-            if first:
-                terms.first_ns.append(first)
 
     def _producer_spec(self, e: Edge, choice: int) -> tuple[Spec, int]:
         """The spec the edge's tensor is produced (stored) in, and (a parameter's) ZeRO stage."""
@@ -581,7 +521,7 @@ class ShardingILP(MemoryRows, DecisionGraph):
         param_specs = {t: self.param_specs[r][picked[ParamDecision(r)]] for t, r in self.param_rep.items()}
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
-        offload = _offloaded_layers(self, {key: result.values[n] for key, n in offloads.counts.items()})
+        offload = self.offloaded_layers({key: result.values[n] for key, n in offloads.counts.items()})
         # The step the model prices at the solution: less the tie-break and any excess's price, plus
         # what every plan pays; the bound less the most tie-break any solution could carry.
         aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
@@ -598,29 +538,6 @@ class ShardingILP(MemoryRows, DecisionGraph):
         return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute, offload=offload,
                         constraints_by_family=dict(self.constraint_counts),
                         exposed_s={n: result.values[v] / NS_PER_S for n, v in self.overlap_vars.items()})
-
-
-def _offloaded_layers(self: ShardingILP, counts: Mapping[tuple[str, Offload], int]) -> dict[str, Offload]:
-    """Every parameter's place from the counts: in each group, its first layers' states on the host
-    under params,optimizer, the next under optimizer; outside the layers, as that group's count says."""
-    g = self.graph
-    out: dict[str, Offload] = {}
-    in_layers: set[str] = set()
-    for gi, group in enumerate(g.layers):
-        key = self.group_key(gi)
-        modes = [Offload.PARAMS] * counts.get((key, Offload.PARAMS), 0) + \
-            [Offload.OPTIMIZER] * counts.get((key, Offload.OPTIMIZER), 0)
-        for i, layer in enumerate(group.nodes):
-            for name in layer:
-                for t in g.node_by_name[name].inputs:
-                    if t in g.tensors and g.tensors[t].kind is TensorKind.PARAM and t in self.param_rep:
-                        in_layers.add(t)
-                        if i < len(modes):
-                            out.setdefault(t, modes[i])
-    for mode in (Offload.PARAMS, Offload.OPTIMIZER):
-        if counts.get(("", mode)):
-            out.update({t: mode for t in self.param_rep if t not in in_layers and t not in out})
-    return out
 
 
 def _tie_ns(nbytes: float) -> int:
