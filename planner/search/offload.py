@@ -67,9 +67,12 @@ class OffloadCounts:
     hideable: list[tuple[int, int]]
     firsts: list[tuple[int, list[tuple[int, int]], int]]  # (z, the parameter's terms, their bound)
     counts: dict[tuple[str, Offload], int]
+    hideable_most: int = 1  # the most the hideable terms sum to (each decision's largest, times its layers)
 
 
-def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload]) -> OffloadCounts:
+def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decision: Mapping[int, int]) -> OffloadCounts:
+    """`decision`: each choice variable's decision (one choice of each is taken: bounds from each
+    decision's largest coefficient)."""
     out = OffloadCounts([], [], [], [], [], {})
     by_group: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
@@ -82,6 +85,10 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload]) -> Of
         se = {v: int(c) for v, c in g.saved_end_kib.items() if int(c)}
         h = {v: round(c) for v, c in g.hideable_ns.items() if round(c)}
         big = g.layers
+        largest: dict[int, int] = defaultdict(int)
+        for v, c in h.items():
+            largest[decision.get(v, -v - 1)] = max(largest[decision.get(v, -v - 1)], c)
+        out.hideable_most += big * sum(largest.values())
         for x in sorted(set(t) | set(s) | set(se) | set(h)):
             w = model.int_var(f"offload_layers_at[{gi},{x}]", 0, big)  # n·x
             model.add(f"offload_at_choice[{gi},{x}]", [(w, 1), (x, -big)], -BIG, 0)
@@ -113,8 +120,7 @@ def add_exposed_row(model: LinearModel, counts: OffloadCounts, cover: Sequence[t
     E ≥ each offloaded parameter's longest copy; E's variable (None: nothing hideable)."""
     if not counts.hideable and not counts.firsts:
         return None
-    bound = max(1, sum(c * model.bounds.get(v, (0, 1))[1] for v, c in counts.hideable))
-    e = model.int_var("exposed_host", 0, bound)
+    e = model.int_var("exposed_host", 0, counts.hideable_most)
     model.add("exposed_host", [(e, 1), *[(v, -c) for v, c in counts.hideable], *cover], 0, BIG)
     for k, (z, terms, most) in enumerate(counts.firsts):
         # E ≥ F − most·(1 − z)
