@@ -117,6 +117,10 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
         "cost_by_layer": dict(by_layer),
         "fallback_op_types": sorted({f.op_type for f in strategy.fallbacks}),
         "solver": document["solver"], "pipeline": document["pipeline"],
+        # Offloaded states: the parameters by where their states live, and the host link's traffic.
+        "offload": {str(m): sorted(t for t, x in strategy.training.offload.items() if x == m)
+                    for m in sorted(set(strategy.training.offload.values()))},
+        "host": document["cost"].get("host"),
     }
 
 

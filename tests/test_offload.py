@@ -61,11 +61,16 @@ def test_offloaded_step_is_the_closed_form(zoo: Callable[[str], Path], tmp_path:
     assert s.cost.optimizer_s == pytest.approx(len(params) * step.tensor_s + total * step.param_s, rel=1e-9)
     # The ILP's objective is the step the composer prices (integer ns in the ILP)
     assert s.solver.objective == pytest.approx(s.cost.step_time_s, rel=1e-6)
-    # ... and the strategy file keeps it
+    # ... and the strategy file keeps it, which `explain` reads back
     s.save(tmp_path / "s.json")
     back = load_strategy(tmp_path / "s.json")
     assert back.training.offload == s.training.offload
     assert (back.cost.host_s, back.cost.host_copy_bytes) == (s.cost.host_s, s.cost.host_copy_bytes)
+    from planner.explain import explain_strategy
+
+    e = explain_strategy(str(tmp_path / "s.json"))
+    assert e["offload"] == {"params,optimizer": sorted(params)}
+    assert e["host"]["copy_bytes"] == pytest.approx(12 * total, rel=1e-12)
 
 
 def test_optimizer_offload_on_the_serial_step(zoo: Callable[[str], Path]) -> None:

@@ -190,6 +190,12 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
         colls.add_row(c["kind"], ",".join(c["axes"]), c["phase"], str(c["count"]), fmt_bytes(c["bytes"]),
                       f"{c['time_s'] * 1e3:.3f} ms")
     console.print(colls)
+    if e.get("host"):
+        h = e["host"]
+        console.print("host: " + "; ".join(f"{m} for {len(ts)} parameters" for m, ts in e["offload"].items())
+                      + f" ({fmt_bytes(h['memory_bytes_per_device'])} of host memory per device); host link "
+                      f"{fmt_bytes(h['copy_bytes'])} a step, {h['exposed_s'] * 1e3:.3f} ms waited for, "
+                      f"{h['hidden_s'] * 1e3:.3f} ms under compute")
     console.print("memory: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in e["memory"].items())
                   + f"; fallbacks: {', '.join(e['fallback_op_types']) or 'none'}")
     if report:
