@@ -100,6 +100,16 @@ def test_auto_offloads_only_where_memory_needs_it(zoo: Callable[[str], Path]) ->
         make_plan(PlanRequest(**base, memory_limit_gib=tight, recompute="none"))
     auto, _ = make_plan(PlanRequest(**base, memory_limit_gib=tight, offload="auto"))
     assert auto.training.offload and auto.cost.memory_bytes_per_device <= tight * 2**30
+    # whole layers, the first of the group (params,optimizer before optimizer), as fully_shard units go
+    layers: dict[int, set[str]] = {}
+    for t in _params(auto):
+        if ".h." in t:
+            layers.setdefault(int(t.split(".h.")[1].split(".")[0]), set()).add(str(auto.training.offload.get(t, "none")))
+    modes = [layers[i] for i in sorted(layers)]
+    assert all(len(m) == 1 for m in modes), modes
+    order = [m.pop() for m in modes]
+    rank = {"params,optimizer": 0, "optimizer": 1, "none": 2}
+    assert order == sorted(order, key=rank.__getitem__), order
     for held in ("optimizer", "params,optimizer"):
         try:
             other, _ = make_plan(PlanRequest(**base, memory_limit_gib=tight, offload=held))
