@@ -107,7 +107,6 @@ class PlainStep:
         self.counted_by_dtype: Counter[tuple[str, str]] = Counter()  # the counted step's collectives by dtype
         k = self.k = strategy.training.micro_batches
         self.cpu_batch = make_batch(graph, opts.seed, k)  # the one-process reference runs on the CPU, all at once
-        batch = [b.to(device) for b in self.cpu_batch]
         self.loss = Loss(graph, loss_kind(graph, strategy.settings.loss if opts.loss == LossKind.AUTO else opts.loss),
                          opts.seed, k, scale=1.0 if strategy.training.gradients_mean else batch_shards(strategy))
         self.runner = runner = SpmdRunner(self.module, strategy, self.mesh)
@@ -120,8 +119,14 @@ class PlainStep:
                        local_shard(micro_batch(self.loss.labels.to(device), i, k), self.need, self.mesh)
                        for i in range(k)]  # no class dim split
         self.split = [a for a, p in enumerate(self.need) if isinstance(p, Shard)]  # the loss's addends summed over these
-        # Once, as a data loader hands each rank its shard of each micro-batch.
-        self.local_batches = [runner.shard_inputs([micro_batch(x, i, k) for x in batch]) for i in range(k)]
+        # Once, as a data loader hands each rank its shard of each micro-batch (`planner/dataset.py`): its share
+        # sliced on the host and moved, or under full_batch the whole batch moved and sliced on the device.
+        if strategy.training.dataset_strategy == "full_batch":
+            whole = [b.to(device) for b in self.cpu_batch]
+            self.local_batches = [runner.shard_inputs([micro_batch(x, i, k) for x in whole]) for i in range(k)]
+        else:
+            self.local_batches = [[x.to(device) for x in runner.shard_inputs([micro_batch(x, i, k) for x in self.cpu_batch])]
+                                  for i in range(k)]
         self.meter = SavedMeter(self.module)  # the tensors autograd keeps for backward, while it keeps them
 
     def after_load(self) -> None:
