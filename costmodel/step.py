@@ -117,7 +117,7 @@ class CostModel:
         `attention.materialized_kernels` lists — with dropout on the probabilities when
         `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost); `full_batch`: every rank loads
         each input whole and slices its share (MindSpore's dataset_strategy full_batch): the rows beyond
-        its share cross the host link for nothing, each micro-batch (`planner/dataset.py`)."""
+        its share cross the host link for nothing, each micro-batch (`planner/search/dataset.py`)."""
         self.full_batch = full_batch
         self.fp32_communication = fp32_communication
         attention, composer = lever(Attention, attention, "attention"), lever(Composer, composer, "composer")

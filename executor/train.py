@@ -119,7 +119,7 @@ class PlainStep:
                        local_shard(micro_batch(self.loss.labels.to(device), i, k), self.need, self.mesh)
                        for i in range(k)]  # no class dim split
         self.split = [a for a, p in enumerate(self.need) if isinstance(p, Shard)]  # the loss's addends summed over these
-        # Once, as a data loader hands each rank its shard of each micro-batch (`planner/dataset.py`): its share
+        # Once, as a data loader hands each rank its shard of each micro-batch (`planner/search/dataset.py`): its share
         # sliced on the host and moved, or under full_batch the whole batch moved and sliced on the device.
         if strategy.training.dataset_strategy == "full_batch":
             whole = [b.to(device) for b in self.cpu_batch]

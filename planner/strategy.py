@@ -101,7 +101,7 @@ class TrainingSettings:
     # Parameter → where its states live (`core.levers.Offload`: "optimizer", "params,optimizer"); absent:
     # on the device.
     offload: Mapping[str, Offload] = field(default_factory=dict)
-    # How each rank reads its inputs (planner/dataset.py): data_parallel, full_batch, or the per-input splits.
+    # How each rank reads its inputs (planner/search/dataset.py): data_parallel, full_batch, or the per-input splits.
     dataset_strategy: str = "data_parallel"
 
     @property

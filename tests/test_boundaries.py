@@ -31,7 +31,7 @@ STAGES = (
     ("import and rules", ("planner.graph", "planner.lookups", "planner.shapes", "planner.params",
                           "planner.export", "planner.rules", "planner")),
     ("strategy", ("planner.strategy", "planner.strategy_ckpt", "planner.strategy_migrate", "planner.stagecut",
-                  "planner.explain")),
+                  "planner.explain", "planner.groups")),
     ("search", ("planner.search",)),
     ("executor", ("executor",)),
     ("api", ("meshplan", "bench", "cli")),

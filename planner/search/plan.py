@@ -33,7 +33,6 @@ from costmodel.memory import PRECISIONS, Precision
 from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from hwprofiles.profile import HardwareProfile
-from planner.dataset import check_splits, parse_dataset_strategy, split_pins
 from planner.rules import RuleSet, rules_for_graph
 from planner.search.baselines import replicated_plan
 from planner.search.build import (
@@ -48,6 +47,7 @@ from planner.search.build import (
     sharing,
     training_settings,
 )
+from planner.search.dataset import check_splits, parse_dataset_strategy, split_pins
 from planner.search.decisions import PinError
 from planner.search.incumbents import HandLayout, against_hand_layouts, incumbents, planned
 from planner.search.pipeline import candidates as pipeline_candidates

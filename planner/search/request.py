@@ -25,7 +25,7 @@ from core.levers import (
 from core.mesh import DeviceMesh
 from costmodel.buckets import CommFusion
 from costmodel.compose import StepCost
-from planner.dataset import parse_dataset_strategy
+from planner.search.dataset import parse_dataset_strategy
 from planner.strategy import (
     SolverStats,
 )
@@ -66,7 +66,7 @@ class PlanRequest:
     # sharded (a reduce-scatter per micro-step: ZeRO-2) or whole (reduced once: ZeRO-1); "auto": the
     # ILP's choice per parameter (`zero_options`).
     gradient_accumulation_shard: str = "auto"
-    # MindSpore's dataset_strategy (planner/dataset.py): data_parallel, full_batch, or per-input splits
+    # MindSpore's dataset_strategy (planner/search/dataset.py): data_parallel, full_batch, or per-input splits
     dataset_strategy: str = "data_parallel"
     # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
     layout: Layout | None = None
