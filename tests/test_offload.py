@@ -216,3 +216,21 @@ def test_run_refuses_weights_on_the_host(zoo: Callable[[str], Path], tmp_path: P
     s.save(tmp_path / "s.json")
     with pytest.raises(MeshplanError, match=r"`run` keeps every weight on its device.*meshplan.apply"):
         run(str(tmp_path / "s.json"), str(model), nproc=1, timeout_s=120, opts=RunOptions(steps=1))
+
+
+def test_a_solver_crash_is_a_one_line_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offload ILP is solved in a forked process (CBC died of a segmentation fault on Llama-3-70B's
+    offload search): the solver killed by a signal there is a MeshplanError naming it, the planner alive."""
+    import os
+    import signal
+
+    import planner.search.milp as milp
+
+    model = milp.LinearModel(isolated=True)
+    x = model.bool_var("x")
+    model.add("x", [(x, 1)], 1, 1)
+    model.objective = [(x, 1)]
+    assert model.solve("cbc", time_limit_s=10).values == [1]  # the result comes back from the child
+    monkeypatch.setattr(milp.LinearModel, "_mip", lambda self, *a: os.kill(os.getpid(), signal.SIGSEGV))
+    with pytest.raises(MeshplanError, match=r"the solver \(cbc\) crashed on this ILP \(signal 11\)"):
+        model.solve("cbc", time_limit_s=10)

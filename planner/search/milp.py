@@ -14,7 +14,7 @@ on a 2x2 mesh 51 s against CBC's 1.6 s.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from core.errors import MeshplanError
@@ -39,6 +39,10 @@ class LinearModel:
     hints: dict[int, bool] = field(default_factory=dict)
     bounds: dict[int, tuple[int, int]] = field(default_factory=dict)  # integer variables' ranges
     cutoff: int | None = None  # the objective must not exceed it (a plan already found): else INFEASIBLE
+    # Solved by a MIP backend in a forked process, so that the solver crashing is an error and not the end
+    # of the planner: CBC died of a segmentation fault inside Solver.Solve twice on Llama-3-70B's offload
+    # search on 8 H100 (`planner/search/offload.py`), not yet found which ILP.
+    isolated: bool = False
     _names: set[str] = field(default_factory=set)
 
     def bool_var(self, name: str) -> int:
@@ -72,6 +76,7 @@ class LinearModel:
             raise MeshplanError(f"`solver` {backend}: choose one of {', '.join(BACKENDS)}")
         t0 = time.perf_counter()
         result = self._cpsat(time_limit_s, num_workers, log) if backend == "cpsat" else \
+            _forked(lambda: self._mip(backend, time_limit_s, log), backend) if self.isolated else \
             self._mip(backend, time_limit_s, log)
         result.time_s = time.perf_counter() - t0
         return result
@@ -140,6 +145,40 @@ class LinearModel:
             return MilpResult(name, [], 0.0, 0.0, 0.0)
         bound = obj.BestBound() if name == "FEASIBLE" else obj.Value()
         return MilpResult(name, [round(x.solution_value()) for x in xs], obj.Value(), bound, 0.0)
+
+
+def _forked(solve: Callable[[], MilpResult], backend: str) -> MilpResult:
+    """`solve()` in a forked child (copy-on-write: the model is not sent), its result pickled back; a child
+    that dies without one is a one-line error naming the solver."""
+    import os
+    import pickle
+
+    if not hasattr(os, "fork"):
+        return solve()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: no return from here
+        os.close(read)
+        try:
+            data = pickle.dumps(("ok", solve()))
+        except BaseException as e:  # (sent to the parent, which raises it)
+            data = pickle.dumps(("error", e))
+        with os.fdopen(write, "wb") as f:
+            f.write(data)
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    _, status = os.waitpid(pid, 0)
+    if not data:
+        how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
+        raise MeshplanError(f"the solver ({backend}) crashed on this ILP ({how}); plan with `solver` cpsat, or "
+                            "`offload` none")
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise value
+    assert isinstance(value, MilpResult)
+    return value
 
 
 def _summed(terms: list[tuple[int, int]]) -> Iterable[tuple[int, int]]:

@@ -474,6 +474,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
+        self.model.isolated = bool(self.offload_terms)  # (`LinearModel.isolated`)
         offloads = add_offload_counts(self.model, list(self.offload_terms.values()),
                                       {x: i for i, xs in enumerate(self.x.values()) for x in xs})
         self.add_memory(mem, [*counts.memory, *offloads.memory], end_extra=offloads.memory_end)
