@@ -63,12 +63,17 @@ class ModelStates:
     def optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *, stage: int | None = None) -> float:
         """Time of the optimizer step for one parameter's local shard (its ZeRO shard): as calibrated
         (per tensor and per parameter) where the profile has it, else memory-bound plus launches."""
-        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
+        local = self.shard_numel(tensor, spec, zero_degree, stage=stage)
         dev = self.profile.device
         if dev.optimizer_step is not None:
             return dev.optimizer_step.tensor_s + local * dev.optimizer_step.param_s
         return local * OPTIMIZER_BYTES_PER_PARAM / dev.mem_bandwidth_bytes_per_s + OPTIMIZER_OPS_PER_TENSOR * dev.kernel_launch_s
+
+    def shard_numel(self, tensor: str, spec: Spec, zero_degree: int | None = None, *, stage: int | None = None) -> float:
+        """Elements of a parameter the optimizer steps on this device: its local part at `spec`, over its
+        ZeRO degree."""
+        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
+        return float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / max(dp, 1)
 
     def param_states(self, tensor: str, spec: Spec, zero_degree: int | None = None, *,
                      stage: int | None = None) -> tuple[float, float, float]:
@@ -127,9 +132,8 @@ class ModelStates:
         parameters, their gradients and the optimizer states on the host)."""
         w, g, o = self.param_states(tensor, spec, zero_degree, stage=stage)
         if mode is Offload.OPTIMIZER:
-            dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
-            shard = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / max(dp, 1)
             p = self.precision
+            shard = self.shard_numel(tensor, spec, zero_degree, stage=stage)
             return (w, g, 0.0), o + shard * (p.grad_bytes + (p.weight_bytes if p.weight_bytes == 4 else 0))
         if mode is Offload.PARAMS:
             return (0.0, 0.0, 0.0), w + g + o
@@ -145,17 +149,15 @@ class ModelStates:
         if mode is Offload.NONE:
             return []
         rate = self.host_rate()
-        stage = self.stage_of(tensor) if stage is None else stage
         w, g, _ = self.param_states(tensor, spec, zero_degree, stage=stage)
-        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
 
         def copy(what: str, nbytes: float, cadence: Cadence, hideable: bool) -> HostCopy:
             return HostCopy(tensor, what, nbytes, nbytes / rate, cadence, hideable)
 
         if mode is Offload.OPTIMIZER:
-            shard = (1 if stage == 2 or dp <= 1 else dp)  # stage 2's gradient is already the shard
-            return [copy("gradient to host", g / shard, Cadence.STEP, True),
-                    copy("weights to device", w / max(dp, 1), Cadence.STEP, False)]
+            shard = self.shard_numel(tensor, spec, zero_degree, stage=stage)
+            return [copy("gradient to host", shard * self.precision.grad_bytes, Cadence.STEP, True),
+                    copy("weights to device", shard * self.precision.weight_bytes, Cadence.STEP, False)]
         return [copy("weights to device", w, Cadence.MICRO_BATCH, True),
                 copy("weights to device", w, Cadence.MICRO_BATCH, True),
                 copy("gradient to host", g, Cadence.MICRO_BATCH, True)]
@@ -163,8 +165,7 @@ class ModelStates:
     def host_optimizer_s(self, tensor: str, spec: Spec, zero_degree: int | None = None, *,
                          stage: int | None = None) -> float:
         """The optimizer step of a parameter's local (ZeRO) shard on the host (`HostSpec.optimizer_step`)."""
-        dp = self.degree(tensor, spec, stage) if zero_degree is None else zero_degree
-        local = float(self.graph.tensors[tensor].numel) / spec.shard_count(self.mesh.shape) / dp
+        local = self.shard_numel(tensor, spec, zero_degree, stage=stage)
         step = self.host().optimizer_step
         return step.tensor_s + local * step.param_s
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
@@ -21,8 +20,7 @@ def mesh_groups(mesh: Any) -> list[tuple[str, tuple[int, ...]]]:
             for name in mesh.mesh_dim_names]
 
 
-def check_groups(s: Strategy, graph: OpGraph | None, created: list[tuple[str, tuple[int, ...]]],
-                 expected_purposes: Mapping[str, int] | None = None) -> int:
+def check_groups(s: Strategy, graph: OpGraph | None, created: list[tuple[str, tuple[int, ...]]]) -> int:
     """Each created group (purpose, ranks) is the plan's group of that purpose holding this rank, and
     this rank is in a created group of every purpose the plan puts it in; returns how many it checked."""
     rank = dist.get_rank()
