@@ -15,6 +15,7 @@ import click
 from core.errors import MeshplanError
 from core.layout import parse_layout
 from core.levers import (
+    ActivationOffload,
     Attention,
     Composer,
     Dtype,
@@ -26,6 +27,7 @@ from core.levers import (
     Schedule,
     Search,
     lever,
+    offload_levers,
 )
 from meshplan.cli.options import (
     OneLineGroup,
@@ -144,6 +146,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
     if clash:
         raise MeshplanError(f"--pin {clash[0]}={user_pins[clash[0]]} contradicts --strategy-in {strategy_in} "
                             f"({held[clash[0]]}); drop one")
+    states_offload, activations_offload = offload_levers(offload)
     req = PlanRequest(model=model, dims=dims, profile=profile_name, devices=devices, mesh_shape=shape, axis_names=names,
                       mode=Mode(mode), search=Search(search), pins={**held, **user_pins}, memory_limit_gib=memory_limit,
                       time_limit_s=time_limit, dtype=None if dtype is None else Dtype(dtype), solver=solver, workers=workers, follow=not no_follow,
@@ -151,7 +154,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       all_to_all=not no_all_to_all, loss=LossKind(loss), global_batch_size=global_batch_size,
                       accumulation_steps=None if accumulation_steps == "auto" else int(accumulation_steps),
                       zero_stage=parse_zero(zero_stage), recompute=Recompute(recompute),
-                      recompute_layers=recompute_layers, offload=lever(Offload, offload, "offload"),
+                      recompute_layers=recompute_layers, offload=states_offload, offload_activations=activations_offload,
                       gradient_accumulation_shard=gradient_accumulation_shard, dataset_strategy=dataset_strategy,
                       layout=parse_layout(layout, devices) if layout else None,
                       micro_batch_size=micro_batch_size, schedule=lever(Schedule, schedule, "schedule") if schedule else None,
@@ -169,7 +172,9 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
             status.update("the ILP's best for comparison")
             best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None, schedule=None,
                                         recompute=Recompute.AUTO, recompute_layers=None, gradient_accumulation_shard="auto",
-                                        offload=Offload.AUTO if offload != Offload.NONE else Offload.NONE), progress=lambda msg: status.update(f"best: {msg}"))
+                                        offload=Offload.AUTO if states_offload is not Offload.NONE else Offload.NONE,
+                                        offload_activations=ActivationOffload.AUTO
+                                        if activations_offload is not ActivationOffload.NONE else ActivationOffload.NONE), progress=lambda msg: status.update(f"best: {msg}"))
     out = Path(out_path) if out_path else Path(f"{Path(model).stem}.strategy.json")
     strategy.save(out)
     if group_ckpt_out:

@@ -83,6 +83,37 @@ class Offload(enum.StrEnum):
     AUTO = "auto"
 
 
+class ActivationOffload(enum.StrEnum):
+    """Where the repeated layers' saved activations live between a layer's forward and its backward
+    (AUTO: the ILP counts the layers per group): on the device, or copied to host memory as autograd
+    saves them and back as backward reads them (`executor/host_activations.py`) — for ALL, every layer
+    not recomputed."""
+
+    NONE = "none"
+    ALL = "all"
+    AUTO = "auto"
+
+
+def offload_levers(value: str) -> tuple[Offload, ActivationOffload]:
+    """`offload`'s words as its two levers: the model states' place, and "activations" among the words
+    for the saved activations' ("auto": both decided; "activations", "optimizer,activations", ...)."""
+    words = [w.strip() for w in value.split(",")]
+    acts = "activations" in words
+    rest = ",".join(w for w in words if w != "activations")
+    if acts and not rest:
+        return Offload.NONE, ActivationOffload.ALL
+    try:
+        states = Offload(rest)
+    except ValueError:
+        states = None
+    if states is None or (acts and states in (Offload.AUTO, Offload.NONE)):
+        raise LeverError("offload", value, (*(m.value for m in Offload), "activations", "optimizer,activations",
+                                            "params,optimizer,activations"))
+    if acts:
+        return states, ActivationOffload.ALL
+    return states, ActivationOffload.AUTO if states is Offload.AUTO else ActivationOffload.NONE
+
+
 class Schedule(enum.StrEnum):
     """A pipeline's schedule (torch.distributed.pipelining's)."""
 

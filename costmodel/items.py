@@ -50,7 +50,8 @@ class NodeCost:
 
 @dataclass(frozen=True, slots=True)
 class HostCopy:
-    """One copy over the device's host link for an offloaded parameter (`ModelStates.host_copies`)."""
+    """One copy over the device's host link: of an offloaded parameter (`ModelStates.host_copies`), an
+    input's rows (`full_batch`), or a layer's saved activations (`host_activations.py`)."""
 
     tensor: str
     what: str  # "weights to device" (for a use, or after the host's optimizer step), "gradient to host"
@@ -87,6 +88,7 @@ class PricedStep:
     offload: dict[str, Offload] = field(default_factory=dict)
     host_copies: list[HostCopy] = field(default_factory=list)
     host_memory: dict[str, float] = field(default_factory=dict)
+    host_activations: dict[str, int] = field(default_factory=dict)  # layer group → layers saving to the host
 
     def replace_events(self, by_id: Mapping[int, Sequence[PricedCollective]]) -> None:
         """Each event whose id is a key replaced by its events, in the step's list and its node's."""

@@ -63,6 +63,7 @@ from costmodel.compute import (
 )
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
+from costmodel.host_activations import host_layers, price_host_activations
 from costmodel.items import HostCopy, LossCost, NodeCost, PricedStep
 from costmodel.loss import loss_cost, loss_input_spec, loss_kind
 from costmodel.memory import (
@@ -183,6 +184,7 @@ class CostModel:
         self._first_gather_cache: dict[tuple[object, ...], float] = {}
         self._latency: dict[tuple[Collective, int], float] = {}
         self.offload: dict[str, Offload] = {}  # parameter → where its states live, where not the device (`offloaded`)
+        self.host_activations: dict[str, int] = {}  # group → layers whose saved activations live on the host
         self.param_owner: dict[str, str] = {}
         for n in graph.compute_nodes:
             for t in n.inputs:
@@ -565,6 +567,12 @@ class CostModel:
                 self.states.offloaded(t, placed[t], mode, dp, stage=stage)
             priced.host_copies.extend(self.states.host_copies(t, placed[t], mode, dp, stage=stage))
         priced.memory = mem
+        if self.host_activations:
+            before = {gr.prefix: len(gr.nodes) if self.recompute is Recompute.SELECTIVE
+                      else self.recompute_layers.get(gr.prefix, len(gr.nodes)) if self.recompute is Recompute.FULL
+                      else 0 for gr in g.layers}
+            on_host, counts = host_layers(g, self.host_activations, before)
+            price_host_activations(priced, acts, on_host, counts, self.states.host_rate())
         if self.full_batch:
             for t in g.inputs:
                 info = g.tensors[t]
@@ -578,11 +586,13 @@ class CostModel:
             price_buckets(priced, self.param_owner, self.bucket_time_s)
         return priced
 
-    def offloaded(self, offload: Mapping[str, Offload]) -> CostModel:
+    def offloaded(self, offload: Mapping[str, Offload], activations: Mapping[str, int] | None = None) -> CostModel:
         """This model with the parameters in `offload` (parameter → where its states live) priced there
-        (`ModelStates.offloaded`, `host_copies`): a copy, the model itself shared."""
+        (`ModelStates.offloaded`, `host_copies`), and `activations` (group → layers) saving their
+        activations in host memory (`host_activations.py`): a copy, the model itself shared."""
         out = copy.copy(self)
         out.offload = {t: m for t, m in offload.items() if m is not Offload.NONE}
+        out.host_activations = {p: n for p, n in (activations or {}).items() if n}
         return out
 
     def bucket_time_s(self, kind: Collective, size_bytes: float, axes: tuple[int, ...]) -> float:

@@ -66,6 +66,7 @@ from core.graph import OpGraph, TensorKind
 from core.levers import Offload, Runtime
 from executor.apply_layers import (
     compile_module,
+    host_activation_layers,
     inductor_missing,
     layer_module,
     module_keys,
@@ -110,6 +111,8 @@ class ApplyReport:
     dp_rank: int = 0  # this rank's share of the batch (its index over the data-parallel axes) …
     dp_size: int = 1  # … among this many
     offloaded: list[str] = field(default_factory=list)  # fully_shard units under CPUOffloadPolicy ("" the root)
+    host_activations: list[str] = field(default_factory=list)  # layer FQNs whose saved activations go to the host
+    host: Any = None  # their `HostActivations` (the host bytes one forward held: `host.peak_bytes`)
 
     def batch_share(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global batch, as a data loader gives them (all rows where no axis splits
@@ -159,6 +162,9 @@ class ApplyReport:
             layers = [u for u in self.offloaded if u]
             out.append(f"offload: weights, gradients and optimizer states on the host (fully_shard's CPUOffloadPolicy) "
                        f"for {len(layers)} layers" + (" and the root" if "" in self.offloaded else ""))
+        if self.host_activations:
+            out.append(f"activations on the host: {len(self.host_activations)} layers (what autograd saves copied "
+                       "there, back for backward)")
         if self.recomputed:
             out.append(f"recomputed: {len(self.recomputed)} modules"
                        + (" (selective: attention's and every other matmul's outputs saved)"
@@ -273,6 +279,7 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          device=mesh.device_type, runtime=s.settings.runtime.value, strategy=s)
     report.dp_rank, report.dp_size = _batch_coordinate(mesh, dp_big)
     recompute_layers(s, graph, module, report)
+    host_activation_layers(s, graph, module, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if compile:
@@ -332,6 +339,9 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
     report.dp_rank, report.dp_size = _batch_coordinate(mesh, [1 + a for a in big])
     if s.training.recompute:
         report.fallbacks.append("pipeline: the plan's recomputation is not applied to traced chunks; activations kept")
+    if s.training.offload_activations:
+        report.fallbacks.append("pipeline: the plan's activations on the host are not applied to traced chunks; kept "
+                                "on the device")
     if compile or (compile is None and s.settings.runtime is Runtime.COMPILED):
         report.fallbacks.append("pipeline: the traced chunks run eager (compile is not applied to them)")
     if s.settings.dtype in ("bf16", "fp16") or (s.settings.dtype == "mixed" and not big):

@@ -1,10 +1,12 @@
 """`meshplan.apply`'s per-layer work on the module: the graph's repeated layers found among the module's
 submodules (by the exporter's names), wrapped with the plan's recomputation (full, or op-level
-selective: `executor/recompute.py`), and torch.compile (the whole module, or per layer where layers are
-recomputed)."""
+selective: `executor/recompute.py`) or their saved activations on the host (`executor/host_activations.py`),
+and torch.compile (the whole module, or per layer where layers are recomputed)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -55,6 +57,50 @@ def recompute_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: Any
 
 
 
+def host_activation_layers(s: Strategy, graph: OpGraph, module: nn.Module, report: Any) -> None:
+    """The plan's layers whose saved activations live on the host (`executor/host_activations.py`): each
+    layer's forward runs under the copying hooks, entered by a forward pre-hook and left by a forward
+    hook; a pre-hook on the module starts each forward's copies anew."""
+    tr = s.training
+    if not tr.offload_activations:
+        return
+    from costmodel.host_activations import host_layers
+    from executor.host_activations import HostActivations
+
+    before = {g.prefix: tr.recomputed_layers(g.prefix, g.num_layers) if tr.recompute.get(g.prefix) != Recompute.SELECTIVE
+              else g.num_layers for g in graph.layers}
+    _, counts = host_layers(graph, tr.offload_activations, before)
+    host = HostActivations()
+    keys = module_keys(module)
+    module.register_forward_pre_hook(lambda *_: host.begin())
+    for group in graph.layers:
+        first = before.get(group.prefix, 0)
+        for i in group.indices[first:first + counts.get(group.prefix, 0)]:
+            found = layer_module(f"{group.prefix}.{i}", module, keys)
+            if found is None:
+                report.fallbacks.append(f"activations of layer {group.prefix}.{i} on the host: it has no module here; "
+                                        "kept on the device")
+                continue
+            _under(found[1], host.hooks)
+            report.host_activations.append(found[0])
+    report.host = host
+
+
+def _under(layer: nn.Module, context: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+    """`layer`'s forward run inside a new `context()` each call (entered before it, left after)."""
+    entered: list[contextlib.AbstractContextManager[Any]] = []
+
+    def enter(*_: Any) -> None:
+        entered.append(context())
+        entered[-1].__enter__()
+
+    def leave(*_: Any) -> None:
+        entered.pop().__exit__(None, None, None)
+
+    layer.register_forward_pre_hook(enter)
+    layer.register_forward_hook(leave)
+
+
 def weights_offloaded(s: Strategy) -> bool:
     """Whether the plan keeps any weights on the host (offload params,optimizer)."""
     return any(m == Offload.PARAMS for m in s.training.offload.values())
@@ -86,12 +132,13 @@ def compile_module(graph: OpGraph, module: nn.Module, report: Any) -> None:
     `torch.compile(model)` and as the plan's compiled runtime prices it (every chain between matmuls fused,
     the head's GEMM padded to alignment, the loss fused). A plan that recomputes layers compiles each
     layer instead (torchtitan's way): the recomputed layers' checkpoint hooks need the layer's boundary,
-    which a whole-module graph removes; the embedding, head and loss then run eager, which the report says."""
+    which a whole-module graph removes; the embedding, head and loss then run eager, which the report says.
+    So does a plan with activations on the host, whose layers with them run eager."""
     if report.recompute == "selective":  # Inductor's kernels write into the outputs selective checkpointing saved
         report.fallbacks.append("compile: not applied under selective recomputation (Inductor's kernels write into "
                                 "the tensors it saves); the module runs eager where the plan prices it compiled")
         return
-    if not report.recomputed:
+    if not report.recomputed and not report.host_activations:
         module.compile()
         report.compiled.append("(the whole module)")
         return
@@ -101,6 +148,10 @@ def compile_module(graph: OpGraph, module: nn.Module, report: Any) -> None:
             found = layer_module(f"{group.prefix}.{i}", module, keys)
             if found is None:
                 report.fallbacks.append(f"compile: layer {group.prefix}.{i} has no module here: it runs eager")
+                continue
+            if found[0] in report.host_activations:
+                report.fallbacks.append(f"compile: layer {found[0]} runs eager (its saved activations go to the host "
+                                        "through saved-tensor hooks)")
                 continue
             found[1].compile()
             report.compiled.append(found[0])

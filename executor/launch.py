@@ -90,7 +90,7 @@ def run(strategy_path: str, model_path: str, *, nproc: int, opts: RunOptions, ti
     }
     # Every rank checks what it holds (a pipeline stage: its own parameters) against one process.
     result["optimizer_steps_before"] = r0.get("optimizer_steps_before", 0)
-    if "measured_host_bytes" in r0:  # optimizer states on the host (`executor/offload.py`)
+    if "measured_host_bytes" in r0:  # optimizer states, saved activations on the host (`executor/offload.py`, `host_activations.py`)
         result["predicted_host_bytes"] = strategy.cost.host_memory_bytes
         result["measured_host_bytes"] = max(r["measured_host_bytes"] for r in reports.values())
     if "load_peak_extra_bytes" in r0:

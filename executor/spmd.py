@@ -28,6 +28,7 @@ from core.levers import Attention, Recompute
 from core.placement import Spec, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
 from costmodel.autocast import LOW_OPS as AUTOCAST_LOW
+from costmodel.host_activations import host_layers
 from executor.dtensors import (
     contiguous_stride,
     full_grad,
@@ -41,6 +42,7 @@ from executor.dtensors import (
     shard_full,
     to_dtensor,
 )
+from executor.host_activations import HostActivations
 from executor.interpreter import OnnxModule
 from executor.kernels import run_local
 from executor.ops import eager_attention, fused_attention
@@ -120,6 +122,9 @@ class SpmdRunner:
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
         self._selective: set[int] = set()  # segments recomputed selectively (`executor/recompute.py`)
         self._segments = self._recomputed_segments()
+        # Layers whose saved activations the plan keeps on the host: start → end, as recomputed ones.
+        self.host_activations = HostActivations()
+        self._host_segments = self._layer_segments(self._host_layers())
         self._segment_reads, self._segment_outputs = self._segment_boundaries()
         # A tensor's shared redistributes are dropped after the program entry that reads it last.
         last: dict[str, int] = {}
@@ -306,9 +311,19 @@ class SpmdRunner:
 
     def _run_program(self, run: Any, segment: Any, start: int, end: int) -> None:
         i = start
+        if self._host_segments:  # a forward (of a pipeline stage: a chunk)
+            self.host_activations.begin([*self.params.values(), *(v for v in self.module.values.values()
+                                                                  if isinstance(v, torch.Tensor))])
         while i < end:
             stop = self._segments.get(i)
-            if stop is None:
+            if stop is None and (on_host := self._host_segments.get(i)) is not None:
+                self.regather.to_host = self.host_activations.pack  # what its ops save, copied to the host
+                try:
+                    run(i, min(on_host, end))
+                finally:
+                    self.regather.to_host = None
+                i = min(on_host, end)
+            elif stop is None:
                 run(i, i + 1)
                 i += 1
             else:  # a recomputed layer: nothing inside it saved, all its ops (and reshards) run again in backward
@@ -359,23 +374,40 @@ class SpmdRunner:
     def _recomputed_segments(self) -> dict[int, int]:
         """Program index where each recomputed layer starts → where it ends (exclusive): the first layers
         of each group the plan recomputes fully, every layer of a group it recomputes selectively (their
-        starts in `_selective`), those whose ops are one contiguous run of the program (every layer of
-        the zoo's models)."""
-        at = {entry[0].name: i for i, entry in enumerate(self._program)}
-        out = {}
+        starts in `_selective`)."""
         tr = self.strategy.training
+        layers: list[tuple[str, ...]] = []
         for group in self.graph.layers:
             policy = tr.recompute.get(group.prefix)
             if policy not in (Recompute.FULL, Recompute.SELECTIVE):
                 continue
             count = group.num_layers if policy == Recompute.SELECTIVE else tr.recomputed_layers(group.prefix,
                                                                                                 group.num_layers)
-            for names in group.nodes[:count]:
-                idx = sorted(at[n] for n in names if n in at)
-                if idx and idx[-1] - idx[0] + 1 == len(idx):
-                    out[idx[0]] = idx[-1] + 1
-                    if policy == Recompute.SELECTIVE:
-                        self._selective.add(idx[0])
+            layers += group.nodes[:count]
+            if policy == Recompute.SELECTIVE:
+                self._selective.update(self._layer_segments(group.nodes[:count]))
+        return self._layer_segments(layers)
+
+    def _host_layers(self) -> list[tuple[str, ...]]:
+        """The layers whose saved activations the plan keeps on the host (`costmodel/host_activations.py`)."""
+        tr = self.strategy.training
+        before = {g.prefix: tr.recomputed_layers(g.prefix, g.num_layers) if tr.recompute.get(g.prefix) != Recompute.SELECTIVE
+                  else g.num_layers for g in self.graph.layers}
+        on_host, _ = host_layers(self.graph, tr.offload_activations, before)
+        by_layer: dict[str, list[str]] = {}
+        for node, layer in on_host.items():
+            by_layer.setdefault(layer, []).append(node)
+        return [tuple(ns) for ns in by_layer.values()]
+
+    def _layer_segments(self, layers: Sequence[Sequence[str]]) -> dict[int, int]:
+        """Program index where each of `layers` (its nodes) starts → where it ends (exclusive), for those
+        whose ops are one contiguous run of the program (every layer of the zoo's models)."""
+        at = {entry[0].name: i for i, entry in enumerate(self._program)}
+        out = {}
+        for names in layers:
+            idx = sorted(at[n] for n in names if n in at)
+            if idx and idx[-1] - idx[0] + 1 == len(idx):
+                out[idx[0]] = idx[-1] + 1
         return out
 
     def output_as(self, index: int, local: torch.Tensor, want: list[Placement]) -> torch.Tensor:

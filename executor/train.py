@@ -301,8 +301,9 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     # backward in one step (the largest step's).
     report["measured_memory_bytes"] = state_bytes(module, optim, runner, host=host.host if host else frozenset()) \
         + peak_saved
-    if host is not None:
-        report["measured_host_bytes"] = host.host_bytes(optim)
+    if host is not None or runner.host_activations.peak_bytes:  # states and saved activations on the host
+        report["measured_host_bytes"] = (host.host_bytes(optim) if host is not None else 0) \
+            + runner.host_activations.peak_bytes
     if device.type == "cuda":  # what the allocator held at its peak over the steps (states, activations, transients)
         report["measured_memory_bytes"] = torch.cuda.max_memory_allocated(device)
     report["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0

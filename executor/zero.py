@@ -16,6 +16,7 @@ from torch import nn
 
 from core.graph import OpGraph
 from executor.dtensors import contiguous_stride, redistribute
+from executor.host_activations import OnHost
 from executor.interpreter import OnnxModule
 from executor.measure import unwrap
 from planner.strategy import Strategy
@@ -178,7 +179,8 @@ class _Saved:
 class Regather:
     """Saved-tensor hooks over the runner's forward: tensors autograd saves that are (views of) gathered
     parameters become `_Saved` recipes, gathered again in backward (one planned
-    re-gather each, through DTensor); every other saved tensor is kept, or what `on_saved` makes of it if set (the run's memory
+    re-gather each, through DTensor); in a layer whose activations the plan keeps on the host, every other
+    saved tensor goes there (`to_host`); elsewhere it is kept, or what `on_saved` makes of it if set (the run's memory
     measurement, whose own hooks the runner's replace inside its forward)."""
 
     def __init__(self, runner: SpmdRunner) -> None:
@@ -187,6 +189,9 @@ class Regather:
         # ends so that the id names them alone.
         self._gathered: dict[int, tuple[str, list[Any], torch.Tensor, Any, bool]] = {}
         self.on_saved: Callable[[torch.Tensor], Any] | None = None
+        # Inside a layer whose saved activations the plan keeps on the host: their packer
+        # (`HostActivations.pack`), ahead of `on_saved` (the meter counts the device's bytes).
+        self.to_host: Callable[[torch.Tensor], Any] | None = None
 
     def gathered(self, name: str, want: list[Any], local: torch.Tensor, dtype: Any = None, *,
                  gather_dtype: Any = None) -> None:
@@ -205,10 +210,14 @@ class Regather:
         base = t._base if t._base is not None else t
         hit = self._gathered.get(id(base))
         if hit is None:
+            if self.to_host is not None and isinstance(packed := self.to_host(t), OnHost):
+                return packed
             return self.on_saved(t) if self.on_saved is not None else t
         return _Saved(hit[0], hit[1], tuple(t.size()), tuple(t.stride()), int(t.storage_offset()), hit[3], hit[4])
 
     def _unpack(self, x: Any) -> torch.Tensor:
+        if isinstance(x, OnHost):
+            return x.restore()
         if not isinstance(x, _Saved):
             return unwrap(x)  # a saved tensor, or a measured one (`on_saved`)
         from torch.distributed.tensor import DTensor

@@ -120,6 +120,8 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
         # Offloaded states: the parameters by where their states live, and the host link's traffic.
         "offload": {str(m): sorted(t for t, x in strategy.training.offload.items() if x == m)
                     for m in sorted(set(strategy.training.offload.values()))},
+        # Saved activations on the host: layer group → how many of its layers (after those recomputed).
+        "offload_activations": dict(strategy.training.offload_activations),
         "host": document["cost"].get("host"),
     }
 

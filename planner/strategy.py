@@ -101,6 +101,9 @@ class TrainingSettings:
     # Parameter → where its states live (`core.levers.Offload`: "optimizer", "params,optimizer"); absent:
     # on the device.
     offload: Mapping[str, Offload] = field(default_factory=dict)
+    # Layer group → how many of its layers, after those it recomputes, save their activations in host
+    # memory (`costmodel/host_activations.py`); absent: none.
+    offload_activations: Mapping[str, int] = field(default_factory=dict)
     # How each rank reads its inputs (planner/search/dataset.py): data_parallel, full_batch, or the per-input splits.
     dataset_strategy: str = "data_parallel"
 
@@ -332,6 +335,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      "attention": s.training.attention, "attention_dropout": s.training.attention_dropout,
                      **({"zero_stages": dict(s.training.zero_stages)} if s.training.zero_stages is not None else {}),
                      **({"offload": {t: str(m) for t, m in s.training.offload.items()}} if s.training.offload else {}),
+                     **({"offload_activations": dict(s.training.offload_activations)}
+                        if s.training.offload_activations else {}),
                      **({"dataset_strategy": s.training.dataset_strategy}
                         if s.training.dataset_strategy != "data_parallel" else {})},
         "pipeline": pipeline_doc(s.pipeline),
@@ -440,6 +445,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   attention=Attention(tr.get("attention", "flash")),
                                   attention_dropout=tr.get("attention_dropout", 0.0),
                                   offload={t: Offload(m) for t, m in tr.get("offload", {}).items()},
+                                  offload_activations=dict(tr.get("offload_activations", {})),
                                   dataset_strategy=tr.get("dataset_strategy", "data_parallel")),
         pipeline=pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),

@@ -59,7 +59,10 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                     "hsdp": {"layout": "dp_replicate=2,dp_shard=2", "zero_stage": 3},
                                     # every layer and the root under CPUOffloadPolicy (a no-op move on CPU ranks)
                                     "zero3-offload": {"layout": "dp_shard=2", "zero_stage": 3,
-                                                      "offload": "params,optimizer"}}
+                                                      "offload": "params,optimizer"},
+                                    # every layer's saved activations copied to the host and back (CPU to CPU)
+                                    "zero3-activations": {"layout": "dp_shard=2", "zero_stage": 3,
+                                                          "offload": "activations", "recompute": "none"}}
 RANKS = {"hsdp": 4}  # (the others: 2)
 
 
@@ -149,6 +152,8 @@ def worker(rank: int, port: int, strategy: str, zoo_json: str, out: Any, world: 
             from torch._dynamo.utils import counters
 
             assert counters["stats"]["unique_graphs"] > 0, f"no graph compiled: {dict((k, dict(v)) for k, v in counters.items())} {report.compiled}"
+        if report.host is not None:  # the copies ran (what the module saves is its own, not the graph's)
+            assert report.host.peak_bytes > 0, report.host_activations
         if rank == 0:
             out.put(("report", float(total), grads, params, dict(counter.counts), dict(report.expected),
                      report.lines(), names, sorted(module.state_dict()), sorted(report.styles.items())))
@@ -191,12 +196,13 @@ CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero
     [("gpt2-tiny", "gathered"), ("llama-tiny", "zero1"), ("gpt2-tiny", "zero2"), ("gpt2-tiny", "recompute")] + \
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
     [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")] + [(m, "selective") for m in ("gpt2-tiny", "llama-tiny")] + \
-    [("gpt2-tiny", "selective-compiled"), ("gpt2-tiny", "zero3-offload")]
+    [("gpt2-tiny", "selective-compiled"), ("gpt2-tiny", "zero3-offload")] + [(m, "zero3-activations") for m in
+                                                                              ("gpt2-tiny", "llama-tiny")]
 
 
 # Heavier variants a lighter case covers (the same path on the other model, or compiled): `make check`.
 EXTENDED = {("gpt2-tiny", "recompute-compiled"), ("gpt2-tiny", "selective"), ("gpt2-tiny", "selective-compiled"),
-            ("llama-tiny", "zero3-compiled"), ("llama-tiny", "selective")}
+            ("llama-tiny", "zero3-compiled"), ("llama-tiny", "selective"), ("llama-tiny", "zero3-activations")}
 
 
 @pytest.mark.slow
@@ -253,6 +259,9 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
     if kind == "zero3-offload":  # each block a unit under the policy, and the root
         assert "offload: weights, gradients and optimizer states on the host (fully_shard's CPUOffloadPolicy) for 2 " \
                "layers and the root" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
+    if kind == "zero3-activations":  # both blocks' forwards under the copying hooks, nothing falling back
+        assert "activations on the host: 2 layers (what autograd saves copied there, back for backward)" in lines, lines
         assert not [ln for ln in lines if ln.startswith("fallback")], lines
     if kind == "tp":  # the MLPs run Megatron's column / row split, as pinned, with no fallback
         layers = "transformer.h" if name == "gpt2-tiny" else "model.layers"

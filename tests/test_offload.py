@@ -145,7 +145,8 @@ def test_offload_refusals_are_one_line(case: str, zoo: Callable[[str], Path], tm
         want = "--offload auto is decided with the sharding by the ILP"
     else:
         args += ["--offload", "disk"]
-        want = "--offload disk: choose one of none, optimizer, params,optimizer, auto"
+        want = ("--offload disk: choose one of none, optimizer, params,optimizer, auto, activations, "
+                "optimizer,activations, params,optimizer,activations")
     r = subprocess.run([sys.executable, "-m", "cli", "plan", *args], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr
     assert want in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

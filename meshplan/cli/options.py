@@ -208,10 +208,12 @@ def plan_options(fn: F) -> F:
                      help="How each rank reads its inputs (MindSpore's dataset_strategy): its data-parallel share, the "
                        "whole batch sliced after loading (the extra rows priced over the host link), or per-input "
                        "splits, one tuple of split counts per input, e.g. '((2, 1), (2, 1))' (the inputs placed so)."),
-        click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params,optimizer|auto",
+        click.option("--offload", default="none", show_default=True, metavar="none|optimizer|params,optimizer|activations|...|auto",
                      help="Model states in host memory: every parameter's optimizer states (optimizer, ZeRO-Offload), or "
                        "its weights, gradients and optimizer states (params,optimizer, FSDP2's CPUOffloadPolicy), the "
-                       "optimizer step on the host; auto: the ILP decides per parameter."),
+                       "optimizer step on the host; with activations (alone or after either), every layer's saved "
+                       "activations not recomputed, copied to the host as saved and back for backward; auto: the ILP "
+                       "decides per parameter and per layer group."),
         click.option("--comm-fusion", "comm_fusion", default="25MB", show_default=True, metavar="SIZE|KIND=SIZE,...|auto",
                      help="Bucket caps for gradient all-reduces and ZeRO's reduce-scatters and gathers (DDP's bucket_cap_mb, "
                        "MindSpore's comm_fusion): one size for all, per kind (allreduce=25MB,allgather=50MB,"

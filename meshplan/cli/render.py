@@ -116,7 +116,7 @@ def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:
                  f"+ optimizer {c.optimizer_s * 1e3:.2f} ms + communication {c.comm_s * 1e3:.2f} ms{host}{overhead}")
     head.add_row("memory per device", f"{fmt_bytes(c.memory_bytes_per_device)} at the peak ("
                  + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in c.memory.items()) + ")")
-    if tr.offload:
+    if tr.offload or tr.offload_activations:
         head.add_row("offload", offload_text(s))
     if tr.dataset_strategy != "data_parallel":
         head.add_row("dataset", f"{tr.dataset_strategy}" + (
@@ -192,7 +192,9 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
     console.print(colls)
     if e.get("host"):
         h = e["host"]
-        console.print("host: " + "; ".join(f"{m} for {len(ts)} parameters" for m, ts in e["offload"].items())
+        console.print("host: " + "; ".join([*(f"{m} for {len(ts)} parameters" for m, ts in e["offload"].items()),
+                                            *(f"saved activations of {n} layers of {g}"
+                                              for g, n in e.get("offload_activations", {}).items())])
                       + f" ({fmt_bytes(h['memory_bytes_per_device'])} of host memory per device); host link "
                       f"{fmt_bytes(h['copy_bytes'])} a step, {h['exposed_s'] * 1e3:.3f} ms waited for, "
                       f"{h['hidden_s'] * 1e3:.3f} ms under compute")
@@ -347,11 +349,12 @@ def offload_text(s: Strategy) -> str:
     by_mode: dict[str, int] = {}
     for m in tr.offload.values():
         by_mode[str(m)] = by_mode.get(str(m), 0) + 1
-    modes = ", ".join(f"{m} of {n} parameter(s)" for m, n in sorted(by_mode.items()))
+    modes = ", ".join([*(f"{m} of {n} parameter(s)" for m, n in sorted(by_mode.items())),
+                       *(f"saved activations of {n} layer(s) of {g}" for g, n in tr.offload_activations.items())])
     share = c.host_s / c.step_time_s if c.step_time_s else 0.0
     return (f"{modes} on the host ({fmt_bytes(c.host_memory_bytes)} of host memory per device); host link "
             f"{fmt_bytes(c.host_copy_bytes)} a step, {c.host_s * 1e3:.2f} ms waited for ({share:.1%} of the step), "
-            f"{c.hidden_host_s * 1e3:.2f} ms under compute; optimizer step on the host")
+            f"{c.hidden_host_s * 1e3:.2f} ms under compute" + ("; optimizer step on the host" if by_mode else ""))
 
 
 def recompute_text(tr: TrainingSettings, *, short: bool = False) -> str:

@@ -195,7 +195,8 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         global_batch_size=micro * steps if micro is not None else None,
         micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
         layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes,
-        offload=dict(priced.offload), dataset_strategy=req.dataset_strategy)
+        offload=dict(priced.offload), offload_activations=dict(priced.host_activations),
+        dataset_strategy=req.dataset_strategy)
 
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
@@ -245,4 +246,4 @@ def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel
                                              num_workers=req.workers, cutoff_s=cutoff_s),
                        param_layout=param_layout_for(req, layout, graph, mesh), zero_stages=req.zero_options(),
                        shard_freely=req.layout is None and req.zero_stage is None,
-                       offload=req.offload, **shape)
+                       offload=req.offload, offload_activations=req.offload_activations, **shape)

@@ -55,6 +55,7 @@ class Solution:
     zero: dict[str, int] = field(default_factory=dict)  # parameter → its ZeRO-1/2 stage, where one was chosen
     recompute: dict[str, int] = field(default_factory=dict)  # layer group → layers recomputed (the first), where any
     offload: dict[str, Offload] = field(default_factory=dict)  # parameter → where its states live, where not the device
+    activations: dict[str, int] = field(default_factory=dict)  # layer group → layers saving activations to the host
     constraints_by_family: dict[str, int] = field(default_factory=dict)
     # Under the overlapped step: the seconds of communication the objective leaves exposed, by term
     # (`ShardingILP.add_overlap`: "exposed_grads", "exposed_gathers").

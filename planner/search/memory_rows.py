@@ -45,6 +45,7 @@ class MemoryRows:
     memory_soft: bool  # the rows priced, never held (a layout priced fitting or not)
     offload: Offload
     offload_terms: dict[tuple[int, Offload], LayerOffload]
+    act_groups: list[LayerOffload]
     cost: CostModel
 
     def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
@@ -134,12 +135,19 @@ class MemoryRows:
         return sorted(kept)
 
     def _with_all_recomputed(self, mem: dict[Decision, list[float]]) -> dict[Decision, list[float]]:
-        """Each choice's memory less what recomputing every layer of its group could save (a lower bound
-        for the infeasibility check: the transient layer left out)."""
+        """Each choice's memory less what recomputing every layer of its group, or saving its activations
+        on the host, could save (the more of the two: a lower bound for the infeasibility check, the
+        transient layer left out)."""
         saved: dict[int, float] = defaultdict(float)
         for terms in {id(t): t for t in self.layer_terms.values()}.values():
             for var, kib in terms.saved_kib.items():
                 saved[var] += max(kib, 0.0) * KIB * terms.layers
+        on_host: dict[int, float] = defaultdict(float)
+        for g in self.act_groups:
+            for var, kib in g.saved_kib.items():
+                on_host[var] += max(kib, 0.0) * KIB * g.layers
+        for var, b in on_host.items():
+            saved[var] = max(saved[var], b)
         return {d: [b - saved.get(x, 0.0) for b, x in zip(bs, self.x[d], strict=True)] for d, bs in mem.items()}
 
     def _with_all_offloaded(self, mem: dict[Decision, list[float]], row: str) -> dict[Decision, list[float]]:

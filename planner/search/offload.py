@@ -20,7 +20,13 @@ The count n is an integer variable; its products with the x_c are w_c = n·x_c, 
 Σ_m n_g,m ≤ L_g. With x integral the relaxation holds w_c = n·x_c, so the solver branches on the counts
 themselves (a first form, n as bits with big-M rows per bit, took CBC 4–18 s a solve on Llama-3-8B on
 one device, where the sharding is fixed and the problem a knapsack of a few counts). E = max(the
-longest copy offloaded, hideable − compute) at an optimum, as `compose.host_exposed` prices it."""
+longest copy offloaded, hideable − compute) at an optimum, as `compose.host_exposed` prices it.
+
+Saved activations (`core.levers.ActivationOffload`) are counted the same way, per group g a count a_g of
+layers after the recomputed ones, with the per-layer terms of its first layer's nodes under x: the bytes
+they save (freed from the peak row) and their two copies a micro-batch, waited for (on the compute
+stream, `costmodel/host_activations.py`). A layer is recomputed or saves to the host, not both:
+a_g + r_g ≤ L_g (= L_g where every layer not recomputed is asked for), r_g the recomputation count."""
 
 from __future__ import annotations
 
@@ -30,7 +36,7 @@ from dataclasses import dataclass, field
 
 from core.collectives import Cadence
 from core.graph import OpGraph, TensorKind
-from core.levers import Offload
+from core.levers import ActivationOffload, Offload, Recompute
 from core.placement import Spec
 from costmodel.step import CostModel
 from planner.search.decisions import KIB, NS_PER_S, Decision
@@ -45,7 +51,7 @@ class LayerOffload:
     """One group's per-layer expressions under one mode, as coefficients by variable."""
 
     prefix: str  # the layer group's ("" for the parameters outside the repeated layers)
-    mode: Offload
+    mode: Offload | None  # None: the layer's saved activations (`costmodel/host_activations.py`)
     layers: int
     fixed: int | None = None  # the count, where the request holds it (every layer: `offload` optimizer, ...)
     time_ns: dict[int, float] = field(default_factory=lambda: defaultdict(float))
@@ -66,18 +72,19 @@ class OffloadCounts:
     memory_end: list[tuple[int, int]]
     hideable: list[tuple[int, int]]
     firsts: list[tuple[int, list[tuple[int, int]], int]]  # (z, the parameter's terms, their bound)
-    counts: dict[tuple[str, Offload], int]
+    counts: dict[tuple[str, Offload | None], int]
     hideable_most: int = 1  # the most the hideable terms sum to (each decision's largest, times its layers)
 
 
-def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decision: Mapping[int, int]) -> OffloadCounts:
+def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decision: Mapping[int, int], *,
+                       tag: str = "offload") -> OffloadCounts:
     """`decision`: each choice variable's decision (one choice of each is taken: bounds from each
-    decision's largest coefficient)."""
+    decision's largest coefficient); `tag`: the variables' and rows' names begin with it."""
     out = OffloadCounts([], [], [], [], [], {})
     by_group: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
         lo, up = (g.fixed, g.fixed) if g.fixed is not None else (0, g.layers)
-        n = model.int_var(f"offload_count[{gi}]", lo, up)
+        n = model.int_var(f"{tag}_count[{gi}]", lo, up)
         out.counts[(g.prefix, g.mode)] = n
         by_group[g.prefix].append((n, 1))
         t = {v: round(c) for v, c in g.time_ns.items() if round(c)}
@@ -90,10 +97,10 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
             largest[decision.get(v, -v - 1)] = max(largest[decision.get(v, -v - 1)], c)
         out.hideable_most += big * sum(largest.values())
         for x in sorted(set(t) | set(s) | set(se) | set(h)):
-            w = model.int_var(f"offload_layers_at[{gi},{x}]", 0, big)  # n·x
-            model.add(f"offload_at_choice[{gi},{x}]", [(w, 1), (x, -big)], -BIG, 0)
-            model.add(f"offload_at_count[{gi},{x}]", [(w, 1), (n, -1)], -BIG, 0)
-            model.add(f"offload_at_both[{gi},{x}]", [(w, 1), (n, -1), (x, -big)], -big, BIG)
+            w = model.int_var(f"{tag}_layers_at[{gi},{x}]", 0, big)  # n·x
+            model.add(f"{tag}_at_choice[{gi},{x}]", [(w, 1), (x, -big)], -BIG, 0)
+            model.add(f"{tag}_at_count[{gi},{x}]", [(w, 1), (n, -1)], -BIG, 0)
+            model.add(f"{tag}_at_both[{gi},{x}]", [(w, 1), (n, -1), (x, -big)], -big, BIG)
             if x in t:
                 out.objective.append((w, t[x]))
             if x in s:
@@ -103,15 +110,15 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
             if x in h:
                 out.hideable.append((w, h[x]))
         if g.first_ns:
-            z = model.bool_var(f"offload_any[{gi}]")
-            model.add(f"offload_any[{gi}]", [(n, 1), (z, -big)], -BIG, 0)
+            z = model.bool_var(f"{tag}_any[{gi}]")
+            model.add(f"{tag}_any[{gi}]", [(n, 1), (z, -big)], -BIG, 0)
             for f in g.first_ns:
                 terms = [(v, round(c)) for v, c in f.items() if round(c)]
                 if terms:
                     out.firsts.append((z, terms, max(c for _, c in terms)))
     for prefix, counts in by_group.items():  # a layer is offloaded under one mode at most
         layers = next(g.layers for g in groups if g.prefix == prefix)
-        model.add(f"offload_layers[{prefix or '(outside layers)'}]", counts, 0, layers)
+        model.add(f"{tag}_layers[{prefix or '(outside layers)'}]", counts, 0, layers)
     return out
 
 
@@ -134,6 +141,7 @@ class OffloadDecisions:
 
     graph: OpGraph
     offload: Offload
+    offload_activations: ActivationOffload
     params: list[str]
     param_rep: dict[str, str]
     x: dict[Decision, list[int]]
@@ -166,6 +174,37 @@ class OffloadDecisions:
                 fixed = None if self.offload is Offload.AUTO else layers if mode is self.offload else 0
                 self.offload_terms[(gi, mode)] = LayerOffload(prefix=self.group_key(gi), mode=mode, layers=layers,
                                                               fixed=fixed)
+
+    def _activation_groups(self) -> None:
+        """Under activation offload, each group's per-layer terms (`act_groups`), and its first layer's
+        nodes → them (`act_terms`): none where the model recomputes every layer already (held full)."""
+        self.act_groups: list[LayerOffload] = []
+        self.act_terms: dict[str, LayerOffload] = {}
+        if self.offload_activations is ActivationOffload.NONE or self.cost.recompute is not Recompute.NONE:
+            return
+        loss_node = self.graph.producer.get(self.cost.loss_tensor)
+        for group in self.graph.layers:
+            terms = LayerOffload(prefix=group.prefix, mode=None, layers=group.num_layers)
+            self.act_groups.append(terms)
+            self.act_terms.update({n: terms for n in group.nodes[0] if n != loss_node})
+
+    def _activation_terms(self, node: str, saved: Sequence[tuple[int, float]]) -> None:
+        """A first-layer node's share of its group's activation terms: per choice (variable, bytes it saves)."""
+        terms = self.act_terms.get(node)
+        if terms is None:
+            return
+        per_byte = 2 * self.cost.micro_batches / self.cost.states.host_rate() * NS_PER_S  # to host and back
+        for var, b in saved:
+            terms.saved_kib[var] += b / KIB
+            terms.time_ns[var] += b * per_byte
+
+    def add_activation_rows(self, model: LinearModel, counts: OffloadCounts,
+                            recomputed: Mapping[str, list[tuple[int, int]]]) -> None:
+        """a_g + r_g ≤ L_g, = L_g where every layer not recomputed saves to the host."""
+        every = self.offload_activations is ActivationOffload.ALL
+        for gi, g in enumerate(self.act_groups):
+            row = [(counts.counts[(g.prefix, None)], 1), *recomputed.get(g.prefix, [])]
+            model.add(f"host_activations_or_recompute[{gi}]", row, g.layers if every else 0, g.layers)
 
     def group_key(self, gi: int) -> str:
         """A layer group's name in the offload counts ("" outside the layers; the index where two share a prefix)."""
@@ -202,7 +241,7 @@ class OffloadDecisions:
                 terms.first_ns.append(first)
 
 
-    def offloaded_layers(self, counts: Mapping[tuple[str, Offload], int]) -> dict[str, Offload]:
+    def offloaded_layers(self, counts: Mapping[tuple[str, Offload | None], int]) -> dict[str, Offload]:
         """Every parameter's place from the counts: in each group, its first layers' states on the host
         under params,optimizer, the next under optimizer; outside the layers, as that group's count says."""
         g = self.graph

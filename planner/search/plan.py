@@ -25,7 +25,7 @@ from typing import TypeVar
 from core.errors import DimBindingError, MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
-from core.levers import Mode, Offload, Recompute, Search
+from core.levers import ActivationOffload, Mode, Offload, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec
 from costmodel.compose import StepCost
@@ -76,8 +76,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
 def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strategy, list[Candidate]]:
     say = progress or (lambda _msg: None)
     profile = load_profile(req.profile)
-    if req.offload is not Offload.NONE and profile.host is None:
-        raise MeshplanError(f"`offload` {req.offload}: profile {profile.name} has no `host` block (the host link's copy "
+    if (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) and profile.host is None:
+        raise MeshplanError(f"`offload` {req.offload if req.offload is not Offload.NONE else 'activations'}: profile {profile.name} has no `host` block (the host link's copy "
                             "bandwidth and the host's optimizer step); use a profile with one or `offload` none")
     req = req.for_profile(profile.device.is_gpu)
     assert req.dtype is not None
@@ -139,7 +139,8 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
     # recomputation, more of them while each is faster; else from the most (below the plan without
     # recomputation) down while each is faster.
-    if len(policies) > 1 and req.offload is not Offload.NONE and found:
+    if len(policies) > 1 and (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) \
+            and found:
         # Offload makes the plan without recomputation fit where it would not: recomputing layers keeps
         # more states on the device instead (the host's optimizer step and copies against a forward again)
         attempt(min(k0 for k0, _ in found), policies[1])
@@ -405,8 +406,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                         cm, recomputed = model(Recompute.FULL, sol.recompute), sol.recompute
                     else:
                         cm, recomputed = base, {} if counted else recomputed
-                    if sol.offload:  # priced with the parameters the solver offloads where it put them
-                        cm = cm.offloaded(sol.offload)
+                    if sol.offload or sol.activations:  # priced with what the solver offloads where it put it
+                        cm = cm.offloaded(sol.offload, sol.activations)
                     cost = cm.price(choice, param_specs, zero=sol.zero)
                     unsharded = {ilp.param_rep[p] for p in sol.zero if p not in cost.priced.zero_stages}
                     if not unsharded or cost.memory_bytes <= limit or priced_as_is:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from core.errors import MeshplanError
 from core.layout import Layout, parse_layout
 from core.levers import (
+    ActivationOffload,
     Attention,
     Composer,
     Dtype,
@@ -21,6 +22,7 @@ from core.levers import (
     Search,
     default_dtype,
     lever,
+    offload_levers,
 )
 from core.mesh import DeviceMesh
 from costmodel.buckets import CommFusion
@@ -62,6 +64,9 @@ class PlanRequest:
     recompute: Recompute = Recompute.AUTO  # AUTO: the ILP decides how many layers per group
     recompute_layers: int | None = None  # with full: the first N layers of each group (Megatron's block method)
     offload: Offload = Offload.NONE  # model states in host memory: every parameter's, or AUTO (the ILP, per parameter)
+    # The repeated layers' saved activations in host memory: every layer not recomputed, or AUTO (the ILP,
+    # per layer group). `offload` given as words with "activations" among them (or "auto") sets both.
+    offload_activations: ActivationOffload = ActivationOffload.NONE
     # MindSpore's gradient_accumulation_shard: under ZeRO with accumulation, the accumulated gradient kept
     # sharded (a reduce-scatter per micro-step: ZeRO-2) or whole (reduced once: ZeRO-1); "auto": the
     # ILP's choice per parameter (`zero_options`).
@@ -93,6 +98,13 @@ class PlanRequest:
 
     def __post_init__(self) -> None:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
+        if isinstance(self.offload, str) and not isinstance(self.offload, Offload):
+            states, acts = offload_levers(self.offload)
+            object.__setattr__(self, "offload", states)
+            if self.offload_activations is ActivationOffload.NONE:
+                object.__setattr__(self, "offload_activations", acts)
+        object.__setattr__(self, "offload_activations",
+                           lever(ActivationOffload, self.offload_activations, "offload_activations"))
         for name, kind in (("mode", Mode), ("search", Search), ("loss", LossKind), ("recompute", Recompute),
                            ("offload", Offload),
                            ("composer", Composer), ("attention", Attention), ("runtime", Runtime), ("dtype", Dtype)):
@@ -162,6 +174,7 @@ class PlanRequest:
             if self.layout is not None and self.layout.pipeline > 1:
                 raise MeshplanError(f"`offload` {self.offload} with pp={self.layout.pipeline}: offload is not planned "
                                     "for pipeline stages yet; drop pp from `layout` or use `offload` none")
+        self._check_activation_offload()
         k, g = self.accumulation_steps, self.global_batch_size
         if k is not None and k < 1:
             raise MeshplanError(f"`accumulation_steps` {k}: needs at least 1 micro-step")
@@ -177,6 +190,23 @@ class PlanRequest:
         elif k is not None and k > 1 and "batch" in self.dims:
             raise MeshplanError(f"`accumulation_steps` {k} splits a global batch: give `global_batch_size` "
                                 "(the batch per optimizer step) instead of `dims` batch")
+
+    def _check_activation_offload(self) -> None:
+        acts = self.offload_activations
+        if acts is ActivationOffload.NONE:
+            return
+        if not self.decides:
+            raise MeshplanError(f"`offload` activations are placed per layer by the ILP: use `mode` auto or semi, not "
+                                f"{self.mode}")
+        if self.layout is not None and self.layout.pipeline > 1:
+            raise MeshplanError(f"`offload` activations with pp={self.layout.pipeline}: offload is not planned for "
+                                "pipeline stages yet; drop pp from `layout` or drop activations from `offload`")
+        if self.recompute in (Recompute.FULL, Recompute.SELECTIVE) and self.recompute_layers is None:
+            raise MeshplanError(f"`offload` activations with `recompute` {self.recompute}: every layer is recomputed, "
+                                "none saves its activations; use `recompute` auto or none, or a `recompute_layers` count")
+        if self.recompute is Recompute.SELECTIVE:
+            raise MeshplanError("`offload` activations with `recompute` selective: a layer's saved activations are "
+                                "either recomputed or offloaded; use `recompute` auto, none or full")
 
     def _check_accumulation_shard(self) -> None:
         gas = self.gradient_accumulation_shard
@@ -261,7 +291,8 @@ class PlanRequest:
     def searches_pipelines(self) -> bool:
         """Pipelines are tried where the planner chooses the mesh of a global batch."""
         return (self.layout is None and self.mesh_shape is None and self.mode is Mode.AUTO and self.search is Search.ILP
-                and self.offload is Offload.NONE and self.global_batch_size is not None and self.micro_batch_size is None
+                and self.offload is Offload.NONE and self.offload_activations is ActivationOffload.NONE
+                and self.global_batch_size is not None and self.micro_batch_size is None
                 and self.accumulation_steps is None and self.devices > 1)
 
     def recompute_candidates(self, devices_per_node: int = 1) -> list[Recompute]:

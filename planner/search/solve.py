@@ -76,7 +76,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 from core.collectives import Collective, Purpose
 from core.graph import OpGraph, TensorKind
-from core.levers import Composer, Offload
+from core.levers import ActivationOffload, Composer, Offload
 from core.placement import OpStrategy, Replicate, Shard, Spec
 from costmodel.step import CostModel
 from planner.rules import RuleSet
@@ -116,7 +116,8 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
                  recompute_model: CostModel | None = None, recompute_layers: int | None = None,
                  stages: Mapping[str, int] | None = None, in_flight: Sequence[float] = (),
                  shard_freely: bool = True, floor_limit_bytes: float | None = None, memory_soft: bool = False,
-                 offload: Offload = Offload.NONE) -> None:
+                 offload: Offload = Offload.NONE,
+                 offload_activations: ActivationOffload = ActivationOffload.NONE) -> None:
         """`param_layout(param, spec)`: how a layout stores a parameter a consumer needs at `spec` (e.g.
         FSDP: split on its dp_shard axis), None where it cannot; every parameter spec is mapped by it.
         `shard_freely`: each parameter may also be split over every axis it would be whole on (ZeRO-3
@@ -163,6 +164,8 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
                 self.layer_terms.update({n: terms for n in group.nodes[0] if n != loss_node})
         self.offload = offload
         self._offload_groups()
+        self.offload_activations = offload_activations
+        self._activation_groups()
 
     # -- helpers -----------------------------------------------------------------------------------------
 
@@ -407,6 +410,8 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
                     terms.time_ns[var] += (full.time_s - priced[j].time_s) * skew * self.cost.micro_batches * NS_PER_S
                     terms.saved_kib[var] += (priced[j].activation_bytes - full.activation_bytes) / KIB
                     terms.transient_kib[var] += full.recomputed_bytes / KIB
+            if self.act_terms:
+                self._activation_terms(node, [(self.x[d][c], priced[j].activation_bytes) for c, j in enumerate(m)])
         return costs, mem
 
     def add_overlap(self) -> list[tuple[int, int]]:
@@ -474,10 +479,12 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
-        self.model.isolated = bool(self.offload_terms)  # (`LinearModel.isolated`)
-        offloads = add_offload_counts(self.model, list(self.offload_terms.values()),
-                                      {x: i for i, xs in enumerate(self.x.values()) for x in xs})
-        self.add_memory(mem, [*counts.memory, *offloads.memory], end_extra=offloads.memory_end)
+        self.model.isolated = bool(self.offload_terms or self.act_groups)  # (`LinearModel.isolated`)
+        decision = {x: i for i, xs in enumerate(self.x.values()) for x in xs}
+        offloads = add_offload_counts(self.model, list(self.offload_terms.values()), decision)
+        host_acts = add_offload_counts(self.model, self.act_groups, decision, tag="host_activations")
+        self.add_activation_rows(self.model, host_acts, counts.bits)
+        self.add_memory(mem, [*counts.memory, *offloads.memory, *host_acts.memory], end_extra=offloads.memory_end)
         edge_terms += self.add_overlap()
         cover = [(v, round(t * NS_PER_S)) for d, ts in self.host_cover_s.items()
                  for t, v in zip(ts, self.x[d], strict=True) if round(t * NS_PER_S)]
@@ -492,7 +499,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         # real difference in time (reported costs come from pricing the plan, not from this sum).
         tie_break = [(_tie_ns(b), x) for d, bs in mem.items() for b, x in zip(bs, self.x[d], strict=True) if b]
         self.model.objective = [(x, c) for c, x in (*node_terms, *edge_terms, *tie_break) if c] + counts.objective \
-            + offloads.objective
+            + offloads.objective + host_acts.objective
         self.model.objective += [(v, OVER_NS_PER_KIB) for v in self.over_vars]
         o = self.options
         fixed_s = sum(self.cost.fixed_s())  # in every plan's step, not in the model
@@ -524,6 +531,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         zero = {t: z for t, r in self.param_rep.items() if (z := self.param_stages[r][picked[ParamDecision(r)]])}
         recompute = {g: count for g, bits in counts.bits.items() if (count := sum(w * result.values[v] for v, w in bits))}
         offload = self.offloaded_layers({key: result.values[n] for key, n in offloads.counts.items()})
+        activations = {prefix: result.values[n] for (prefix, _), n in host_acts.counts.items() if result.values[n]}
         # The step the model prices at the solution: less the tie-break and any excess's price, plus
         # what every plan pays; the bound less the most tie-break any solution could carry.
         aside = sum(c * result.values[x] for c, x in tie_break) + sum(OVER_NS_PER_KIB * result.values[v]
@@ -538,6 +546,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
         )
         return Solution(choice=choice, param_specs=param_specs, stats=stats, zero=zero, recompute=recompute, offload=offload,
+                        activations=activations,
                         constraints_by_family=dict(self.constraint_counts),
                         exposed_s={n: result.values[v] / NS_PER_S for n, v in self.overlap_vars.items()})
 
