@@ -110,6 +110,33 @@ def _llama(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, voca
     return logits_module(LlamaForCausalLM(cfg), "input_ids"), cfg
 
 
+def _mixtral(layers: int, hidden: int, inter: int, heads: int, kv_heads: int, vocab: int, experts: int, top_k: int,
+             max_pos: int) -> tuple[nn.Module, Any]:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                        num_key_value_heads=kv_heads, vocab_size=vocab, num_local_experts=experts,
+                        num_experts_per_tok=top_k, max_position_embeddings=max_pos, tie_word_embeddings=False,
+                        bos_token_id=0, eos_token_id=0, pad_token_id=0, attn_implementation="sdpa", use_cache=False)
+    cfg._experts_implementation = "batched_mm"  # a graph of static shapes (planner/export.py's `hf_model`)
+    return logits_module(MixtralForCausalLM(cfg), "input_ids"), cfg
+
+
+def _deepseek_v3_tiny() -> tuple[nn.Module, Any]:
+    """DeepSeek-V3's structure at toy size: a dense first layer, then MoE layers of 8 routed experts
+    (top-2, group-limited routing over 2 groups) beside one shared expert, multi-head latent attention."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(num_hidden_layers=3, first_k_dense_replace=1, hidden_size=64, intermediate_size=128,
+                           moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
+                           n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                           q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                           pad_token_id=0, attn_implementation="sdpa", use_cache=False)
+    cfg._experts_implementation = "batched_mm"
+    return logits_module(DeepseekV3ForCausalLM(cfg), "input_ids"), cfg
+
+
 def _bert() -> tuple[nn.Module, Any]:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -199,6 +226,17 @@ ZOO: dict[str, ZooEntry] = {
                  input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
                  default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
                  description="Llama-3-70B, shape-only"),
+        # Mixtures of experts (core/experts.py): Mixtral's 8 experts top-2, DeepSeek-V3's shared + routed.
+        ZooEntry(name="mixtral-tiny", build=lambda: _mixtral(2, 64, 128, 4, 2, 256, 4, 2, 128), input_kind="tokens",
+                 input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 4, "seq": 32}, vocab=256, description="Mixtral, 2 layers, 4 experts top-2"),
+        ZooEntry(name="deepseek-v3-tiny", build=_deepseek_v3_tiny, input_kind="tokens", input_dims=("batch", "seq"),
+                 example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 4, "seq": 32}, vocab=256,
+                 description="DeepSeek-V3 structure, 3 layers (1 dense), 8 routed + 1 shared expert top-2"),
+        ZooEntry(name="mixtral-8x7b", build=lambda: _mixtral(32, 4096, 14336, 32, 8, 32000, 8, 2, 32768),
+                 input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 16, "seq": 4096}, vocab=32000, with_weights=False,
+                 description="Mixtral-8x7B, shape-only"),
     ]
 }
 # Llama-3-8B's width at other depths: the planner's time against layer count (bench only).

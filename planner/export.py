@@ -200,6 +200,10 @@ def hf_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str]:
 
     config.use_cache = False
     config._attn_implementation = "sdpa"
+    # Mixture-of-experts layers as one batched matmul on each token's gathered expert weights: a graph of
+    # static shapes (the default grouped-GEMM and per-expert loops depend on the routing), whose
+    # experts `core/experts.py` recognises.
+    config._experts_implementation = "batched_mm"
     if num_layers is not None:
         config.num_hidden_layers = num_layers
     archs = [a for a in (getattr(config, "architectures", None) or []) if hasattr(transformers, a)]

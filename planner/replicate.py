@@ -9,10 +9,13 @@ copy's values where layer 1 read its own, the previous layer's values where laye
 (matched by position: layers 0 and 1 are the same sequence of ops), and everything else (rotary
 tables, masks, constants) unchanged; its parameters are declared under `{prefix}.{i}.`. Nodes after
 the layers read the last copy's values where they read layer 1's. The source must have exactly two
-layers of the same structure; anything else is refused.
+layers of the same structure (layer 0 may compute a few shape values more, which layer 1 and its
+copies read: `_paired`); anything else is refused.
 """
 
 from __future__ import annotations
+
+import difflib
 
 import onnx
 
@@ -20,6 +23,7 @@ from core.errors import ModelError
 from planner.graph import module_path
 
 _SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+_EXTRA_FIRST_LAYER_NODES = 4  # shape values the first layer may compute for the rest (`_paired`)
 
 
 def _layer_of(path: str, prefix: str) -> int | None:
@@ -36,6 +40,20 @@ def _copy(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
+def _paired(g: onnx.GraphProto, l0: list[int], l1: list[int]) -> list[tuple[int, int]] | None:
+    """Layer 0's nodes paired with layer 1's, in order: the same op sequence, or layer 0's with a few
+    more nodes that layer 1 does without (a shape the exporter computes once, in the first layer that
+    needs it — the token count times top-k of a mixture of experts — and the next layer reads); None
+    where they differ otherwise."""
+    ops0, ops1 = [g.node[i].op_type for i in l0], [g.node[i].op_type for i in l1]
+    if ops0 == ops1:
+        return list(zip(l0, l1, strict=True))
+    matcher = difflib.SequenceMatcher(a=ops0, b=ops1, autojunk=False)
+    pairs = [(l0[b.a + k], l1[b.b + k]) for b in matcher.get_matching_blocks() for k in range(b.size)]
+    extra = len(l0) - len(pairs)
+    return pairs if len(pairs) == len(l1) and extra <= _EXTRA_FIRST_LAYER_NODES else None
+
+
 def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int) -> onnx.ModelProto:
     """`model` with layers `{prefix}.0` and `{prefix}.1`, deepened to `num_layers` layers."""
     g = model.graph
@@ -43,15 +61,15 @@ def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int) -> on
     layer = [None if n.op_type == "Constant" else _layer_of(module_path(n), prefix) for n in g.node]
     l0 = [i for i, k in enumerate(layer) if k == 0]
     l1 = [i for i, k in enumerate(layer) if k == 1]
-    if not l0 or [g.node[i].op_type for i in l0] != [g.node[i].op_type for i in l1] \
-            or any(k is not None and k > 1 for k in layer):
+    pairs = _paired(g, l0, l1)
+    if not l0 or pairs is None or any(k is not None and k > 1 for k in layer):
         raise ModelError(f"cannot repeat the layers under {prefix}: the export's two layers differ; "
                          "export the model at full depth")
     if num_layers <= 2:
         return model
     # Layer 0's values ↔ layer 1's, by position: what layer 1 reads of layer 0, copy c reads of c−1.
     prev_of: dict[str, str] = {}
-    for i0, i1 in zip(l0, l1, strict=True):
+    for i0, i1 in pairs:
         prev_of.update(zip(g.node[i0].output, g.node[i1].output, strict=True))
     l1_outputs = {t for i in l1 for t in g.node[i].output if t}
     p1 = f"{prefix}.1."

@@ -78,6 +78,20 @@ def render_summary(s: dict[str, Any]) -> None:
     if not s["layers"]:
         layers.add_row("none found", "", "")
     console.print(layers)
+    e = s.get("experts")
+    if e:
+        moe = Table(title="mixture of experts", show_header=False)
+        moe.add_column(style="bold")
+        moe.add_column(justify="right")
+        moe.add_row("blocks", str(e["blocks"]))
+        moe.add_row("experts per block, top-k", f"{'/'.join(map(str, e['num_experts']))}, top-"
+                    f"{'/'.join(map(str, e['top_k']))}")
+        moe.add_row("parameters: routed / shared / router", f"{e['routed_parameters']:,} / {e['shared_parameters']:,} "
+                    f"/ {e['router_parameters']:,}")
+        moe.add_row("parameters active per token", f"{e['active_parameters']:,} of {s['parameters']:,} "
+                    f"({e['active_parameters'] / s['parameters']:.1%})")
+        moe.add_row("tokens per expert", e["routing"])
+        console.print(moe)
 
 
 def render_plan(s: Strategy, candidates: list[Any], out: Any) -> None:

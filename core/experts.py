@@ -1,0 +1,150 @@
+"""Mixture-of-experts blocks found in an imported graph: the router, its top-k, the routed experts'
+weights and the shared experts beside them, recognised from the ops any exporter writes for one.
+
+A block is a TopK whose indices select rows of expert weights: some Gather (GatherND, Gather) reads a
+parameter of three or more dims — the experts stacked on its first dim, `[E, …]`, as transformers'
+experts modules, torchtitan's `GroupedExperts` and Megatron's grouped GEMM hold them — at indices that
+depend on the TopK's. The router is the parameter(s) on the path from the matmul into the TopK's scores
+(the gate's weight, DeepSeek-V3's score-correction bias); the block is the module both sit in (their
+module paths' common prefix), and the shared experts are the other parameters its nodes read (DeepSeek-V3,
+Qwen2-MoE). Token counts per expert are data-dependent; the planner binds them by an assumption, uniform
+routing times a capacity factor (`CAPACITY_FACTOR`), stated wherever a figure depends on it."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from core.graph import OpGraph, TensorKind
+
+CAPACITY_FACTOR = 1.25  # tokens an expert is sized for: the uniform share times this (GShard, Switch)
+# Ops whose output is their first input's values (rearranged or cast): traced through to a parameter.
+_VIEWS = frozenset({"Transpose", "Reshape", "Identity", "Cast", "CastLike", "Unsqueeze", "Squeeze", "Flatten",
+                    "Expand", "Slice", "Split", "Concat"})
+_GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
+_ROUTER_DEPTH = 12  # nodes walked back from the TopK's scores to find the router's matmul
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertBlock:
+    """One mixture-of-experts block of the graph."""
+
+    module: str  # the block's module path ("model.layers.0.mlp"); "" where the exporter wrote none
+    topk: str  # the TopK node
+    top_k: int  # experts per token
+    num_experts: int  # routed experts (the first dim of their weights)
+    router: tuple[str, ...]  # the router's parameters
+    experts: tuple[str, ...]  # the routed experts' parameters, `[num_experts, …]`
+    shared: tuple[str, ...]  # the shared experts' parameters (every token runs them)
+
+
+def find_expert_blocks(graph: OpGraph) -> tuple[ExpertBlock, ...]:
+    """Every mixture-of-experts block, in the graph's order."""
+    readers: dict[str, list[str]] = defaultdict(list)
+    for n in graph.compute_nodes:
+        for t in n.inputs:
+            if t:
+                readers[t].append(n.name)
+    out = []
+    for node in graph.compute_nodes:
+        if node.op_type != "TopK" or len(node.outputs) < 2:
+            continue
+        k = graph.constant_value(node.inputs[1]) if len(node.inputs) > 1 else None
+        if k is None or k.size != 1:
+            continue
+        routed = _reached(graph, node.outputs[1], readers)
+        experts: set[str] = set()
+        expert_nodes: list[str] = []
+        for n in graph.compute_nodes:
+            if n.op_type in _GATHERS and len(n.inputs) > 1 and n.inputs[1] in routed:
+                p = _param_of(graph, n.inputs[0])
+                if p is not None and len(graph.tensors[p].shape) >= 3:
+                    experts.add(p)
+                    expert_nodes.append(n.name)
+        if not experts:
+            continue
+        sizes = {graph.tensors[p].shape[0] for p in experts}
+        if len(sizes) != 1:
+            continue
+        router = _router(graph, node.inputs[0])
+        module = _common_path([node.module_path, *(graph.node_by_name[n].module_path for n in expert_nodes)])
+        taken = experts | set(router)
+        shared = sorted({t for n in graph.compute_nodes if module and n.module_path.startswith(module + ".")
+                         for t in n.inputs if t and (p := _param_of(graph, t)) is not None and p == t
+                         and t not in taken}) if module else []
+        out.append(ExpertBlock(module=module, topk=node.name, top_k=int(k.reshape(-1)[0]), num_experts=sizes.pop(),
+                               router=tuple(sorted(router)), experts=tuple(sorted(experts)), shared=tuple(shared)))
+    return tuple(out)
+
+
+def active_params(graph: OpGraph, blocks: tuple[ExpertBlock, ...]) -> int:
+    """Parameters one token runs through: all but the routed experts' share it does not visit (each
+    block's experts × (1 − top_k / num_experts))."""
+    idle = sum(graph.tensors[p].numel * (b.num_experts - b.top_k) / b.num_experts for b in blocks for p in b.experts)
+    return round(graph.num_params - idle)
+
+
+def _reached(graph: OpGraph, start: str, readers: Mapping[str, list[str]]) -> set[str]:
+    """The integer tensors computed from `start` (itself included): the indices it becomes (not the
+    activations the experts' outputs flow into, which reach every later block)."""
+    seen = {start}
+    todo = [start]
+    while todo:
+        for n in readers.get(todo.pop(), ()):
+            for t in graph.node_by_name[n].outputs:
+                if t and t not in seen and (info := graph.tensors.get(t)) is not None and not info.is_float:
+                    seen.add(t)
+                    todo.append(t)
+    return seen
+
+
+def _param_of(graph: OpGraph, tensor: str) -> str | None:
+    """The parameter `tensor` is (a view or cast of), or None."""
+    for _ in range(16):
+        info = graph.tensors.get(tensor)
+        if info is None:
+            return None
+        if info.kind is TensorKind.PARAM:
+            return tensor
+        src = graph.producer.get(tensor)
+        node = graph.node_by_name.get(src) if src is not None else None
+        if node is None or node.op_type not in _VIEWS or not node.inputs:
+            return None
+        tensor = node.inputs[0]
+    return None
+
+
+def _router(graph: OpGraph, scores: str) -> list[str]:
+    """The parameters on the way into the TopK's scores, back to (and including) the first matmul's."""
+    found: list[str] = []
+    todo, seen = [scores], {scores}
+    for _ in range(_ROUTER_DEPTH):
+        if not todo:
+            break
+        t = todo.pop(0)
+        src = graph.producer.get(t)
+        node = graph.node_by_name.get(src) if src is not None else None
+        if node is None:
+            continue
+        params = [p for x in node.inputs if x and (p := _param_of(graph, x)) is not None]
+        found += [p for p in params if p not in found]
+        if node.op_type in ("MatMul", "Gemm") and params:
+            break
+        for x in node.inputs:
+            if x and x not in seen and graph.tensors.get(x) is not None and graph.tensors[x].kind is TensorKind.ACTIVATION:
+                seen.add(x)
+                todo.append(x)
+    return found
+
+
+def _common_path(paths: list[str]) -> str:
+    parts = [p.split(".") for p in paths if p]
+    if not parts:
+        return ""
+    common = []
+    for level in zip(*parts, strict=False):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
