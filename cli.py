@@ -119,7 +119,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          recompute: str, recompute_layers: int | None, gradient_accumulation_shard: str, dataset_strategy: str,
          offload: str, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool | None,
-         attention: str, attention_dropout: float, runtime: str, layout: str | None, schedule: str | None,
+         attention: str, attention_dropout: float, capacity_factor: float, runtime: str, layout: str | None, schedule: str | None,
          micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, group_ckpt_out: str | None,
          only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
@@ -164,7 +164,8 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       gradients_mean=not gradients_sum, parameter_broadcast=parameter_broadcast,
                       force_fp32_communication=force_fp32_communication, zero_shard_size=zero_shard_size,
                       pipeline_result_broadcast=pipeline_result_broadcast, attention=Attention(attention),
-                      attention_dropout=attention_dropout, runtime=Runtime(runtime))
+                      attention_dropout=attention_dropout, runtime=Runtime(runtime),
+                      capacity_factor=capacity_factor)
     with err_console.status("planning") as status:
         strategy, candidates = make_plan(req, progress=lambda msg: status.update(msg))
         best = None

@@ -37,10 +37,13 @@ class ExpertBlock:
     router: tuple[str, ...]  # the router's parameters
     experts: tuple[str, ...]  # the routed experts' parameters, `[num_experts, …]`
     shared: tuple[str, ...]  # the shared experts' parameters (every token runs them)
+    gathers: tuple[str, ...] = ()  # the nodes gathering each routed slot's expert weights
 
 
 def find_expert_blocks(graph: OpGraph) -> tuple[ExpertBlock, ...]:
     """Every mixture-of-experts block, in the graph's order."""
+    if not any(n.op_type == "TopK" for n in graph.compute_nodes):
+        return ()
     readers: dict[str, list[str]] = defaultdict(list)
     for n in graph.compute_nodes:
         for t in n.inputs:
@@ -74,8 +77,34 @@ def find_expert_blocks(graph: OpGraph) -> tuple[ExpertBlock, ...]:
                          for t in n.inputs if t and (p := _param_of(graph, t)) is not None and p == t
                          and t not in taken}) if module else []
         out.append(ExpertBlock(module=module, topk=node.name, top_k=int(k.reshape(-1)[0]), num_experts=sizes.pop(),
-                               router=tuple(sorted(router)), experts=tuple(sorted(experts)), shared=tuple(shared)))
+                               router=tuple(sorted(router)), experts=tuple(sorted(experts)), shared=tuple(shared),
+                               gathers=tuple(expert_nodes)))
     return tuple(out)
+
+
+def expert_matmuls(graph: OpGraph, block: ExpertBlock) -> tuple[dict[str, int], frozenset[str]]:
+    """A block's expert matmuls — each matmul reading gathered expert weights (through views) → the
+    index of that operand — and the gathers and views between the weights and them."""
+    readers: dict[str, list[str]] = defaultdict(list)
+    for n in graph.compute_nodes:
+        for t in n.inputs:
+            if t:
+                readers[t].append(n.name)
+    matmuls: dict[str, int] = {}
+    chain: set[str] = set()
+    for g in block.gathers:
+        todo = [g]
+        while todo:
+            name = todo.pop()
+            chain.add(name)
+            for t in graph.node_by_name[name].outputs:
+                for r in readers.get(t, ()):
+                    node = graph.node_by_name[r]
+                    if node.op_type in ("MatMul", "Gemm"):
+                        matmuls[r] = node.inputs.index(t)
+                    elif node.op_type in _VIEWS and node.inputs[0] == t:
+                        todo.append(r)
+    return matmuls, frozenset(chain)
 
 
 def active_params(graph: OpGraph, blocks: tuple[ExpertBlock, ...]) -> int:

@@ -37,6 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
+from core.experts import CAPACITY_FACTOR
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
 from core.mesh import DeviceMesh
@@ -61,6 +62,7 @@ from costmodel.compute import (
     local_shapes,
     tensor_bytes,
 )
+from costmodel.experts import NO_COST, ExpertOps, grouped_gemm_cost
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
 from costmodel.host_activations import host_layers, price_host_activations
@@ -98,7 +100,8 @@ class CostModel:
                  composer: str = Composer.SERIAL, zero_threshold_bytes: float = 0.0,
                  recompute_layers: Mapping[str, int] | None = None,
                  fp32_communication: bool = False, zero_shard_size: int | None = None, attention: str = Attention.FLASH,
-                 attention_dropout: float = 0.0, runtime: str = Runtime.EAGER, full_batch: bool = False) -> None:
+                 attention_dropout: float = 0.0, runtime: str = Runtime.EAGER, full_batch: bool = False,
+                 capacity_factor: float = CAPACITY_FACTOR) -> None:
         """`micro_batches`: gradient accumulation steps (the graph is bound at one micro-step's batch);
         `zero_stage`: every parameter's ZeRO stage unless a plan says otherwise (`price_items`' `zero`):
         1 shards optimizer states, 2 also gradients, over the axes a parameter's gradient is all-reduced
@@ -118,7 +121,9 @@ class CostModel:
         `attention.materialized_kernels` lists — with dropout on the probabilities when
         `attention_dropout` > 0 (FlashAttention drops in-kernel: no cost); `full_batch`: every rank loads
         each input whole and slices its share (MindSpore's dataset_strategy full_batch): the rows beyond
-        its share cross the host link for nothing, each micro-batch (`planner/search/dataset.py`)."""
+        its share cross the host link for nothing, each micro-batch (`planner/search/dataset.py`);
+        `capacity_factor`: the tokens a mixture-of-experts block's expert is sized for, its uniform share
+        times this (`costmodel/experts.py`)."""
         self.full_batch = full_batch
         self.fp32_communication = fp32_communication
         attention, composer = lever(Attention, attention, "attention"), lever(Composer, composer, "composer")
@@ -157,7 +162,13 @@ class CostModel:
         # latency, as an edge is priced alone (`price` packs the plan's actual buckets).
         total = max(1.0, sum(float(t.numel) * precision.grad_bytes for t in graph.params))
         self.bucket_fill = {kind: min(self.fusion.as_dict()[name], total) for kind, name in _FUSED.items()}
-        self.saved = saved_tensors(graph) - internal  # by storage: a view of a parameter (a transposed weight) is none
+        # Mixture-of-experts blocks: their matmuls priced as grouped GEMMs, the gathered weights as views.
+        if capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        self.capacity_factor = capacity_factor
+        self.experts = ExpertOps(graph)
+        # by storage: a view of a parameter (a transposed weight, gathered expert weights) is none
+        self.saved = saved_tensors(graph) - internal - self.experts.view_tensors
         self.needs_grad = gradient_tensors(graph)
         self.backward_read = read_in_backward(graph, self.needs_grad)
         readers: dict[str, list[str]] = {}  # tensor → the nodes whose backward reads it (or a view of it)
@@ -197,9 +208,16 @@ class CostModel:
         g = self.graph
         specs: dict[str, Spec | None] = dict(zip(node.inputs, strategy.input_specs, strict=True))
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
+        if node.name in self.experts.views:  # expert weights gathered for a grouped GEMM: no kernel, nothing saved
+            return NodeCost(compute=NO_COST, activation_bytes=0.0)
         shapes = local_shapes(node, g, specs, self.mesh)
-        compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
-                               needs_grad=self.needs_grad, fused=self.chains.get(node.name), padded=bool(self.chains))
+        if (expert := self.experts.matmuls.get(node.name)) is not None:
+            compute = grouped_gemm_cost(node, *expert, g, shapes, self.profile, self.precision, self.needs_grad,
+                                        self.capacity_factor)
+        else:
+            compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
+                                   needs_grad=self.needs_grad, fused=self.chains.get(node.name),
+                                   padded=bool(self.chains))
         act = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs if t in self.saved)
         region = self.materialized.get(node.name)
         if region is not None:

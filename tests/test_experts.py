@@ -89,3 +89,41 @@ def test_inspect_mixtral_8x7b(zoo: Callable[[str], Path]) -> None:
     e = s["experts"]
     assert e["active_parameters"] == active and round(active / 1e9, 1) == 12.9
     assert (e["blocks"], e["num_experts"], e["top_k"]) == (32, [8], [2])
+
+
+def test_expert_matmuls_are_priced_as_grouped_gemms(zoo: Callable[[str], Path]) -> None:
+    """mixtral-tiny on one H100, 4 × 64 tokens: the export's gathered expert weights ([tokens × k, out, in])
+    are views of the parameters (no kernel, nothing saved) and each expert matmul is the grouped GEMM's
+    FLOPs, 2 · tokens · k · out · in (gate-up: out 2·128, in 64; down: out 64, in 128); the step's saved
+    activations are smaller than one such gathered tensor; a capacity factor of 2 prices the experts no
+    faster than 1.25 does, and none at all is refused."""
+    from core.mesh import DeviceMesh
+    from core.placement import OpStrategy, Spec
+    from costmodel.memory import PRECISIONS
+    from costmodel.step import CostModel
+    from hwprofiles.files import load_profile
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    model = zoo("mixtral-tiny")
+    dims = {"batch": 4, "seq": 64}
+    g = load_graph(model, dims)
+    mesh = DeviceMesh.build(1, devices_per_node=8)
+    profile = load_profile("h100-sxm")
+    cm = CostModel(g, mesh, profile, PRECISIONS["mixed"])
+    slots = 4 * 64 * 2
+    assert len(cm.experts.matmuls) == 4 and not cm.experts.view_tensors & cm.saved
+    flops = []
+    for name in cm.experts.matmuls:
+        node = g.node_by_name[name]
+        st = OpStrategy(input_specs=tuple(Spec.replicated(1) if t else None for t in node.inputs),
+                        output_specs=tuple(Spec.replicated(1) for _ in node.outputs))
+        flops.append(cm.node_cost(node, st).compute.fwd_matmul_flops)
+    assert sorted(flops) == sorted([2 * slots * 256 * 64, 2 * slots * 64 * 128] * 2)
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="h100-sxm", devices=1, recompute="none"))
+    assert s.cost.memory["activations"] < slots * 256 * 64 * 2
+    wide, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="h100-sxm", devices=1, recompute="none",
+                                    capacity_factor=2.0))
+    assert wide.cost.compute_s >= s.cost.compute_s
+    with pytest.raises(ValueError, match="capacity_factor"):
+        CostModel(g, mesh, profile, PRECISIONS["mixed"], capacity_factor=0.0)

@@ -243,6 +243,9 @@ def plan_options(fn: F) -> F:
                           "element-wise ops between matmuls fused, one kernel per chain)."),
         click.option("--attention-dropout", type=float, default=0.0, metavar="P",
                      help="Dropout on the attention probabilities (priced where they are materialised)."),
+        click.option("--capacity-factor", "capacity_factor", type=float, default=1.25, show_default=True, metavar="F",
+                     help="Mixture-of-experts blocks: the tokens an expert is sized for, its uniform share times F "
+                       "(the slowest expert's grouped GEMM bounds the block)."),
         click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,tp=C",
                      help="Hold the plan to a layout in torchtitan's degrees and compare it with the ILP's best."),
         click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",
@@ -302,7 +305,7 @@ FLAGS = {
     "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload",
     "gradient_accumulation_shard": "--gradient-accumulation-shard", "dataset_strategy": "--dataset-strategy", "strict": "--strict", "steps": "--steps",
     "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
-    "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "attention": "--attention", "workers": "--workers",
+    "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "capacity_factor": "--capacity-factor", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",
     "axis_names": "--axis-names", "dtype": "--dtype", "loss": "--loss", "zero_threshold_bytes": "--zero-threshold",
     "backend": "--backend", "runtime": "--runtime",

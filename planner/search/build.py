@@ -105,7 +105,7 @@ def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: 
     key = ("cost model", id(graph), mesh.shape, mesh.devices, mesh.devices_per_node, profile.digest, precision.name, steps, policy,
            tuple(sorted((layers or {}).items())), req.all_to_all, req.loss, (req.zero_stage or 0) % 3, req.composer,
            req.fusion, req.zero_threshold_bytes, req.force_fp32_communication, req.zero_shard_size, req.attention,
-           req.attention_dropout, req.runtime, req.dataset_strategy == "full_batch")
+           req.attention_dropout, req.runtime, req.dataset_strategy == "full_batch", req.capacity_factor)
     if key not in _SHARED:
         _SHARED[key] = _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
     cm: CostModel = _SHARED[key]
@@ -120,6 +120,7 @@ def _cost_model(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: Har
                      fusion=req.fusion, zero_threshold_bytes=req.zero_threshold_bytes, recompute_layers=layers,
                      fp32_communication=req.force_fp32_communication, zero_shard_size=req.zero_shard_size,
                      attention=req.attention, attention_dropout=req.attention_dropout, runtime=req.runtime,
+                     capacity_factor=req.capacity_factor,
                      full_batch=req.dataset_strategy == "full_batch")
 
 

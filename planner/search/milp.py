@@ -29,6 +29,7 @@ class MilpResult:
     objective: float
     bound: float
     time_s: float
+    note: str = ""  # how it was solved, where not as asked (the MIP solver crashed: CP-SAT instead)
 
 
 @dataclass
@@ -39,9 +40,10 @@ class LinearModel:
     hints: dict[int, bool] = field(default_factory=dict)
     bounds: dict[int, tuple[int, int]] = field(default_factory=dict)  # integer variables' ranges
     cutoff: int | None = None  # the objective must not exceed it (a plan already found): else INFEASIBLE
-    # Solved by a MIP backend in a forked process, so that the solver crashing is an error and not the end
-    # of the planner: CBC died of a segmentation fault inside Solver.Solve twice on Llama-3-70B's offload
-    # search on 8 H100 (`planner/search/offload.py`), not yet found which ILP.
+    # Solved by a MIP backend in a forked process, so that the solver crashing is not the end of the
+    # planner: the ILP is solved again by CP-SAT (`MilpResult.note` says so). CBC died of a segmentation
+    # fault inside Solver.Solve twice on Llama-3-70B's offload search on 8 H100 (`planner/search/
+    # offload.py`), and aborted (CoinError) on Mixtral-8x7B's on 16 H100; not yet found which ILPs.
     isolated: bool = False
     _names: set[str] = field(default_factory=set)
 
@@ -75,9 +77,16 @@ class LinearModel:
         if backend not in BACKENDS:
             raise MeshplanError(f"`solver` {backend}: choose one of {', '.join(BACKENDS)}")
         t0 = time.perf_counter()
-        result = self._cpsat(time_limit_s, num_workers, log) if backend == "cpsat" else \
-            _forked(lambda: self._mip(backend, time_limit_s, log), backend) if self.isolated else \
-            self._mip(backend, time_limit_s, log)
+        if backend == "cpsat":
+            result = self._cpsat(time_limit_s, num_workers, log)
+        elif self.isolated:
+            try:
+                result = _forked(lambda: self._mip(backend, time_limit_s, log), backend)
+            except SolverCrash as e:
+                result = self._cpsat(time_limit_s, num_workers, log)
+                result.note = f"{e.solver} crashed ({e.how}): solved by cpsat"
+        else:
+            result = self._mip(backend, time_limit_s, log)
         result.time_s = time.perf_counter() - t0
         return result
 
@@ -147,9 +156,17 @@ class LinearModel:
         return MilpResult(name, [round(x.solution_value()) for x in xs], obj.Value(), bound, 0.0)
 
 
+class SolverCrash(MeshplanError):
+    """The MIP solver's process died on an ILP (a signal, or an abort)."""
+
+    def __init__(self, solver: str, how: str) -> None:
+        super().__init__(f"the solver ({solver}) crashed on this ILP ({how}); plan with `solver` cpsat")
+        self.solver, self.how = solver, how
+
+
 def _forked(solve: Callable[[], MilpResult], backend: str) -> MilpResult:
     """`solve()` in a forked child (copy-on-write: the model is not sent), its result pickled back; a child
-    that dies without one is a one-line error naming the solver."""
+    that dies without one is a `SolverCrash` naming the solver."""
     import os
     import pickle
 
@@ -172,8 +189,7 @@ def _forked(solve: Callable[[], MilpResult], backend: str) -> MilpResult:
     _, status = os.waitpid(pid, 0)
     if not data:
         how = f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.WEXITSTATUS(status)}"
-        raise MeshplanError(f"the solver ({backend}) crashed on this ILP ({how}); plan with `solver` cpsat, or "
-                            "`offload` none")
+        raise SolverCrash(backend, how)
     kind, value = pickle.loads(data)
     if kind == "error":
         raise value

@@ -90,6 +90,7 @@ class PlanRequest:
     attention: Attention = Attention.FLASH  # how the runtime runs attention
     runtime: Runtime = Runtime.EAGER  # op by op, or compiled (torch.compile: element-wise chains fused)
     attention_dropout: float = 0.0  # dropout on the attention probabilities (priced where materialised)
+    capacity_factor: float = 1.25  # mixture-of-experts: an expert sized for its uniform share of tokens × this
     zero_shard_size: int | None = None  # optimizer_weight_shard_size (None: the whole data-parallel group)
     pipeline_result_broadcast: bool = False  # a pipelined plan's loss broadcast to every stage each step
     # A layout's plan must fit the memory limit (the planner's own hand layouts, `incumbents.py`); a
@@ -156,6 +157,9 @@ class PlanRequest:
                                 "full recomputation covers; give `recompute` full and a count of 0 or more")
         if self.recompute_layers is not None and not self.decides:
             raise MeshplanError("`recompute_layers` is decided with the sharding by the ILP: use `mode` auto or semi")
+        if not self.capacity_factor > 0:
+            raise MeshplanError(f"`capacity_factor` {self.capacity_factor}: an expert's tokens are its share times a "
+                                "positive factor (1.25 is usual; 1 is exact balance)")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise MeshplanError(f"`attention_dropout` {self.attention_dropout}: a probability in [0, 1)")
         if self.zero_shard_size is not None and self.zero_shard_size < 1:

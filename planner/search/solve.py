@@ -479,7 +479,8 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
-        self.model.isolated = bool(self.offload_terms or self.act_groups)  # (`LinearModel.isolated`)
+        # (`LinearModel.isolated`: where CBC has crashed)
+        self.model.isolated = bool(self.offload_terms or self.act_groups or self.cost.experts.blocks)
         decision = {x: i for i, xs in enumerate(self.x.values()) for x in xs}
         offloads = add_offload_counts(self.model, list(self.offload_terms.values()), decision)
         host_acts = add_offload_counts(self.model, self.act_groups, decision, tag="host_activations")
@@ -540,7 +541,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         obj = (result.objective - aside) / NS_PER_S + fixed_s
         bound = obj if result.status == "OPTIMAL" else min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
         stats = SolverStats(
-            status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
+            status=result.status + (f" ({result.note})" if result.note else ""), objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
             time_s=time.perf_counter() - t0, num_variables=self.model.num_variables,
             num_constraints=self.model.num_constraints,
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),

@@ -1,0 +1,70 @@
+"""Mixture-of-experts blocks priced as training runs them (`core/experts.py` finds them). An export
+writes each routed slot's expert weights gathered (`[tokens × top-k, out, in]`) and multiplied in one
+batched matmul, a GEMV per slot; a training step runs a grouped GEMM instead (Megatron's, torchtitan's
+`_grouped_mm`): per expert one GEMM of the tokens routed to it, the expert's weights read once, nothing
+gathered. So the gathers and views between the weights and the matmul cost nothing and hold no memory
+(a view of a parameter), and the matmul is priced as the grouped GEMM: its FLOPs (2 · slots · out · in,
+and the same again per gradient), at the efficiency of a GEMM whose narrowest dim is the tokens an
+expert gets — its uniform share times the capacity factor, whose slowest expert bounds the kernel —,
+no faster than reading the tokens and every expert's weights."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+from core.experts import ExpertBlock, expert_matmuls, find_expert_blocks
+from core.graph import OpGraph, OpNode
+from costmodel.compute import (
+    BACKWARD_BYTES_FACTOR,
+    BACKWARD_FLOPS_FACTOR,
+    ComputeCost,
+    tensor_bytes,
+    with_launch,
+)
+from costmodel.device import matmul_time_s
+from costmodel.memory import Precision
+from hwprofiles.profile import HardwareProfile
+
+NO_COST = ComputeCost(fwd_flops=0.0, fwd_matmul_flops=0.0, bwd_matmul_flops=0.0, fwd_bytes=0.0, fwd_s=0.0, bwd_s=0.0)
+
+
+class ExpertOps:
+    """The graph's expert matmuls (node → its block and its gathered operand's index) and the gathers
+    and views feeding them their weights (`views`, their outputs `view_tensors`)."""
+
+    def __init__(self, graph: OpGraph) -> None:
+        self.blocks = find_expert_blocks(graph)
+        self.matmuls: dict[str, tuple[ExpertBlock, int]] = {}
+        views: set[str] = set()
+        for b in self.blocks:
+            mm, chain = expert_matmuls(graph, b)
+            self.matmuls.update((n, (b, i)) for n, i in mm.items())
+            views |= chain
+        self.views = frozenset(views)
+        self.view_tensors = frozenset(t for n in views for t in graph.node_by_name[n].outputs if t)
+
+
+def grouped_gemm_cost(node: OpNode, block: ExpertBlock, operand: int, graph: OpGraph,
+                      shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile, precision: Precision,
+                      needs_grad: frozenset[str], capacity_factor: float) -> ComputeCost:
+    """An expert matmul (`operand`: its gathered weights' input) as the grouped GEMM of its block."""
+    w = shapes[node.inputs[operand]]
+    slots, out_dim, in_dim = float(math.prod(w[:-2])), float(w[-2]), float(w[-1])
+    flops = 2.0 * slots * out_dim * in_dim
+    dev = profile.device
+    dtype = precision.compute_dtype if precision.compute_dtype in dev.peak_flops_per_s else "fp32"
+    per_expert = max(1.0, slots * capacity_factor / block.num_experts)
+    narrow = min(per_expert, out_dim, in_dim) if dev.matmul_narrow_efficiency is not None else None
+    mm_s = matmul_time_s(dev, flops * capacity_factor, dtype, narrow)
+    tokens = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for i, t in enumerate(node.inputs)
+                 if t and i != operand) + sum(tensor_bytes(graph.tensors[t], shapes[t], precision)
+                                              for t in node.outputs if t)
+    weights = block.num_experts * out_dim * in_dim * precision.moved_weight_bytes
+    mem_s = (tokens + weights) / dev.mem_bandwidth_bytes_per_s
+    grads = sum(1 for t in node.inputs[:2] if t in needs_grad)
+    fwd = with_launch(max(mm_s, mem_s), dev.graph_op_s, dev.async_launch)
+    bwd = with_launch(max(grads * mm_s, BACKWARD_BYTES_FACTOR * mem_s), BACKWARD_FLOPS_FACTOR * dev.graph_op_s,
+                      dev.async_launch) if grads else 0.0
+    return ComputeCost(fwd_flops=flops, fwd_matmul_flops=flops, bwd_matmul_flops=grads * flops,
+                       fwd_bytes=tokens + weights, fwd_s=fwd, bwd_s=bwd)
