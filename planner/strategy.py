@@ -104,6 +104,9 @@ class TrainingSettings:
     # Layer group → how many of its layers, after those it recomputes, save their activations in host
     # memory (`costmodel/host_activations.py`); absent: none.
     offload_activations: Mapping[str, int] = field(default_factory=dict)
+    # Mixture-of-experts models: the capacity factor their experts' tokens were priced at (uniform share ×
+    # this); None for dense models.
+    capacity_factor: float | None = None
     # How each rank reads its inputs (planner/search/dataset.py): data_parallel, full_batch, or the per-input splits.
     dataset_strategy: str = "data_parallel"
 
@@ -337,6 +340,8 @@ def _document(s: Strategy) -> dict[str, Any]:
                      **({"offload": {t: str(m) for t, m in s.training.offload.items()}} if s.training.offload else {}),
                      **({"offload_activations": dict(s.training.offload_activations)}
                         if s.training.offload_activations else {}),
+                     **({"capacity_factor": s.training.capacity_factor}
+                        if s.training.capacity_factor is not None else {}),
                      **({"dataset_strategy": s.training.dataset_strategy}
                         if s.training.dataset_strategy != "data_parallel" else {})},
         "pipeline": pipeline_doc(s.pipeline),
@@ -446,6 +451,7 @@ def _build(d: Mapping[str, Any]) -> Strategy:
                                   attention_dropout=tr.get("attention_dropout", 0.0),
                                   offload={t: Offload(m) for t, m in tr.get("offload", {}).items()},
                                   offload_activations=dict(tr.get("offload_activations", {})),
+                                  capacity_factor=tr.get("capacity_factor"),
                                   dataset_strategy=tr.get("dataset_strategy", "data_parallel")),
         pipeline=pipeline_of(d["pipeline"]),
         tensors={name: TensorPlacement(kind=TensorKind(t["kind"]), shape=tuple(t["shape"]),

@@ -125,5 +125,6 @@ def test_expert_matmuls_are_priced_as_grouped_gemms(zoo: Callable[[str], Path]) 
     wide, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="h100-sxm", devices=1, recompute="none",
                                     capacity_factor=2.0))
     assert wide.cost.compute_s >= s.cost.compute_s
+    assert (s.training.capacity_factor, wide.training.capacity_factor) == (1.25, 2.0)  # recorded with the plan
     with pytest.raises(ValueError, match="capacity_factor"):
         CostModel(g, mesh, profile, PRECISIONS["mixed"], capacity_factor=0.0)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Phase
+from core.experts import find_expert_blocks
 from core.graph import OpGraph, TensorKind
 from core.layout import Layout
 from core.levers import Composer, LossKind, Recompute, Search
@@ -197,6 +198,7 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         micro_batch_size=-(-micro // data_parallel) if micro is not None else None,
         layout=str(layout) if layout is not None else None, zero_threshold_bytes=req.zero_threshold_bytes,
         offload=dict(priced.offload), offload_activations=dict(priced.host_activations),
+        capacity_factor=req.capacity_factor if find_expert_blocks(graph) else None,
         dataset_strategy=req.dataset_strategy)
 
 
