@@ -284,7 +284,40 @@ def _gather(node: OpNode, x: list[Any]) -> list[Any]:
     a = attr_axis(node, data.dim())
     idx = torch.where(idx < 0, idx + data.shape[a], idx)
     out = data.index_select(a, idx.reshape(-1))
-    return [out.reshape(*data.shape[:a], *idx.shape, *data.shape[a + 1:])]
+    return [out.reshape((*data.shape[:a], *idx.shape, *data.shape[a + 1:]))]  # (a scalar index: a 0-d shape)
+
+
+@op("TopK")
+def _topk(node: OpNode, x: list[Any]) -> list[Any]:
+    k = int(x[1].reshape(-1)[0]) if isinstance(x[1], torch.Tensor) else int(x[1])
+    values, indices = torch.topk(x[0], k, dim=int(node.attr("axis", -1)),  # type: ignore[call-overload]
+                                 largest=bool(node.attr("largest", 1)), sorted=bool(node.attr("sorted", 1)))
+    return [values, indices]
+
+
+@op("ScatterND")
+def _scatter_nd(node: OpNode, x: list[Any]) -> list[Any]:
+    data, idx, updates = x
+    reduction = str(node.attr("reduction", "none"))
+    if reduction not in ("none", "add"):
+        raise UnsupportedOpError(f"the executor cannot run ScatterND with reduction {reduction} (node {node.name}); "
+                                 "add it to executor/ops.py")
+    idx = torch.where(idx < 0, idx + torch.tensor(data.shape[:idx.shape[-1]], device=idx.device), idx)
+    return [data.index_put(tuple(idx.unbind(-1)), updates, accumulate=reduction == "add")]
+
+
+@op("ScatterElements")
+def _scatter_elements(node: OpNode, x: list[Any]) -> list[Any]:
+    data, idx, updates = x
+    a = attr_axis(node, data.dim())
+    reduction = str(node.attr("reduction", "none"))
+    idx = torch.where(idx < 0, idx + data.shape[a], idx)
+    if reduction == "none":
+        return [data.scatter(a, idx, updates)]
+    if reduction in ("add", "mul"):
+        return [data.scatter_reduce(a, idx, updates, "sum" if reduction == "add" else "prod")]
+    raise UnsupportedOpError(f"the executor cannot run ScatterElements with reduction {reduction} (node "
+                             f"{node.name}); add it to executor/ops.py")
 
 
 @op("GatherElements")
