@@ -3,13 +3,15 @@ the layers it names, each tensor autograd saves is copied to the host — pinned
 GPU — and the saved record holds the copy alone, so the device's is freed with the forward's last use
 of it; backward copies it back where it reads it. Used through saved-tensor hooks (the run's `Regather`
 hooks, `apply`'s per layer): torch's `save_on_cpu` does the same copies, but also copies the weights a
-matmul saves and every saved view of one tensor apart; here a tensor (a view of one storage) is copied
-once a forward, and parameters, which the device holds anyway, stay. On a CPU rank the copy is a second
+matmul saves and every saved view of one tensor apart; here each storage is copied once a forward (its
+saved views kept as views of the copy), and parameters and constants, which the device holds anyway,
+stay. On a CPU rank the copy is a second
 tensor in the same memory: the path run is the one a GPU runs, its copies included."""
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -21,7 +23,7 @@ class HostStorage:
     """One device storage's bytes copied to the host, and its copy back to the device once backward reads
     a view of it (held by the views' saved records: freed with the last, as the storage would have been)."""
 
-    __slots__ = ("back", "device", "host")
+    __slots__ = ("__weakref__", "back", "device", "host")
 
     def __init__(self, device: torch.device, host: torch.Tensor) -> None:
         self.device, self.host = device, host
@@ -53,7 +55,9 @@ class HostActivations:
     (`begin`), counting the host bytes it holds (`peak_bytes`: the most one forward held)."""
 
     def __init__(self) -> None:
-        self._copies: dict[int, tuple[StorageWeakRef, HostStorage]] = {}
+        # data pointer → the device storage and its host copy, both weakly: the copy lives as long as the
+        # saved records holding it (autograd frees them as backward uses them), and with it its copy back
+        self._copies: dict[int, tuple[StorageWeakRef, weakref.ref[HostStorage]]] = {}
         self._held: set[int] = set()
         self.forward_bytes = 0
         self.peak_bytes = 0
@@ -68,22 +72,24 @@ class HostActivations:
     def pack(self, t: torch.Tensor) -> Any:
         """`t` itself where it stays on the device (a parameter or a view of one, a constant, a wrapper
         subclass such as a DTensor, not a float), else its view of its storage's host copy."""
-        if isinstance(t, torch.nn.Parameter) or type(t) is not torch.Tensor or not t.is_floating_point():
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter) or \
+                type(t) is not torch.Tensor or not t.is_floating_point():
             return t
         storage = t.untyped_storage()
         if storage.data_ptr() in self._held:
             return t
         hit = self._copies.get(storage.data_ptr())
-        if hit is None or hit[0].expired():
+        copy = hit[1]() if hit is not None and not hit[0].expired() else None
+        if copy is None:
             pin = t.is_cuda
             host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             host.copy_(whole, non_blocking=pin)
-            hit = (StorageWeakRef(storage), HostStorage(t.device, host))
-            self._copies[storage.data_ptr()] = hit
+            copy = HostStorage(t.device, host)
+            self._copies[storage.data_ptr()] = (StorageWeakRef(storage), weakref.ref(copy))
             self.forward_bytes += storage.nbytes()
             self.peak_bytes = max(self.peak_bytes, self.forward_bytes)
-        return OnHost(hit[1], t)
+        return OnHost(copy, t)
 
     @staticmethod
     def unpack(x: Any) -> torch.Tensor:

@@ -98,6 +98,9 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         raise RunError(f"the plan keeps {weights_out[0]}'s weights on the host (offload params,optimizer; "
                        f"{len(weights_out)} parameters): `run` keeps every weight on its device; train it under "
                        "meshplan.apply (FSDP2's CPUOffloadPolicy) or plan with `offload` optimizer")
+    if tr.offload_activations and strategy.pipeline is not None:
+        raise RunError("the plan keeps saved activations on the host inside pipeline stages, which meshplan does "
+                       "not plan (a stage's chunks can cut a layer); plan with `offload` without activations")
     k = strategy.training.micro_batches
     # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()

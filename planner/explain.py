@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import MeshplanError, ProfileError
+from core.experts import CAPACITY_FACTOR
 from core.graph import OpGraph, numbered_levels
 from core.mesh import DeviceMesh
 from costmodel.compose import StepCost
@@ -66,7 +67,8 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
                    attention=strategy.training.attention, attention_dropout=strategy.training.attention_dropout,
                    runtime=settings.runtime,
                    fusion=strategy.training.comm_fusion,
-                   zero_threshold_bytes=strategy.training.zero_threshold_bytes)
+                   zero_threshold_bytes=strategy.training.zero_threshold_bytes,
+                   capacity_factor=strategy.training.capacity_factor or CAPACITY_FACTOR)
     limit = settings.memory_limit_bytes
     c = strategy.cost
     baselines = [{"name": f"plan ({settings.mode})", "mesh": mesh.describe_shape(), "step_time_s": c.step_time_s,

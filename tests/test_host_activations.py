@@ -111,6 +111,9 @@ def test_offload_words() -> None:
     assert offload_levers("optimizer") == (Offload.OPTIMIZER, ActivationOffload.NONE)
     assert offload_levers("activations") == (Offload.NONE, ActivationOffload.ALL)
     assert offload_levers("params,optimizer,activations") == (Offload.PARAMS, ActivationOffload.ALL)
+    # `auto` under full recomputation offloads states only (every layer is recomputed already), as before
+    req = PlanRequest(model="m.onnx", devices=1, offload="auto", recompute="full")
+    assert (req.offload, req.offload_activations) == (Offload.AUTO, ActivationOffload.NONE)
 
 
 @pytest.mark.slow

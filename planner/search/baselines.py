@@ -59,7 +59,8 @@ def hand_layouts(graph: OpGraph, mesh: DeviceMesh, cm: CostModel) -> dict[str, S
                          zero_stage=cm.zero_stage, recompute=Recompute.FULL, composer=cm.composer,
                          fusion=cm.fusion, zero_threshold_bytes=cm.zero_threshold_bytes,
                          fp32_communication=cm.fp32_communication, zero_shard_size=cm.zero_shard_size,
-                         attention=cm.attention, attention_dropout=cm.attention_dropout, runtime=cm.runtime)
+                         attention=cm.attention, attention_dropout=cm.attention_dropout, runtime=cm.runtime,
+                         capacity_factor=cm.capacity_factor)
     for name, (choice, params) in plans.items():
         out[name] = cm.price(choice, params)
         if full is not None:

@@ -83,7 +83,7 @@ class LinearModel:
             try:
                 result = _forked(lambda: self._mip(backend, time_limit_s, log), backend)
             except SolverCrash as e:
-                result = self._cpsat(time_limit_s, num_workers, log)
+                result = self._cpsat(max(1.0, time_limit_s - (time.perf_counter() - t0)), num_workers, log)
                 result.note = f"{e.solver} crashed ({e.how}): solved by cpsat"
         else:
             result = self._mip(backend, time_limit_s, log)

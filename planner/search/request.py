@@ -101,6 +101,9 @@ class PlanRequest:
         # The typed levers, from their words where a caller gave words; the layout parsed once.
         if isinstance(self.offload, str) and not isinstance(self.offload, Offload):
             states, acts = offload_levers(self.offload)
+            if "activations" not in self.offload and self.recompute in (Recompute.FULL, Recompute.SELECTIVE) \
+                    and self.recompute_layers is None:
+                acts = ActivationOffload.NONE  # `auto` under full recomputation: every layer recomputed already
             object.__setattr__(self, "offload", states)
             if self.offload_activations is ActivationOffload.NONE:
                 object.__setattr__(self, "offload_activations", acts)

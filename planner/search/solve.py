@@ -541,7 +541,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         obj = (result.objective - aside) / NS_PER_S + fixed_s
         bound = obj if result.status == "OPTIMAL" else min(obj, (result.bound - most_tie) / NS_PER_S + fixed_s)
         stats = SolverStats(
-            status=result.status + (f" ({result.note})" if result.note else ""), objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
+            status=result.status, objective=obj, bound=bound, gap=(obj - bound) / obj if obj > 0 else 0.0,
             time_s=time.perf_counter() - t0, num_variables=self.model.num_variables,
             num_constraints=self.model.num_constraints,
             num_decision_nodes=len(self.x), num_edges=sum(1 for e in self.edges if e.producer != e.consumer),
