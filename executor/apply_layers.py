@@ -64,12 +64,9 @@ def host_activation_layers(s: Strategy, graph: OpGraph, module: nn.Module, repor
     tr = s.training
     if not tr.offload_activations:
         return
-    from costmodel.host_activations import host_layers
-    from executor.host_activations import HostActivations
+    from executor.host_activations import HostActivations, planned_host_layers
 
-    before = {g.prefix: tr.recomputed_layers(g.prefix, g.num_layers) if tr.recompute.get(g.prefix) != Recompute.SELECTIVE
-              else g.num_layers for g in graph.layers}
-    _, counts = host_layers(graph, tr.offload_activations, before)
+    _, counts, before = planned_host_layers(tr, graph)
     host = HostActivations()
     keys = module_keys(module)
     module.register_forward_pre_hook(lambda *_: host.begin())

@@ -18,6 +18,20 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from core.graph import OpGraph
+from core.levers import Recompute
+from costmodel.host_activations import host_layers
+from planner.strategy import TrainingSettings
+
+
+def planned_host_layers(tr: TrainingSettings, graph: OpGraph) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+    """The plan's layers with activations on the host (`costmodel.host_activations.host_layers`: node →
+    layer, group → count), and per group the layers recomputed before them."""
+    before = {g.prefix: g.num_layers if tr.recompute.get(g.prefix) == Recompute.SELECTIVE
+              else tr.recomputed_layers(g.prefix, g.num_layers) for g in graph.layers}
+    on_host, counts = host_layers(graph, tr.offload_activations, before)
+    return on_host, counts, before
+
 
 class HostStorage:
     """One device storage's bytes copied to the host, and its copy back to the device once backward reads

@@ -28,7 +28,6 @@ from core.levers import Attention, Recompute
 from core.placement import Spec, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
 from costmodel.autocast import LOW_OPS as AUTOCAST_LOW
-from costmodel.host_activations import host_layers
 from executor.dtensors import (
     contiguous_stride,
     full_grad,
@@ -42,7 +41,7 @@ from executor.dtensors import (
     shard_full,
     to_dtensor,
 )
-from executor.host_activations import HostActivations
+from executor.host_activations import HostActivations, planned_host_layers
 from executor.interpreter import OnnxModule
 from executor.kernels import run_local
 from executor.ops import eager_attention, fused_attention
@@ -391,9 +390,7 @@ class SpmdRunner:
     def _host_layers(self) -> list[tuple[str, ...]]:
         """The layers whose saved activations the plan keeps on the host (`costmodel/host_activations.py`)."""
         tr = self.strategy.training
-        before = {g.prefix: tr.recomputed_layers(g.prefix, g.num_layers) if tr.recompute.get(g.prefix) != Recompute.SELECTIVE
-                  else g.num_layers for g in self.graph.layers}
-        on_host, _ = host_layers(self.graph, tr.offload_activations, before)
+        on_host, _, _ = planned_host_layers(tr, self.graph)
         by_layer: dict[str, list[str]] = {}
         for node, layer in on_host.items():
             by_layer.setdefault(layer, []).append(node)
