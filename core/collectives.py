@@ -64,6 +64,8 @@ class Purpose(enum.Enum):
     PARAM_GATHER = "param all-gather"  # ZeRO-1/2: the updated shards gathered back after the optimizer step
     PIPELINE_SEND = "pipeline send"  # an activation sent to the next pipeline stage (or its gradient back)
     PIPELINE_RECV = "pipeline recv"
+    EXPERT_DISPATCH = "expert dispatch"  # expert parallelism: each routed token sent to its expert's rank
+    EXPERT_COMBINE = "expert combine"  # and its expert's output brought back
 
 
 class Phase(enum.Enum):

@@ -17,11 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from core.graph import OpGraph, TensorKind
+from core.mesh import DeviceMesh
 
 CAPACITY_FACTOR = 1.25  # tokens an expert is sized for: the uniform share times this (GShard, Switch)
 # Ops whose output is their first input's values (rearranged or cast): traced through to a parameter.
 _VIEWS = frozenset({"Transpose", "Reshape", "Identity", "Cast", "CastLike", "Unsqueeze", "Squeeze", "Flatten",
                     "Expand", "Slice", "Split", "Concat"})
+EP_AXIS = "ep"  # the mesh axis expert parallelism splits the experts over
+EXPERT_PARALLEL = "expert_parallel"  # an expert gather's kernel there: tokens sent to their experts' ranks
 _GATHERS = frozenset({"Gather", "GatherND", "GatherElements"})
 _ROUTER_DEPTH = 12  # nodes walked back from the TopK's scores to find the router's matmul
 
@@ -107,6 +110,22 @@ def expert_matmuls(graph: OpGraph, block: ExpertBlock) -> tuple[dict[str, int], 
     return matmuls, frozenset(chain)
 
 
+def expert_weight_nodes(graph: OpGraph, block: ExpertBlock) -> frozenset[str]:
+    """A block's expert gathers and the views between its experts' parameters and them (a transpose or
+    cast of the stacked weights): the nodes that hold the experts split under expert parallelism."""
+    out = set(block.gathers)
+    for g in block.gathers:
+        t = graph.node_by_name[g].inputs[0]
+        for _ in range(16):
+            src = graph.producer.get(t)
+            node = graph.node_by_name.get(src) if src is not None else None
+            if node is None or node.op_type not in _VIEWS or not node.inputs:
+                break
+            out.add(node.name)
+            t = node.inputs[0]
+    return frozenset(out)
+
+
 def active_params(graph: OpGraph, blocks: tuple[ExpertBlock, ...]) -> int:
     """Parameters one token runs through: all but the routed experts' share it does not visit (each
     block's experts × (1 − top_k / num_experts))."""
@@ -177,3 +196,11 @@ def _common_path(paths: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def ep_axis(mesh: DeviceMesh) -> int | None:
+    """The mesh's expert-parallel axis (named `ep`, more than one rank), or None."""
+    if EP_AXIS not in mesh.axis_names:
+        return None
+    a = mesh.axis_names.index(EP_AXIS)
+    return a if mesh.shape[a] > 1 else None

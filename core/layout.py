@@ -14,6 +14,14 @@ its accumulation steps, as Megatron and torchtitan count them.
 adds pipeline stages (`planner/search/pipeline.py`): pp stages of the repeated layers, each on a sub-mesh of
 the other degrees (the mesh above is one stage's), and with vpp > 1 the interleaved schedule's model
 chunks per device (Megatron's virtual pipeline stages; not a device degree).
+
+    --layout dp_shard=8,ep=4,tp=2
+
+adds expert parallelism as torchtitan does: ep borrows its ranks from dp_shard (it divides it). The
+mesh splits dp_shard into dp_shard/ep × ep (axes dp_shard, ep); for every op but a mixture-of-experts
+block's experts both are one data-parallel group (the batch split, FSDP over both); the experts are
+split over ep (E/ep a rank, the tokens sent to them and back by all-to-alls, `planner/rules/experts.py`)
+and FSDP-split over dp_shard/ep on their next free dim.
 """
 
 from __future__ import annotations
@@ -23,18 +31,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core.errors import MeshplanError
+from core.experts import find_expert_blocks
 from core.graph import OpGraph
 from core.mesh import DeviceMesh
 from core.placement import Replicate, Shard, Spec
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "tp")
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "ep", "tp")  # mesh axes, outer to inner
 PIPELINE_KEYS = ("pp", "vpp")
-NOT_YET = ("cp", "ep")
+NOT_YET = ("cp",)
+DATA_AXES = ("dp_replicate", "dp_shard", "ep")  # the batch's axes (ep: of dp_shard's ranks)
 
 
 @dataclass(frozen=True)
 class Layout:
-    sizes: tuple[tuple[str, int], ...]  # (key, degree) in LAYOUT_KEYS order: one pipeline stage's mesh
+    sizes: tuple[tuple[str, int], ...]  # (axis, degree) in LAYOUT_KEYS order: one pipeline stage's mesh
+    # (with ep, dp_shard's degree here is dp_shard/ep: the user's dp_shard is the two together)
     pipeline: int = 1  # pp: stages
     virtual: int = 1  # vpp: model chunks per stage (interleaved 1F1B)
 
@@ -52,7 +63,11 @@ class Layout:
 
     @property
     def data_parallel(self) -> int:
-        return self.degree.get("dp_replicate", 1) * self.degree.get("dp_shard", 1)
+        return math.prod(self.degree.get(k, 1) for k in DATA_AXES)
+
+    @property
+    def expert_parallel(self) -> int:
+        return self.degree.get("ep", 1)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -71,11 +86,31 @@ class Layout:
     def __str__(self) -> str:
         extra: tuple[tuple[str, int], ...] = (("pp", self.pipeline),) if self.pipeline > 1 else ()
         extra += (("vpp", self.virtual),) if self.virtual > 1 else ()
-        return ",".join(f"{k}={n}" for k, n in (*self.sizes, *extra))
+        ep = self.expert_parallel  # written as torchtitan's: dp_shard the ranks ep borrows from too
+        items: list[tuple[str, int]] = []
+        for k, n in (*self.sizes, *extra):
+            if k == "ep" and "dp_shard" not in self.degree:
+                items.append(("dp_shard", ep))
+            items.append((k, n * ep if k == "dp_shard" else n))
+        return ",".join(f"{k}={n}" for k, n in items)
+
+    def check_experts(self, graph: OpGraph) -> None:
+        """ep > 1 needs a mixture of experts whose every block's experts it divides."""
+        ep = self.expert_parallel
+        if ep == 1:
+            return
+        blocks = find_expert_blocks(graph)
+        if not blocks:
+            raise MeshplanError(f"`layout` ep={ep}: the model has no mixture-of-experts blocks to split; drop ep "
+                                "(its ranks are data-parallel as dp_shard)")
+        for b in blocks:
+            if b.num_experts % ep:
+                raise MeshplanError(f"`layout` ep={ep} does not divide the {b.num_experts} experts of "
+                                    f"{b.module or b.topk}; pick an ep that divides {b.num_experts}")
 
     def input_pins(self, graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
         """Every input split on its batch dim (0) over the data-parallel axes, replicated elsewhere."""
-        dp_axes = [a for a, name in enumerate(mesh.axis_names) if name.startswith("dp_") and mesh.shape[a] > 1]
+        dp_axes = [a for a, name in enumerate(mesh.axis_names) if name in DATA_AXES and mesh.shape[a] > 1]
         pins = {}
         for t in graph.inputs:
             shape = graph.tensors[t].shape
@@ -92,21 +127,30 @@ class Layout:
         the first dim tp does not split where tp splits dim 0 (FSDP2 over a tensor-parallel shard
         splits that shard again — torch's _StridedShard — and gathers it over dp_shard alone; a spec
         splitting one dim over both axes would nest dp_shard outside tp and need tp to gather too);
-        as needed on tp. None when the consumer would need it split along a data-parallel axis."""
+        as needed on tp. On ep, a block's experts split on their experts' dim, as its expert gathers need
+        them, and stored split over dp_shard on their next free dim; every other parameter as on dp_shard
+        (split on dim 0 over both). None when the consumer would need it split along a data-parallel
+        axis (or an expert whole along ep)."""
         replicate = [a for a, n in enumerate(mesh.axis_names) if n == "dp_replicate"]
         shard = [a for a, n in enumerate(mesh.axis_names) if n == "dp_shard"]
+        ep = [a for a, n in enumerate(mesh.axis_names) if n == "ep" and mesh.shape[a] > 1]
+        experts = {p for b in find_expert_blocks(graph) for p in b.experts} if ep else set()
 
         def store(param: str, spec: Spec) -> Spec | None:
             placements = list(spec.placements)
-            for a in (*replicate, *shard):
+            expert = param in experts
+            for a in (*replicate, *shard, *([] if expert else ep)):
                 if not isinstance(placements[a], Replicate):
                     return None
+            if expert and not all(isinstance(placements[a], Shard) and placements[a] == Shard(0) for a in ep):
+                return None
             shape = graph.tensors[param].shape
             if shape:
                 taken = {p.dim for p in placements if isinstance(p, Shard)}
-                free = [d for d in range(len(shape)) if d not in taken and shape[d] % mesh.shape[shard[0]] == 0] \
-                    if shard else []
-                for a in shard:
+                split = shard + ([] if expert else ep)
+                n = math.prod(mesh.shape[a] for a in split)
+                free = [d for d in range(len(shape)) if d not in taken and shape[d] % n == 0] if split else []
+                for a in split:
                     placements[a] = Shard(free[0] if 0 in taken and free else 0)
             return Spec(tuple(placements))
 
@@ -119,7 +163,7 @@ def parse_layout(text: str, devices: int) -> Layout:
         key, eq, value = part.partition("=")
         key = key.strip()
         if key in NOT_YET:
-            raise MeshplanError(f"`layout` {key}: context and expert parallelism are not planned yet; use "
+            raise MeshplanError(f"`layout` {key}: context parallelism is not planned yet; use "
                                 f"{', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))}")
         if key not in (*LAYOUT_KEYS, *PIPELINE_KEYS):
             raise MeshplanError(f"`layout` {key}: unknown key; use {', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))} "
@@ -129,6 +173,14 @@ def parse_layout(text: str, devices: int) -> Layout:
         if key in sizes:
             raise MeshplanError(f"`layout` {key} given twice; give each degree once")
         sizes[key] = int(value)
+    if "ep" in sizes:  # torchtitan's: ep borrows its ranks from dp_shard
+        ep, shard = sizes["ep"], sizes.get("dp_shard", 1)
+        if shard % ep:
+            raise MeshplanError(f"`layout` ep={ep} borrows its ranks from dp_shard, which is {shard}; give dp_shard "
+                                f"a multiple of {ep} (e.g. dp_shard={ep * max(1, shard // ep)},ep={ep})")
+        sizes["dp_shard"] = shard // ep
+        if sizes["dp_shard"] == 1:
+            del sizes["dp_shard"]
     layout = Layout(tuple((k, sizes[k]) for k in LAYOUT_KEYS if k in sizes), pipeline=sizes.get("pp", 1),
                     virtual=sizes.get("vpp", 1))
     if layout.virtual > 1 and layout.pipeline == 1:

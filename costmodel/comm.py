@@ -5,7 +5,10 @@ nodes with g > 1 of its devices per node is hierarchical (as NCCL does it for al
   all_reduce      reduce_scatter inside (g, S) + all_reduce across (n/g, S/g) + all_gather inside (g, S)
   all_gather      all_gather across (n/g, S/g) + all_gather inside (g, S)
   reduce_scatter  reduce_scatter inside (g, S) + reduce_scatter across (n/g, S/g)
-and the rest (all_to_all, broadcast, send/recv) run flat at the inter-node level.
+  all_to_all      max(all_to_all inside (g, S·g/n), all_to_all across (n/g, S)): of its S bytes a rank
+                  sends (g−1)/n to its node's peers and (n−g)/n to other nodes, over both links at once
+                  (each GPU with its own NIC), as expert parallelism's dispatch and combine run
+and the rest (broadcast, send/recv) run flat at the inter-node level.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def collective_time_s(profile: HardwareProfile, mesh: DeviceMesh, kind: Collecti
     if level is LinkLevel.INTRA_NODE:
         return link_collective_time_s(profile, kind, size_bytes, n, level)
     g = mesh.inner_group_size(axes)
+    if g > 1 and kind is Collective.ALL_TO_ALL:
+        return max(link_collective_time_s(profile, kind, size_bytes * g / n, g, LinkLevel.INTRA_NODE),
+                   link_collective_time_s(profile, kind, size_bytes, n // g, LinkLevel.INTER_NODE))
     if g <= 1 or kind not in (Collective.ALL_REDUCE, Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         return link_collective_time_s(profile, kind, size_bytes, n, LinkLevel.INTER_NODE)
     inner, outer = LinkLevel.INTRA_NODE, LinkLevel.INTER_NODE

@@ -6,15 +6,26 @@ gathered. So the gathers and views between the weights and the matmul cost nothi
 (a view of a parameter), and the matmul is priced as the grouped GEMM: its FLOPs (2 · slots · out · in,
 and the same again per gradient), at the efficiency of a GEMM whose narrowest dim is the tokens an
 expert gets — its uniform share times the capacity factor, whose slowest expert bounds the kernel —,
-no faster than reading the tokens and every expert's weights."""
+no faster than reading the tokens and every expert's weights.
+
+Expert parallelism (an `ep` mesh axis: `EXPERT_PARALLEL`, the kernel of an expert gather split there)
+places E/ep experts on each rank of the axis: each rank sends every routed slot's token to its expert's
+rank and gets the expert's output back — two all-to-alls of slots × hidden a micro-batch, and two in
+backward (each gradient back the way it came), each at the slowest rank's share: the capacity factor
+times the uniform one. Its grouped GEMM then runs its E/ep experts on ep ranks' tokens: ep times the
+tokens per expert, E/ep experts' weights read; its expert weights' gradients are reduced only over the
+ranks holding the same experts (the parameters are split over ep, so none is partial there)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
 
+from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose
 from core.experts import ExpertBlock, expert_matmuls, find_expert_blocks
 from core.graph import OpGraph, OpNode
+from core.mesh import DeviceMesh
+from costmodel.comm import collective_time_s
 from costmodel.compute import (
     BACKWARD_BYTES_FACTOR,
     BACKWARD_FLOPS_FACTOR,
@@ -43,24 +54,51 @@ class ExpertOps:
             views |= chain
         self.views = frozenset(views)
         self.view_tensors = frozenset(t for n in views for t in graph.node_by_name[n].outputs if t)
+        # each block's first gather carries its dispatch and combine under expert parallelism
+        self.dispatch = {b.gathers[0]: b for b in self.blocks if b.gathers}
+        self.gathers = frozenset(g for b in self.blocks for g in b.gathers)
+        self.hidden = {b.topk: block_hidden(graph, b) for b in self.blocks}
+
+
+def block_hidden(graph: OpGraph, block: ExpertBlock) -> int:
+    """The width of a token a block routes: its router's weight's other dim than the experts'."""
+    for p in block.router:
+        shape = graph.tensors[p].shape
+        if len(shape) == 2 and block.num_experts in shape:
+            return shape[1] if shape[0] == block.num_experts else shape[0]
+    return min(d for p in block.experts for d in graph.tensors[p].shape[1:])
+
+
+def dispatch_events(slots: float, hidden: int, axis: int, mesh: DeviceMesh, profile: HardwareProfile,
+                    precision: Precision, capacity_factor: float, tensor: str) -> tuple[PricedCollective, ...]:
+    """A block's all-to-alls under expert parallelism over `axis`, one micro-batch: `slots` routed
+    slots a rank sends (tokens × top-k), each a token of `hidden` values; each priced at the receiving
+    side of the most loaded rank (the capacity factor times the uniform share)."""
+    size = slots * hidden * precision.activation_bytes
+    t = collective_time_s(profile, mesh, Collective.ALL_TO_ALL, size * capacity_factor, (axis,)) + \
+        (profile.device.reshard_overhead_s or 0.0)
+    return tuple(PricedCollective(Collective.ALL_TO_ALL, (axis,), size, t, phase, purpose, tensor, Cadence.MICRO_BATCH)
+                 for phase in (Phase.FORWARD, Phase.BACKWARD)
+                 for purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE))
 
 
 def grouped_gemm_cost(node: OpNode, block: ExpertBlock, operand: int, graph: OpGraph,
                       shapes: Mapping[str, tuple[int, ...]], profile: HardwareProfile, precision: Precision,
-                      needs_grad: frozenset[str], capacity_factor: float) -> ComputeCost:
-    """An expert matmul (`operand`: its gathered weights' input) as the grouped GEMM of its block."""
+                      needs_grad: frozenset[str], capacity_factor: float, ep: int = 1) -> ComputeCost:
+    """An expert matmul (`operand`: its gathered weights' input) as the grouped GEMM of its block, on
+    `ep` expert-parallel ranks (E/ep experts here, each with the tokens of ep ranks)."""
     w = shapes[node.inputs[operand]]
     slots, out_dim, in_dim = float(math.prod(w[:-2])), float(w[-2]), float(w[-1])
     flops = 2.0 * slots * out_dim * in_dim
     dev = profile.device
     dtype = precision.compute_dtype if precision.compute_dtype in dev.peak_flops_per_s else "fp32"
-    per_expert = max(1.0, slots * capacity_factor / block.num_experts)
+    per_expert = max(1.0, slots * capacity_factor * ep / block.num_experts)
     narrow = min(per_expert, out_dim, in_dim) if dev.matmul_narrow_efficiency is not None else None
     mm_s = matmul_time_s(dev, flops * capacity_factor, dtype, narrow)
     tokens = sum(tensor_bytes(graph.tensors[t], shapes[t], precision) for i, t in enumerate(node.inputs)
                  if t and i != operand) + sum(tensor_bytes(graph.tensors[t], shapes[t], precision)
                                               for t in node.outputs if t)
-    weights = block.num_experts * out_dim * in_dim * precision.moved_weight_bytes
+    weights = block.num_experts / ep * out_dim * in_dim * precision.moved_weight_bytes
     mem_s = (tokens + weights) / dev.mem_bandwidth_bytes_per_s
     grads = sum(1 for t in node.inputs[:2] if t in needs_grad)
     fwd = with_launch(max(mm_s, mem_s), dev.graph_op_s, dev.async_launch)

@@ -37,10 +37,13 @@ class NodeCost:
     # while its layer's backward runs); `activation_bytes` is then the layer's input it keeps, if any.
     recompute_s: float = 0.0
     recomputed_bytes: float = 0.0
+    # Collectives inside the op (expert parallelism's dispatch and combine all-to-alls), both passes.
+    events: tuple[PricedCollective, ...] = ()
 
     @property
     def time_s(self) -> float:
-        return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0)
+        return self.compute.total_s + self.recompute_s + (self.loss.time_s if self.loss is not None else 0.0) \
+            + sum(e.time_s for e in self.events)
 
     @property
     def compute_s(self) -> float:

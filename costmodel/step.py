@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
-from core.experts import CAPACITY_FACTOR
+from core.experts import CAPACITY_FACTOR, EXPERT_PARALLEL, ep_axis
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
 from core.mesh import DeviceMesh
@@ -62,7 +62,7 @@ from costmodel.compute import (
     local_shapes,
     tensor_bytes,
 )
-from costmodel.experts import NO_COST, ExpertOps, grouped_gemm_cost
+from costmodel.experts import NO_COST, ExpertOps, dispatch_events, grouped_gemm_cost
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
 from costmodel.host_activations import host_layers, price_host_activations
@@ -167,6 +167,7 @@ class CostModel:
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
         self.capacity_factor = capacity_factor
         self.experts = ExpertOps(graph)
+        self.ep_axis = ep_axis(mesh) if self.experts.blocks else None
         # by storage: a view of a parameter (a transposed weight, gathered expert weights) is none
         self.saved = saved_tensors(graph) - internal - self.experts.view_tensors
         self.needs_grad = gradient_tensors(graph)
@@ -209,11 +210,14 @@ class CostModel:
         specs: dict[str, Spec | None] = dict(zip(node.inputs, strategy.input_specs, strict=True))
         specs.update(zip(node.outputs, strategy.output_specs, strict=True))
         if node.name in self.experts.views:  # expert weights gathered for a grouped GEMM: no kernel, nothing saved
-            return NodeCost(compute=NO_COST, activation_bytes=0.0)
+            return NodeCost(compute=NO_COST, activation_bytes=0.0, events=self._dispatch(node, strategy))
         shapes = local_shapes(node, g, specs, self.mesh)
         if (expert := self.experts.matmuls.get(node.name)) is not None:
+            w = strategy.input_specs[expert[1]]
+            ep = self.mesh.shape[self.ep_axis] if self.ep_axis is not None and w is not None and isinstance(
+                w.placements[self.ep_axis], Shard) else 1
             compute = grouped_gemm_cost(node, *expert, g, shapes, self.profile, self.precision, self.needs_grad,
-                                        self.capacity_factor)
+                                        self.capacity_factor, ep)
         else:
             compute = compute_cost(node, g, shapes, self.profile, self.precision, on_chip=self.on_chip,
                                    needs_grad=self.needs_grad, fused=self.chains.get(node.name),
@@ -241,6 +245,24 @@ class CostModel:
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
                             recomputed_bytes=act)
         return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+
+    def _dispatch(self, node: OpNode, strategy: OpStrategy) -> tuple[PricedCollective, ...]:
+        """Expert parallelism's all-to-alls, on its block's first expert gather where that runs split
+        over the ep axis (`costmodel/experts.py`); in a recomputed layer, its forward pair again in
+        backward."""
+        block = self.experts.dispatch.get(node.name)
+        a = self.ep_axis
+        if block is None or a is None or len(strategy.kernels) <= a or strategy.kernels[a] != EXPERT_PARALLEL:
+            return ()
+        idx = node.inputs[1]
+        spec = strategy.input_specs[1]
+        assert spec is not None
+        slots = float(math.prod(spec.local_shape(self.graph.tensors[idx].shape, self.mesh.shape)))
+        events = dispatch_events(slots, self.experts.hidden[block.topk], a, self.mesh, self.profile, self.precision,
+                                 self.capacity_factor, idx)
+        if node.name in self.layer_of and self.recompute is Recompute.FULL:
+            events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
+        return events
 
     def _selective_saves(self) -> tuple[frozenset[str], frozenset[str]]:
         """The nodes of selectively recomputed layers whose outputs are saved — an attention's last node
@@ -529,6 +551,8 @@ class CostModel:
             if nc.loss is not None:
                 priced.events.extend(nc.loss.events)
                 mine.extend(nc.loss.events)
+            priced.events.extend(nc.events)
+            mine.extend(nc.events)
             for i, (t, need) in enumerate(zip(node.inputs, strategy.input_specs, strict=True)):
                 if need is None or not t:
                     continue

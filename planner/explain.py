@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from core.collectives import Purpose
 from core.errors import MeshplanError, ProfileError
 from core.experts import CAPACITY_FACTOR
 from core.graph import OpGraph, numbered_levels
@@ -125,7 +126,29 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
         # Saved activations on the host: layer group → how many of its layers (after those recomputed).
         "offload_activations": dict(strategy.training.offload_activations),
         "host": document["cost"].get("host"),
+        "experts": _experts(strategy, mesh),
     }
+
+
+def _experts(strategy: Strategy, mesh: DeviceMesh) -> dict[str, Any] | None:
+    """A mixture-of-experts plan's expert parallelism: its degree, its all-to-alls' time a step and share
+    of the step, and the best plan the planner found without it (mesh candidates without an ep axis and
+    the hand layouts, none of which split experts); None for a dense model."""
+    if strategy.training.capacity_factor is None:
+        return None
+    ep = dict(zip(mesh.axis_names, mesh.shape, strict=True)).get("ep", 1)
+    events = [x for node in strategy.nodes.values() for x in node.collectives
+              if x.purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)]
+    a2a_s = sum(x.time_s for x in events) * strategy.training.micro_batches
+    others = [(f"mesh {'x'.join(map(str, c.mesh))} ({', '.join(c.axis_names)})", c.step_time_s)
+              for c in strategy.candidates if c.step_time_s is not None and "ep" not in c.axis_names]
+    others += [(f"hand layout {h.name} ({h.layout})", h.step_time_s) for h in strategy.hand_layouts
+               if h.step_time_s is not None and h.fits and not h.chosen]
+    best = min(others, key=lambda o: o[1], default=None)
+    return {"expert_parallel": ep, "capacity_factor": strategy.training.capacity_factor,
+            "all_to_all_bytes": sum(x.size_bytes for x in events) * strategy.training.micro_batches,
+            "all_to_all_s": a2a_s, "all_to_all_share": a2a_s / strategy.cost.step_time_s,
+            "without_ep": None if ep == 1 or best is None else {"name": best[0], "step_time_s": best[1]}}
 
 
 def _row(name: str, cost: StepCost, mesh: DeviceMesh, limit: float | None) -> dict[str, Any]:

@@ -204,6 +204,15 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
         colls.add_row(c["kind"], ",".join(c["axes"]), c["phase"], str(c["count"]), fmt_bytes(c["bytes"]),
                       f"{c['time_s'] * 1e3:.3f} ms")
     console.print(colls)
+    if e.get("experts"):
+        x = e["experts"]
+        line = (f"experts: ep={x['expert_parallel']}, all-to-alls {fmt_bytes(x['all_to_all_bytes'])} a step per rank, "
+                f"{x['all_to_all_s'] * 1e3:.2f} ms ({x['all_to_all_share']:.1%} of the step; capacity factor "
+                f"{x['capacity_factor']:g})")
+        if x["without_ep"]:
+            w = x["without_ep"]
+            line += f"; the best plan without expert parallelism, {w['name']}: {w['step_time_s'] * 1e3:.2f} ms"
+        console.print(line)
     if e.get("host"):
         h = e["host"]
         console.print("host: " + "; ".join([*(f"{m} for {len(ts)} parameters" for m, ts in e["offload"].items()),

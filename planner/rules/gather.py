@@ -6,7 +6,11 @@ Gather(data, indices, axis) = Y with shape data[:axis] + indices.shape + data[ax
   data S(axis); indices R         → Y P, kernel masked_gather (vocab-parallel embedding: each rank
                                      looks up the ids in its row range and writes zeros elsewhere)
 GatherElements(axis): data and indices S(d), d ≠ axis → Y S(d).
-GatherND(batch_dims=b): data and indices S(d), d < b  → Y S(d).
+GatherND(batch_dims=b), indices [..., m], Y = indices[:-1] + data[b + m:]:
+  data and indices S(d), d < b                  → Y S(d)
+  data R; indices S(j), b ≤ j < rank(indices) − 1 → Y S(j)   (rows looked up split: data parallel)
+  data S(d), d ≥ b + m; indices R               → Y S(rank(indices) − 1 + d − b − m)
+An expert gather's split over the `ep` axis (data and indices split) is `planner/rules/experts.py`'s.
 """
 
 from __future__ import annotations
@@ -48,5 +52,16 @@ def gather_elements_rule(ctx: OpContext) -> list[AxisStrategy]:
 @register_rule("GatherND")
 def gather_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
     b = int(ctx.node.attr("batch_dims", 0))  # type: ignore[call-overload]
-    return [AxisStrategy(inputs=(Shard(d), Shard(d) if ctx.placeable[1] else None), outputs=(Shard(d),))
-            for d in range(b)]
+    data, idx = ctx.in_shapes
+    out = [AxisStrategy(inputs=(Shard(d), Shard(d) if ctx.placeable[1] else None), outputs=(Shard(d),))
+           for d in range(b)]
+    if not idx or idx[-1] <= 0:
+        return out
+    m, q = idx[-1], len(idx)
+    if ctx.placeable[1]:
+        out += [AxisStrategy(inputs=(R if ctx.placeable[0] else None, Shard(j)), outputs=(Shard(j),))
+                for j in range(b, q - 1)]
+    if ctx.placeable[0]:
+        out += [AxisStrategy(inputs=(Shard(d), R if ctx.placeable[1] else None), outputs=(Shard(q - 1 + d - b - m),))
+                for d in range(b + m, len(data))]
+    return out

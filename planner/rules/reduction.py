@@ -5,6 +5,7 @@
   ReduceMean        X S(d), d reduced, even     → Y P(avg)  (equal shards: the mean of the means)
   Global*Pool       X S(0) or S(1)              → Y same    (batch, channels)
   MaxPool/AveragePool   as Global*Pool (spatial splits need halos: not offered)
+  TopK(axis)        X S(d), d ≠ axis            → values, indices S(d)  (a router's top-k per token)
 """
 
 from __future__ import annotations
@@ -46,3 +47,9 @@ def reduce_rule(ctx: OpContext) -> list[AxisStrategy]:
 @register_rule("GlobalAveragePool", "GlobalMaxPool", "MaxPool", "AveragePool", "LpPool", "GlobalLpPool")
 def pool_rule(ctx: OpContext) -> list[AxisStrategy]:
     return follow(ctx, [(0, 0), (1, 1)])
+
+
+@register_rule("TopK")
+def topk_rule(ctx: OpContext) -> list[AxisStrategy]:
+    axis = ctx.axis_attr("axis", -1, ctx.rank())
+    return follow(ctx, [(d, d) for d in range(ctx.rank()) if d != axis])

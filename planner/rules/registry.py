@@ -199,7 +199,9 @@ def rules_for_graph(graph: OpGraph, mesh: DeviceMesh, *, strict: bool = False) -
         if hit is None:
             hit = seen[key] = strategies_for(n, graph, mesh)
         rs.by_node[n.name] = NodeStrategies(n, hit.strategies, hit.fallback)
-    return rs
+    from planner.rules.experts import expert_parallel  # (it reads this module's types)
+
+    return expert_parallel(rs, graph)
 
 
 def follow(ctx: OpContext, dims_in_to_out: Sequence[tuple[int, int]], *, inputs: Sequence[int] = (0,),

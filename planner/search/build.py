@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Phase
-from core.experts import find_expert_blocks
+from core.experts import expert_weight_nodes, find_expert_blocks
 from core.graph import OpGraph, TensorKind
-from core.layout import Layout
+from core.layout import DATA_AXES, Layout
 from core.levers import Composer, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Replicate, Shard, Spec, fully_sharded
@@ -208,10 +208,15 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
     weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
     tp every op splits its matrices (parameters of two or more dims: linear weights, embedding tables),
     as Megatron-LM runs them: an op holding them whole there would make tp a data-parallel axis the
-    layout did not ask for. A node no strategy of which does either keeps its strategies."""
+    layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
+    same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
+    before them), which split their experts there (`planner/rules/experts.py`)."""
     if layout is None:
         return rules
-    dp = [a for a, name in enumerate(layout.axis_names) if name in ("dp_replicate", "dp_shard")]
+    layout.check_experts(graph)
+    dp = [a for a, name in enumerate(layout.axis_names) if name in DATA_AXES]
+    ep = [a for a, name in enumerate(layout.axis_names) if name == "ep"]
+    experts = {n for b in find_expert_blocks(graph) for n in expert_weight_nodes(graph, b)} if ep else set()
     tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
     if not dp and not tp:
         return rules
@@ -224,8 +229,9 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
     for name, ns in rules.by_node.items():
         params = [i for i, t in enumerate(ns.node.inputs) if t in held]
         strategies = ns.strategies
+        data = [a for a in dp if a not in ep] if name in experts else dp
         whole = tuple(st for st in strategies if all(
-            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in dp)
+            (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Replicate) for a in data)
             for i in params))
         strategies = whole if whole and params else strategies
         matrices = [i for i in params if len(graph.tensors[ns.node.inputs[i]].shape or ()) >= 2]

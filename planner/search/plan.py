@@ -23,6 +23,7 @@ from functools import partial
 from typing import TypeVar
 
 from core.errors import DimBindingError, MeshplanError
+from core.experts import find_expert_blocks
 from core.graph import OpGraph
 from core.layout import Layout
 from core.levers import ActivationOffload, Mode, Offload, Recompute, Search
@@ -53,7 +54,14 @@ from planner.search.incumbents import HandLayout, against_hand_layouts, incumben
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
 from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
-from planner.search.request import FUSION_CANDIDATES, Candidate, PlanRequest, Progress, mesh_candidates
+from planner.search.request import (
+    FUSION_CANDIDATES,
+    Candidate,
+    PlanRequest,
+    Progress,
+    expert_mesh_candidates,
+    mesh_candidates,
+)
 from planner.strategy import (
     CandidateRecord,
     ProfileRef,
@@ -354,17 +362,24 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     # proof of infeasibility (minutes of MIP on hundreds of devices). A user's is priced fitting or not
     # (the table says which), the planner's hand layouts must fit as priced.
     priced_as_is = layout is not None and not req.must_fit
-    shapes = [layout.mesh_shape] if layout is not None else \
+    shapes: list[tuple[int, ...]] = [layout.mesh_shape] if layout is not None else \
         [req.mesh_shape] if req.mesh_shape and req.mode is not Mode.STAND_ALONE else \
         [(1,)] if req.mode is Mode.STAND_ALONE else \
         [(devices // profile.devices_per_node, profile.devices_per_node)] if _multi_node_search(req, profile) else \
         mesh_candidates(devices, profile.devices_per_node)
+    named: list[tuple[tuple[int, ...], tuple[str, ...] | None]] = [
+        (shape, layout.axis_names if layout is not None else req.axis_names if req.mesh_shape else None)
+        for shape in shapes]
+    blocks = find_expert_blocks(graph)
+    if blocks and layout is None and not req.mesh_shape and req.mode is Mode.AUTO and devices > 1:
+        # mixtures of experts: each mesh again with an expert-parallel axis (`planner/rules/experts.py`)
+        bases = shapes if (devices,) in shapes else [*shapes, (devices,)]  # (and ep beside tp=1 across nodes)
+        named += expert_mesh_candidates(bases, math.gcd(*(b.num_experts for b in blocks)), profile.devices_per_node)
     best: tuple[float, DeviceMesh, RuleSet, CostModel, dict[str, OpStrategy], StepCost, SolverStats,
                 dict[str, int]] | None = None
     candidates: list[Candidate] = []
     errors: list[MeshplanError] = []
-    for shape in shapes:
-        names = layout.axis_names if layout is not None else req.axis_names if req.mesh_shape else None
+    for shape, names in named:
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
         rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout)
@@ -436,7 +451,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         except PinError:
             raise
         except MeshplanError as e:
-            if len(shapes) == 1:
+            if len(named) == 1:
                 raise
             errors.append(e)
             candidates.append(Candidate(mesh=mesh, cost=None, stats=None, error=str(e)))

@@ -351,3 +351,20 @@ def mesh_candidates(devices: int, devices_per_node: int) -> list[tuple[int, ...]
         if devices % t == 0 and t <= devices_per_node:
             out.append((devices // t, t))
     return out
+
+
+def expert_mesh_candidates(shapes: list[tuple[int, ...]], experts: int, devices_per_node: int,
+                           ) -> list[tuple[tuple[int, ...], tuple[str, ...]]]:
+    """For a mixture of `experts` (the experts every block's count is a multiple of), each (dp, tp)
+    candidate with an ep axis taken from dp, between them (torchtitan's order): the most experts' ranks
+    a node holds beside tp (the all-to-alls over the node's links), and the most that divide both dp and
+    the experts (across nodes, hierarchical); axes of one rank dropped."""
+    out: list[tuple[tuple[int, ...], tuple[str, ...]]] = []
+    for shape in shapes:
+        dp, tp = shape[0], shape[1] if len(shape) > 1 else 1
+        fits = [e for e in range(2, dp + 1) if dp % e == 0 and experts % e == 0]
+        inside = [e for e in fits if e * tp <= devices_per_node]
+        for e in sorted({*inside[-1:], *fits[-1:]}):
+            axes = [(n, s) for n, s in (("dp", dp // e), ("ep", e), ("tp", tp)) if s > 1]
+            out.append((tuple(s for _, s in axes), tuple(n for n, _ in axes)))
+    return out
