@@ -70,8 +70,56 @@ def _eval_dim(expr: str, bound: Mapping[str, int]) -> int | None:
         return None
 
 
+# Above this batch, shapes are inferred at batches 1, 2 and 3 and carried to the bound one along their
+# affine course (`_extrapolated`): ONNX's data propagation holds every value it propagates as a shape
+# proto, and a mixture of experts' routing indices (a constant expanded to tokens × top-k) then take
+# ~100 MB per sequence of 4096 — gigabytes at a global batch.
+EXTRAPOLATE_ABOVE = 4
+
+
 def with_static_shapes(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto:
     """Copy the model with bound dims substituted everywhere and the remaining shapes inferred."""
+    batch = bound.get("batch", 0)
+    if batch > EXTRAPOLATE_ABOVE:
+        found = _extrapolated(model, bound)
+        if found is not None:
+            return found
+    return _inferred(model, bound)
+
+
+def _extrapolated(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto | None:
+    """The model's shapes at `bound` from those at batches 1, 2 and 3: each dim d(b) = d(1) + (d(2) −
+    d(1))·(b − 1), where every dim of every tensor follows that line through all three (else None: the
+    full inference decides)."""
+    ms = [_inferred(model, {**bound, "batch": b}) for b in (1, 2, 3)]
+    b = bound["batch"]
+
+    def dims(m: onnx.ModelProto) -> dict[str, list[int | None]]:
+        return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                for v in (*m.graph.input, *m.graph.value_info, *m.graph.output) if v.type.HasField("tensor_type")}
+
+    d1, d2, d3 = (dims(m) for m in ms)
+    if not (d1.keys() == d2.keys() == d3.keys()):
+        return None
+    out = ms[0]
+    for v in (*out.graph.input, *out.graph.value_info, *out.graph.output):
+        if not v.type.HasField("tensor_type"):
+            continue
+        a, c, e = d1[v.name], d2[v.name], d3[v.name]
+        if not (len(a) == len(c) == len(e)):
+            return None
+        for d, x, y, z in zip(v.type.tensor_type.shape.dim, a, c, e, strict=True):
+            if x is None or y is None or z is None:
+                if not (x is None and y is None and z is None):
+                    return None
+                continue
+            if z - y != y - x:
+                return None
+            d.dim_value = x + (y - x) * (b - 1)
+    return out
+
+
+def _inferred(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     for v in m.graph.input:

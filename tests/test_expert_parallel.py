@@ -1,0 +1,108 @@
+"""Expert parallelism (an `ep` mesh axis): the layout key, the expert gathers' strategies there, the
+all-to-alls priced against closed forms, the experts' gradients reduced only where they are replicated,
+and bad input refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from core.collectives import Collective, LinkLevel, Purpose
+from core.errors import MeshplanError
+from core.experts import EXPERT_PARALLEL, find_expert_blocks
+from core.layout import parse_layout
+from core.mesh import DeviceMesh
+from costmodel.comm import collective_time_s
+from costmodel.device import link_collective_time_s
+from hwprofiles.files import load_profile
+from planner.graph import load_graph
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest, expert_mesh_candidates
+
+def test_layout_ep_borrows_from_dp_shard() -> None:
+    """torchtitan's form: ep divides dp_shard, the mesh splits dp_shard into dp_shard/ep × ep; the layout
+    writes back as given; the batch is split over all three data axes."""
+    lay = parse_layout("dp_replicate=2,dp_shard=8,ep=4,tp=2", 32)
+    assert (lay.axis_names, lay.mesh_shape) == (("dp_replicate", "dp_shard", "ep", "tp"), (2, 2, 4, 2))
+    assert (lay.data_parallel, lay.expert_parallel, str(lay)) == (16, 4, "dp_replicate=2,dp_shard=8,ep=4,tp=2")
+    whole = parse_layout("dp_shard=4,ep=4", 4)
+    assert (whole.axis_names, str(whole)) == (("ep",), "dp_shard=4,ep=4")
+    with pytest.raises(MeshplanError, match="borrows its ranks from dp_shard, which is 2"):
+        parse_layout("dp_shard=2,ep=4", 2)
+    with pytest.raises(MeshplanError, match="borrows its ranks from dp_shard, which is 1"):
+        parse_layout("ep=2,tp=2", 4)
+
+
+def test_expert_mesh_candidates() -> None:
+    """Mixtral's 8 experts on 64 devices of 8 a node: ep beside tp=8 across nodes, or ep=8 inside a
+    node with dp across; 256 experts (DeepSeek-V3) on 2048: 8 inside a node, 256 across."""
+    assert expert_mesh_candidates([(8, 8), (64,)], 8, 8) == [((8, 8), ("ep", "tp")), ((8, 8), ("dp", "ep"))]
+    assert expert_mesh_candidates([(2048,)], 256, 8) == [((256, 8), ("dp", "ep")), ((8, 256), ("dp", "ep"))]
+
+
+def test_all_to_all_is_hierarchical_across_nodes() -> None:
+    """16 ranks over 2 nodes of 8: a rank's S bytes go 7/16 to its node's peers and 8/16 to the other
+    node, over both links at once; inside one node, flat."""
+    profile = load_profile("h100-sxm")
+    mesh = DeviceMesh.build(16, (16,), ("ep",), devices_per_node=8)
+    s = 64 * 2**20
+    want = max(link_collective_time_s(profile, Collective.ALL_TO_ALL, s * 8 / 16, 8, LinkLevel.INTRA_NODE),
+               link_collective_time_s(profile, Collective.ALL_TO_ALL, s, 2, LinkLevel.INTER_NODE))
+    assert collective_time_s(profile, mesh, Collective.ALL_TO_ALL, s, (0,)) == pytest.approx(want)
+    flat = link_collective_time_s(profile, Collective.ALL_TO_ALL, s, 16, LinkLevel.INTER_NODE)
+    assert want < flat  # (what it was priced at before: every byte at the inter-node rate)
+    inner = DeviceMesh.build(16, (2, 8), ("dp", "ep"), devices_per_node=8)
+    assert collective_time_s(profile, inner, Collective.ALL_TO_ALL, s, (1,)) == pytest.approx(
+        link_collective_time_s(profile, Collective.ALL_TO_ALL, s, 8, LinkLevel.INTRA_NODE))
+
+
+@pytest.mark.parametrize("layout", ["dp_shard=4,ep=2", "dp_shard=4,ep=4"])
+def test_ep_layout_splits_experts_and_prices_all_to_alls(zoo: Callable[[str], Path], layout: str) -> None:
+    """mixtral-tiny (4 experts top-2, hidden 64) on 4 CPU ranks, 8 × 256 tokens, fp32: the routed experts'
+    weights stored split over ep on their experts' dim, the expert gathers expert-parallel there; per
+    block two all-to-alls forward and two backward, each of a rank's 512 tokens × 2 slots × 64 × 4 B; no
+    expert gradient reduced over ep (the ranks there hold different experts), every other parameter's
+    reduced over it (ep is data-parallel for them)."""
+    model = zoo("mixtral-tiny")
+    dims = {"batch": 8, "seq": 256}
+    blocks = find_expert_blocks(load_graph(model, dims))
+    s, _ = make_plan(PlanRequest(model=str(model), dims=dims, profile="cpu", devices=4, recompute="none",
+                                 layout=parse_layout(layout, 4)))
+    names = s.mesh.axis_names
+    ep = names.index("ep")
+    assert s.training.layout == layout and s.mesh.shape[ep] == int(layout[-1])
+    experts = {p for b in blocks for p in b.experts}
+    for p in experts:
+        assert str(s.spec_of(p).placements[ep]) == "S(0)", p
+    for b in blocks:
+        for gname in b.gathers:
+            assert s.nodes[gname].kernels[ep] == EXPERT_PARALLEL
+    events = [(n, x) for n, node in s.nodes.items() for x in node.collectives]
+    a2a = [x for _, x in events if x.purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)]
+    tokens = 8 * 256 // 4
+    assert len(a2a) == 4 * len(blocks)
+    assert all(x.kind is Collective.ALL_TO_ALL and x.axes == (ep,) and x.size_bytes == tokens * 2 * 64 * 4
+               for x in a2a)
+    grads = [x for _, x in events if x.purpose in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER)]
+    assert not [x for x in grads if x.tensor in experts and ep in x.axes]
+    assert [x for x in grads if x.tensor not in experts and ep in x.axes]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("model", "devices", "layout", "message"), [
+    ("llama-tiny", 4, "dp_shard=4,ep=2", "no mixture-of-experts blocks"),
+    ("mixtral-tiny", 6, "dp_shard=6,ep=3", "ep=3 does not divide the 4 experts"),
+    ("mixtral-tiny", 4, "dp_shard=2,ep=4,tp=2", "borrows its ranks from dp_shard"),
+])
+def test_bad_expert_parallelism_is_one_line(zoo: Callable[[str], Path], model: str, devices: int, layout: str,
+                                            message: str) -> None:
+    r = _cli("plan", str(zoo(model)), "--devices", str(devices), "--profile", "cpu", "--dim", "batch=12",
+             "--dim", "seq=8", "--layout", layout, "-o", "/dev/null")
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
