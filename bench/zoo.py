@@ -137,6 +137,22 @@ def _deepseek_v3_tiny() -> tuple[nn.Module, Any]:
     return logits_module(DeepseekV3ForCausalLM(cfg), "input_ids"), cfg
 
 
+def _deepseek_v3() -> tuple[nn.Module, Any]:
+    """DeepSeek-V3 (671 B) from its published config: 61 layers (3 dense), 256 routed experts top-8 in 8
+    groups (4 a token) beside one shared expert, multi-head latent attention."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(num_hidden_layers=61, first_k_dense_replace=3, hidden_size=7168, intermediate_size=18432,
+                           moe_intermediate_size=2048, num_attention_heads=128, num_key_value_heads=128,
+                           vocab_size=129280, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+                           n_group=8, topk_group=4, q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64,
+                           qk_nope_head_dim=128, v_head_dim=128, max_position_embeddings=4096,
+                           tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                           attn_implementation="sdpa", use_cache=False)
+    cfg._experts_implementation = "batched_mm"
+    return logits_module(DeepseekV3ForCausalLM(cfg), "input_ids"), cfg
+
+
 def _bert() -> tuple[nn.Module, Any]:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -237,6 +253,9 @@ ZOO: dict[str, ZooEntry] = {
                  input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
                  default_dims={"batch": 16, "seq": 4096}, vocab=32000, with_weights=False,
                  description="Mixtral-8x7B, shape-only"),
+        ZooEntry(name="deepseek-v3", build=_deepseek_v3, input_kind="tokens", input_dims=("batch", "seq"),
+                 example_dims={"batch": 2, "seq": 16}, default_dims={"batch": 16, "seq": 4096}, vocab=129280,
+                 with_weights=False, description="DeepSeek-V3 671B, shape-only"),
     ]
 }
 # Llama-3-8B's width at other depths: the planner's time against layer count (bench only).
@@ -264,7 +283,7 @@ for _name, (_n, _h, _heads, _vocab, _seq) in GPT_SHAPES.items():
         vocab=_vocab, with_weights=False, dim_max={"seq": _seq},
         description=f"GPT, {_n} layers, h={_h}, shape-only (benchmark)")
 SMALL = [n for n, e in ZOO.items() if e.with_weights]
-BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES]
+BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES or n == "deepseek-v3"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -126,6 +126,75 @@ def expert_weight_nodes(graph: OpGraph, block: ExpertBlock) -> frozenset[str]:
     return frozenset(out)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertRegion:
+    """What a block's experts compute on each routed slot: the nodes from its expert gathers to its last
+    expert matmul (in graph order; every one row-wise over the slots), the inputs they read from outside
+    (node, input index) — the gathered weights (`weights`), the slots' expert ids (`ids`), the slots'
+    tokens (`rows`) and constants — and the one tensor they hand back, a row per slot."""
+
+    block: ExpertBlock
+    nodes: tuple[str, ...]
+    inputs: tuple[tuple[str, int], ...]
+    weights: tuple[tuple[str, int], ...]
+    ids: tuple[tuple[str, int], ...]
+    rows: tuple[tuple[str, int], ...]
+    output: str
+
+
+def expert_region(graph: OpGraph, block: ExpertBlock) -> ExpertRegion | None:
+    """The block's region (`ExpertRegion`), or None where its nodes hand back more than one tensor or
+    read a row input that is not one row per slot."""
+    matmuls, _ = expert_matmuls(graph, block)
+    if not matmuls or not block.gathers:
+        return None
+    order = {n.name: i for i, n in enumerate(graph.compute_nodes)}
+    last = max(matmuls, key=order.__getitem__)
+    readers: dict[str, list[str]] = defaultdict(list)
+    for n in graph.compute_nodes:
+        for t in n.inputs:
+            if t:
+                readers[t].append(n.name)
+    after: set[str] = set()
+    todo = list(block.gathers)
+    while todo:
+        x = todo.pop()
+        if x not in after:
+            after.add(x)
+            todo += [r for t in graph.node_by_name[x].outputs if t for r in readers.get(t, ())]
+    before: set[str] = set()
+    todo = [last]
+    while todo:
+        x = todo.pop()
+        if x not in before:
+            before.add(x)
+            todo += [p for t in graph.node_by_name[x].inputs if t and (p := graph.producer.get(t)) is not None]
+    inside = after & before
+    nodes = tuple(sorted(inside, key=order.__getitem__))
+    made = {t for n in nodes for t in graph.node_by_name[n].outputs if t}
+    handed = {t for t in made if any(r not in inside for r in readers.get(t, ()))} | (made & set(graph.outputs))
+    out = graph.node_by_name[last].outputs[0]
+    if handed != {out}:
+        return None
+    slots = graph.tensors[out].shape[0]
+    inputs: list[tuple[str, int]] = []
+    weights: list[tuple[str, int]] = []
+    ids: list[tuple[str, int]] = []
+    rows: list[tuple[str, int]] = []
+    for name in nodes:
+        for i, t in enumerate(graph.node_by_name[name].inputs):
+            if not t or t in made:
+                continue
+            inputs.append((name, i))
+            if name in block.gathers:
+                (weights if i == 0 else ids).append((name, i))
+            elif graph.tensors[t].kind is not TensorKind.CONSTANT:
+                if not graph.tensors[t].shape or graph.tensors[t].shape[0] != slots:
+                    return None
+                rows.append((name, i))
+    return ExpertRegion(block, nodes, tuple(inputs), tuple(weights), tuple(ids), tuple(rows), out)
+
+
 def active_params(graph: OpGraph, blocks: tuple[ExpertBlock, ...]) -> int:
     """Parameters one token runs through: all but the routed experts' share it does not visit (each
     block's experts × (1 − top_k / num_experts))."""

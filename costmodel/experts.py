@@ -10,9 +10,9 @@ no faster than reading the tokens and every expert's weights.
 
 Expert parallelism (an `ep` mesh axis: `EXPERT_PARALLEL`, the kernel of an expert gather split there)
 places E/ep experts on each rank of the axis: each rank sends every routed slot's token to its expert's
-rank and gets the expert's output back — two all-to-alls of slots × hidden a micro-batch, and two in
-backward (each gradient back the way it came), each at the slowest rank's share: the capacity factor
-times the uniform one. Its grouped GEMM then runs its E/ep experts on ep ranks' tokens: ep times the
+rank and gets the expert's output back — after one all-to-all of its per-expert counts, two of
+slots × hidden a micro-batch, and two in backward (each gradient back the way it came), each at the
+slowest rank's share: the capacity factor times the uniform one. Its grouped GEMM then runs its E/ep experts on ep ranks' tokens: ep times the
 tokens per expert, E/ep experts' weights read; its expert weights' gradients are reduced only over the
 ranks holding the same experts (the parameters are split over ep, so none is partial there)."""
 
@@ -48,10 +48,14 @@ class ExpertOps:
         self.blocks = find_expert_blocks(graph)
         self.matmuls: dict[str, tuple[ExpertBlock, int]] = {}
         views: set[str] = set()
+        # each gathered view as the experts' weights it stands for: [E, …] in place of [slots, …]
+        self.weight_shapes: dict[str, tuple[int, ...]] = {}
         for b in self.blocks:
             mm, chain = expert_matmuls(graph, b)
             self.matmuls.update((n, (b, i)) for n, i in mm.items())
             views |= chain
+            self.weight_shapes.update((t, (b.num_experts, *graph.tensors[t].shape[1:])) for n in chain
+                                      for t in graph.node_by_name[n].outputs if t and graph.tensors[t].shape)
         self.views = frozenset(views)
         self.view_tensors = frozenset(t for n in views for t in graph.node_by_name[n].outputs if t)
         # each block's first gather carries its dispatch and combine under expert parallelism
@@ -69,17 +73,22 @@ def block_hidden(graph: OpGraph, block: ExpertBlock) -> int:
     return min(d for p in block.experts for d in graph.tensors[p].shape[1:])
 
 
-def dispatch_events(slots: float, hidden: int, axis: int, mesh: DeviceMesh, profile: HardwareProfile,
+def dispatch_events(slots: float, hidden: int, experts: int, axis: int, mesh: DeviceMesh, profile: HardwareProfile,
                     precision: Precision, capacity_factor: float, tensor: str) -> tuple[PricedCollective, ...]:
-    """A block's all-to-alls under expert parallelism over `axis`, one micro-batch: `slots` routed
-    slots a rank sends (tokens × top-k), each a token of `hidden` values; each priced at the receiving
-    side of the most loaded rank (the capacity factor times the uniform share)."""
+    """A block's all-to-alls under expert parallelism over `axis`, one micro-batch: first each rank's
+    count of slots for every expert (`experts` int64s), then the tokens — `slots` routed slots a rank
+    sends (tokens × top-k), each of `hidden` values — there and back, and both again in backward; each
+    token exchange priced at the receiving side of the most loaded rank (the capacity factor times the
+    uniform share)."""
+    overhead = profile.device.reshard_overhead_s or 0.0
+    counts = PricedCollective(Collective.ALL_TO_ALL, (axis,), experts * 8.0, collective_time_s(
+        profile, mesh, Collective.ALL_TO_ALL, experts * 8.0, (axis,)) + overhead, Phase.FORWARD,
+        Purpose.EXPERT_DISPATCH, tensor, Cadence.MICRO_BATCH)
     size = slots * hidden * precision.activation_bytes
-    t = collective_time_s(profile, mesh, Collective.ALL_TO_ALL, size * capacity_factor, (axis,)) + \
-        (profile.device.reshard_overhead_s or 0.0)
-    return tuple(PricedCollective(Collective.ALL_TO_ALL, (axis,), size, t, phase, purpose, tensor, Cadence.MICRO_BATCH)
-                 for phase in (Phase.FORWARD, Phase.BACKWARD)
-                 for purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE))
+    t = collective_time_s(profile, mesh, Collective.ALL_TO_ALL, size * capacity_factor, (axis,)) + overhead
+    return (counts, *(PricedCollective(Collective.ALL_TO_ALL, (axis,), size, t, phase, purpose, tensor, Cadence.MICRO_BATCH)
+                      for phase in (Phase.FORWARD, Phase.BACKWARD)
+                      for purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)))
 
 
 def grouped_gemm_cost(node: OpNode, block: ExpertBlock, operand: int, graph: OpGraph,

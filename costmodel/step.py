@@ -168,6 +168,9 @@ class CostModel:
         self.capacity_factor = capacity_factor
         self.experts = ExpertOps(graph)
         self.ep_axis = ep_axis(mesh) if self.experts.blocks else None
+        # A redistribute of gathered expert weights (a view, one expert's weights per routed slot) moves
+        # the experts' weights themselves: priced at their shape, the experts in place of the slots.
+        self.edge_shape = dict(self.experts.weight_shapes)
         # by storage: a view of a parameter (a transposed weight, gathered expert weights) is none
         self.saved = saved_tensors(graph) - internal - self.experts.view_tensors
         self.needs_grad = gradient_tensors(graph)
@@ -258,8 +261,8 @@ class CostModel:
         spec = strategy.input_specs[1]
         assert spec is not None
         slots = float(math.prod(spec.local_shape(self.graph.tensors[idx].shape, self.mesh.shape)))
-        events = dispatch_events(slots, self.experts.hidden[block.topk], a, self.mesh, self.profile, self.precision,
-                                 self.capacity_factor, idx)
+        events = dispatch_events(slots, self.experts.hidden[block.topk], block.num_experts, a, self.mesh, self.profile,
+                                 self.precision, self.capacity_factor, idx)
         if node.name in self.layer_of and self.recompute is Recompute.FULL:
             events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
         return events
@@ -352,7 +355,7 @@ class CostModel:
         (a parameter's as a parameter's: `hides_under_backward` and `prefetched` ask; one that needs a
         gradient as one that does)."""
         info = self.graph.tensors[tensor]
-        key = (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
+        key = (self.edge_shape.get(tensor, info.shape), info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
                consumer_split, saved)
         hit = self._edge_cache.get(key)
         if hit is None:
@@ -425,7 +428,7 @@ class CostModel:
         """What an edge's price depends on (`edge_time_parts`' caches): the tensor's shape, dtype and role,
         not its name."""
         info = self.graph.tensors[tensor]
-        return (info.shape, info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
+        return (self.edge_shape.get(tensor, info.shape), info.dtype, info.kind, tensor in self.param_owner, tensor in self.needs_grad, src, dst,
                 consumer_split, recomputed, saved, self._edge_stage(tensor, src, dst, zero_stage))
 
     def _edge_stage(self, tensor: str, src: Spec, dst: Spec, zero_stage: int) -> int:
@@ -469,13 +472,14 @@ class CostModel:
             events.append(PricedCollective(kind, (axis,), size, t, phase, purpose, tensor, cadence_of(purpose, is_param)))
 
         grad_item = self.precision.grad_bytes if is_param else self.precision.bytes_of(info)
-        plan = plan_reshard(src, dst, info.shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
+        shape = self.edge_shape.get(tensor, info.shape)
+        plan = plan_reshard(src, dst, shape, self.mesh.shape, itemsize, enable_all_to_all=self.enable_all_to_all)
         for step in plan.collectives:
             assert step.collective is not None
             add(step.collective, step.axis, step.size_bytes, Phase.FORWARD, Purpose.RESHARD)
         if tensor not in self.needs_grad:
             return tuple(events)  # no gradient flows back (inputs, constants, masks, rotary tables)
-        grad_local = float(math.prod(dst.local_shape(info.shape, self.mesh.shape))) * grad_item
+        grad_local = float(math.prod(dst.local_shape(shape, self.mesh.shape))) * grad_item
         by_axis = {st.axis: st for st in plan.steps}
         grad = gradient_spec(dst, consumer_split)  # as the executor receives it (core/placement.py)
 

@@ -30,7 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather",
                     "reduce_scatter_tensor": "reduce_scatter", "all_to_all_single": "all_to_all",
                     "allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter",
-                    "_allgather_base_": "all_gather", "broadcast_": "broadcast"}
+                    "_allgather_base_": "all_gather", "broadcast_": "broadcast",
+                    "alltoall_base_": "all_to_all"}
 _NAMESPACES = ("_c10d_functional", "c10d_functional", "c10d")
 
 

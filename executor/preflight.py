@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from core.collectives import Cadence, Collective
+from core.collectives import Cadence, Collective, Purpose
 from core.errors import MeshplanError
+from core.experts import EXPERT_PARALLEL, expert_region, find_expert_blocks
 from core.graph import OpGraph, TensorKind
 from core.levers import Attention, LossKind, Offload
 from costmodel.bucketing import is_bucketed
@@ -39,6 +40,9 @@ class RunOptions:
     probe: bool = False
 
 
+EXPERT_PURPOSES = (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)
+
+
 class RunError(MeshplanError):
     """A run that cannot start (mismatched strategy, model, rank count) or a rank that failed."""
 
@@ -49,7 +53,8 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
     nodes' collectives, those of each micro-batch as many times as there are micro-batches, and its
     gradient buckets (`cost.buckets`: the parameters' all-reduces, or ZeRO's reduce-scatters and
     gathers, packed as the cost model priced them), each once per step or (ZeRO-2's reduce-scatter)
-    per micro-batch; DTensor on CPU performs an all_to_all as all_gather + local chunk. A pipelined
+    per micro-batch; DTensor on CPU performs an all_to_all as all_gather + local chunk (expert
+    parallelism's own all-to-alls are all-to-alls on every backend). A pipelined
     plan's (`graph` needed): those of a rank of `stage`, its nodes' and its buckets only, with its
     sends to the neighbouring stages (`send`) and one all-reduce per tied parameter it holds a copy of.
     None: a file written before strategies recorded their buckets (it runs; its counts are not known)."""
@@ -74,7 +79,7 @@ def planned_counts(strategy: Strategy, *, backend: str = "gloo", graph: OpGraph 
             if is_bucketed(c, params, resharded):
                 continue  # its share of a bucket, counted below
             kind = c.kind
-            if kind is Collective.ALL_TO_ALL and backend == "gloo":
+            if kind is Collective.ALL_TO_ALL and backend == "gloo" and c.purpose not in EXPERT_PURPOSES:
                 kind = Collective.ALL_GATHER
             out[kind.value] += k if c.cadence is Cadence.MICRO_BATCH else 1
     for b in strategy.buckets:
@@ -101,6 +106,16 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
     if tr.offload_activations and strategy.pipeline is not None:
         raise RunError("the plan keeps saved activations on the host inside pipeline stages, which meshplan does "
                        "not plan (a stage's chunks can cut a layer); plan with `offload` without activations")
+    for block in find_expert_blocks(graph):
+        kernels = strategy.nodes[block.gathers[0]].kernels
+        if EXPERT_PARALLEL not in kernels:
+            continue
+        if strategy.pipeline is not None:
+            raise RunError("the plan splits experts over ep inside pipeline stages, which the executor does not run "
+                           "yet; plan without pp or without ep")
+        if expert_region(graph, block) is None:
+            raise RunError(f"the experts of {block.module or block.topk} are not one row-wise region from their "
+                           "gathers to their last matmul, which the executor runs expert-parallel; plan without ep")
     k = strategy.training.micro_batches
     # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from core.experts import EXPERT_PARALLEL, ExpertRegion, ep_axis, expert_region, find_expert_blocks
 from core.graph import OpNode
 from core.levers import Attention, Recompute
 from core.placement import Spec, gradient_spec, split_axes
@@ -41,6 +42,7 @@ from executor.dtensors import (
     shard_full,
     to_dtensor,
 )
+from executor.experts import run_expert_region
 from executor.host_activations import HostActivations, planned_host_layers
 from executor.interpreter import OnnxModule
 from executor.kernels import run_local
@@ -108,7 +110,12 @@ class SpmdRunner:
         names = {n.name for n in mine}
         self.regions = {last: r for last, r in attention_regions(self.graph).items()
                         if self._is_local(r) and set(r.nodes) <= names}
-        self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]}
+        # Mixture-of-experts blocks split over ep: each block's expert region runs as one entry at its last
+        # node, the tokens sent to their experts and back (`executor/experts.py`).
+        self._ep = ep_axis(strategy.mesh)
+        self.expert_regions = self._expert_regions(names)
+        self.fused_away = {n for r in self.regions.values() for n in r.nodes[:-1]} | \
+            {n for e in self.expert_regions.values() for n in e.nodes[:-1]}
         self.input_placements = {name: self.placements(name) for name in self.graph.inputs}
         # Where every activation lies (as produced: fixed by the plan) and the ops to run, with what
         # each needs, decided once: a step is then only the ops and the planned collectives.
@@ -116,8 +123,8 @@ class SpmdRunner:
         for n in self.graph.compute_nodes:
             self.placed.update(zip(n.outputs, self._plans[n.name][1], strict=False))
         direct = self._direct_inputs()
-        self._program = [(n, self.regions.get(n.name), direct[n.name], self._plans[n.name][1], self._plans[n.name][3])
-                         for n in mine if n.name not in self.fused_away]
+        self._program = [(n, self.regions.get(n.name) or self.expert_regions.get(n.name), direct[n.name],
+                          self._plans[n.name][1], self._plans[n.name][3]) for n in mine if n.name not in self.fused_away]
         # Full recomputation: each repeated layer's run of the program is one checkpointed segment.
         self._selective: set[int] = set()  # segments recomputed selectively (`executor/recompute.py`)
         self._segments = self._recomputed_segments()
@@ -148,6 +155,27 @@ class SpmdRunner:
             for t, want in zip(n.inputs, want_in, strict=True):
                 if t in self.stored and want == self.stored[t]:
                     self.reduced_axes[t] |= {a for a in split if isinstance(want[a], Replicate)}
+
+    def _expert_regions(self, names: set[str]) -> dict[str, ExpertRegion]:
+        """The expert regions of the blocks whose gathers the plan splits over ep, by their last node."""
+        a = self._ep
+        if a is None:
+            return {}
+        out = {}
+        for block in find_expert_blocks(self.graph):
+            kernels = self._plans[block.gathers[0]][3]
+            if len(kernels) <= a or kernels[a] != EXPERT_PARALLEL:
+                continue
+            region = expert_region(self.graph, block)
+            if region is None or not set(region.nodes) <= names:
+                raise ValueError(f"the experts of {block.module or block.topk} are not one row-wise region the "
+                                 "executor can run expert-parallel (`preflight.check_step` refuses such plans)")
+            out[region.nodes[-1]] = region
+        return out
+
+    def _region_op(self, name: str, x: list[Any]) -> list[Any]:
+        node = self.graph.node_by_name[name]
+        return self._run_local(node, x, self._plans[name][1], self._plans[name][3])
 
     def _is_local(self, region: AttentionRegion) -> bool:
         """The plan runs the chain without moving its inner tensors: every inner edge is consumed in
@@ -266,7 +294,11 @@ class SpmdRunner:
         def run(start: int, end: int) -> None:
             local = scope["local"]
             for at, (node, region, direct, want_out, kernels) in enumerate(self._program[start:end], start):
-                if region is not None:  # the attention chain ending here, as the planned kernel(s)
+                if isinstance(region, ExpertRegion):  # the block's experts, where they are
+                    assert self._ep is not None
+                    outs = [run_expert_region(region, {k: prepare(*k) for k in region.inputs}, g,
+                                              self.mesh.get_group(self._ep), self.mesh_shape[self._ep], self._region_op)]
+                elif region is not None:  # the attention chain ending here, as the planned kernel(s)
                     outs = [attention(*(prepare(n, i) for n, i in region.inputs))]
                 else:
                     outs = self._run_local(node, [local[t] if d else prepare(node.name, i)

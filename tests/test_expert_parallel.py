@@ -22,6 +22,8 @@ from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest, expert_mesh_candidates
+from planner.strategy import Strategy
+
 
 def test_layout_ep_borrows_from_dp_shard() -> None:
     """torchtitan's form: ep divides dp_shard, the mesh splits dp_shard into dp_shard/ep × ep; the layout
@@ -64,7 +66,8 @@ def test_all_to_all_is_hierarchical_across_nodes() -> None:
 def test_ep_layout_splits_experts_and_prices_all_to_alls(zoo: Callable[[str], Path], layout: str) -> None:
     """mixtral-tiny (4 experts top-2, hidden 64) on 4 CPU ranks, 8 × 256 tokens, fp32: the routed experts'
     weights stored split over ep on their experts' dim, the expert gathers expert-parallel there; per
-    block two all-to-alls forward and two backward, each of a rank's 512 tokens × 2 slots × 64 × 4 B; no
+    block one all-to-all of the 4 experts' counts (int64), then two forward and two backward, each of a
+    rank's 512 tokens × 2 slots × 64 × 4 B; no
     expert gradient reduced over ep (the ranks there hold different experts), every other parameter's
     reduced over it (ep is data-parallel for them)."""
     model = zoo("mixtral-tiny")
@@ -84,9 +87,8 @@ def test_ep_layout_splits_experts_and_prices_all_to_alls(zoo: Callable[[str], Pa
     events = [(n, x) for n, node in s.nodes.items() for x in node.collectives]
     a2a = [x for _, x in events if x.purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)]
     tokens = 8 * 256 // 4
-    assert len(a2a) == 4 * len(blocks)
-    assert all(x.kind is Collective.ALL_TO_ALL and x.axes == (ep,) and x.size_bytes == tokens * 2 * 64 * 4
-               for x in a2a)
+    assert all(x.kind is Collective.ALL_TO_ALL and x.axes == (ep,) for x in a2a)
+    assert sorted(x.size_bytes for x in a2a) == sorted([4 * 8] * len(blocks) + [tokens * 2 * 64 * 4] * 4 * len(blocks))
     grads = [x for _, x in events if x.purpose in (Purpose.GRAD_SYNC, Purpose.GRAD_REDUCE_SCATTER)]
     assert not [x for x in grads if x.tensor in experts and ep in x.axes]
     assert [x for x in grads if x.tensor not in experts and ep in x.axes]
@@ -106,3 +108,42 @@ def test_bad_expert_parallelism_is_one_line(zoo: Callable[[str], Path], model: s
     r = _cli("plan", str(zoo(model)), "--devices", str(devices), "--profile", "cpu", "--dim", "batch=12",
              "--dim", "seq=8", "--layout", layout, "-o", "/dev/null")
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def _plan(model: Path, layout: str, devices: int = 4) -> Strategy:
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 16}, profile="cpu", devices=devices,
+                                 recompute="none", layout=parse_layout(layout, devices)))
+    return s
+
+
+def _run_ep(zoo: Callable[[str], Path], name: str, layout: str, tmp_path: Path) -> None:
+    """The plan on 4 gloo ranks, a step then another, against one process with the same weights: loss,
+    gradients and parameters equal (< 1e-5, fp32); the all-to-alls run are those planned — per block
+    and micro-batch the experts' counts, the tokens there and back, and both again in backward."""
+    from tests.test_training_step import run_equals_one_process
+
+    model = zoo(name)
+    s = _plan(model, layout)
+    ep = s.mesh.axis_names.index("ep")
+    blocks = find_expert_blocks(load_graph(model, s.model.dims))
+    assert all(s.nodes[g].kernels[ep] == EXPERT_PARALLEL for b in blocks for g in b.gathers)
+    # DeepSeek-V3's router bias gets no gradient: AdamW's step on a gradient of ~1e-8 turns its rounding
+    # into 3e-5 whatever the layout (DDP too); SGD steps by the gradient itself.
+    r = run_equals_one_process(s, model, tmp_path, optimizer="sgd" if name.startswith("deepseek") else "adamw")
+    assert r["collectives_planned"]["all_to_all"] == 5 * len(blocks) * s.training.micro_batches
+    assert r["grad_max_abs_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5
+
+
+@pytest.mark.parametrize(("name", "layout"), [("mixtral-tiny", "dp_replicate=2,dp_shard=2,ep=2"),
+                                              ("deepseek-v3-tiny", "dp_shard=4,ep=4")])
+def test_expert_parallel_run_equals_one_process(zoo: Callable[[str], Path], name: str, layout: str,
+                                                tmp_path: Path) -> None:
+    _run_ep(zoo, name, layout, tmp_path)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(("name", "layout"), [("mixtral-tiny", "dp_shard=4,ep=4"),
+                                              ("deepseek-v3-tiny", "dp_replicate=2,dp_shard=2,ep=2")])
+def test_expert_parallel_run_equals_one_process_more(zoo: Callable[[str], Path], name: str, layout: str,
+                                                     tmp_path: Path) -> None:
+    _run_ep(zoo, name, layout, tmp_path)

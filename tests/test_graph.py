@@ -188,3 +188,18 @@ def test_flattened_transpose_imports_as_one_transpose() -> None:
     # Split again into other leading dims: not a transpose of x, kept as written.
     g = graph_from_proto(_flattened_transpose((3, 2, 5, 4)), {})
     assert [n.op_type for n in g.nodes if n.name not in g.constant_nodes] == ["Reshape", "Transpose", "Reshape", "Relu"]
+
+
+@pytest.mark.parametrize("name", ["mixtral-tiny", "gpt2-tiny", "llama-tiny"])
+def test_large_batch_shapes_equal_full_inference(zoo: Callable[[str], Path], name: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above batch 4 the import carries the shapes at batches 1–3 along their affine course
+    (`planner/shapes.py`): every tensor's shape equals ONNX's full inference at that batch."""
+    import planner.shapes
+
+    dims = {"batch": 12, "seq": 16}
+    carried = load_graph(zoo(name), dims)
+    monkeypatch.setattr(planner.shapes, "EXTRAPOLATE_ABOVE", 10**9)
+    full = load_graph(zoo(name), dims)
+    assert carried.tensors.keys() == full.tensors.keys()
+    assert {t: i.shape for t, i in carried.tensors.items()} == {t: i.shape for t, i in full.tensors.items()}

@@ -136,7 +136,10 @@ def _fits(spec: Spec, dims: tuple[int, ...], mesh: DeviceMesh, even: bool) -> bo
 def expand(ctx: OpContext, axis_strategies: Sequence[AxisStrategy], mesh: DeviceMesh) -> tuple[OpStrategy, ...]:
     """Single-axis strategies → strategies on every axis of `mesh` (their product), valid ones only."""
     singles = list(dict.fromkeys(axis_strategies))  # ordered, unique
-    replicated = AxisStrategy(inputs=tuple(R if p else None for p in ctx.placeable), outputs=tuple(R for _ in ctx.out_shapes))
+    # (an input every rule strategy leaves unplaced — read for its dtype or shape — unplaced here too)
+    unplaced = [bool(singles) and all(s.inputs[i] is None for s in singles) for i in range(len(ctx.placeable))]
+    replicated = AxisStrategy(inputs=tuple(R if p and not u else None for p, u in zip(ctx.placeable, unplaced, strict=True)),
+                              outputs=tuple(R for _ in ctx.out_shapes))
     if replicated not in singles:
         singles.insert(0, replicated)
     out: dict[OpStrategy, None] = {}

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Phase
-from core.experts import expert_weight_nodes, find_expert_blocks
+from core.experts import ep_axis, expert_weight_nodes, find_expert_blocks
 from core.graph import OpGraph, TensorKind
 from core.layout import DATA_AXES, Layout
 from core.levers import Composer, LossKind, Recompute, Search
@@ -100,10 +100,12 @@ def graph_for(path: str, dims: Mapping[str, int]) -> OpGraph:
 def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
                 steps: int, policy: Recompute, layers: Mapping[str, int] | None = None) -> CostModel:
     """The request's cost model (once per graph, mesh and levers within `sharing`: the axes' names do
-    not change a price, and ZeRO-3 is in the placements, so a request at stage 3 shares stage 0's)."""
+    not change a price but for an expert-parallel axis, and ZeRO-3 is in the placements, so a request at
+    stage 3 shares stage 0's)."""
     if _SHARED is None:
         return _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
-    key = ("cost model", id(graph), mesh.shape, mesh.devices, mesh.devices_per_node, profile.digest, precision.name, steps, policy,
+    key = ("cost model", id(graph), mesh.shape, ep_axis(mesh), mesh.devices, mesh.devices_per_node, profile.digest,
+           precision.name, steps, policy,
            tuple(sorted((layers or {}).items())), req.all_to_all, req.loss, (req.zero_stage or 0) % 3, req.composer,
            req.fusion, req.zero_threshold_bytes, req.force_fp32_communication, req.zero_shard_size, req.attention,
            req.attention_dropout, req.runtime, req.dataset_strategy == "full_batch", req.capacity_factor)
