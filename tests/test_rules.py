@@ -102,6 +102,8 @@ CASES = [
     Case("Gather", [(4, 8, 4), ("int", (3,), 8)], {"axis": 1}, name="Gather-axis1"),
     Case("GatherElements", [(4, 8), ("int", (4, 8), 8)], {"axis": 1}),
     Case("GatherND", [(4, 6, 8), ("int", (4, 2, 1), 6)], {"batch_dims": 1}),
+    Case("GatherND", [(4, 6, 8), ("int", (8, 1), 4)], {"batch_dims": 0}, name="GatherND-experts"),
+    Case("TopK", [(8, 6), c(2)], {"axis": -1}, n_out=2, name="TopK-router"),
     # Opsets 7–23 as found in the wild (the onnx wheel's model-zoo CNNs, newer exporters).
     Case("Sum", [(4, 8), (8,), (4, 8)], name="Sum-variadic"),
     Case("Mean", [(4, 8), (4, 8)], name="Mean"),
