@@ -130,13 +130,12 @@ def expert_weight_nodes(graph: OpGraph, block: ExpertBlock) -> frozenset[str]:
 class ExpertRegion:
     """What a block's experts compute on each routed slot: the nodes from its expert gathers to its last
     expert matmul (in graph order; every one row-wise over the slots), the inputs they read from outside
-    (node, input index) — the gathered weights (`weights`), the slots' expert ids (`ids`), the slots'
-    tokens (`rows`) and constants — and the one tensor they hand back, a row per slot."""
+    (node, input index) — the gathered weights, the slots' expert ids (`ids`), the slots' tokens
+    (`rows`) and constants — and the one tensor they hand back, a row per slot."""
 
     block: ExpertBlock
     nodes: tuple[str, ...]
     inputs: tuple[tuple[str, int], ...]
-    weights: tuple[tuple[str, int], ...]
     ids: tuple[tuple[str, int], ...]
     rows: tuple[tuple[str, int], ...]
     output: str
@@ -178,7 +177,6 @@ def expert_region(graph: OpGraph, block: ExpertBlock) -> ExpertRegion | None:
         return None
     slots = graph.tensors[out].shape[0]
     inputs: list[tuple[str, int]] = []
-    weights: list[tuple[str, int]] = []
     ids: list[tuple[str, int]] = []
     rows: list[tuple[str, int]] = []
     for name in nodes:
@@ -187,12 +185,13 @@ def expert_region(graph: OpGraph, block: ExpertBlock) -> ExpertRegion | None:
                 continue
             inputs.append((name, i))
             if name in block.gathers:
-                (weights if i == 0 else ids).append((name, i))
+                if i == 1:
+                    ids.append((name, i))
             elif graph.tensors[t].kind is not TensorKind.CONSTANT:
                 if not graph.tensors[t].shape or graph.tensors[t].shape[0] != slots:
                     return None
                 rows.append((name, i))
-    return ExpertRegion(block, nodes, tuple(inputs), tuple(weights), tuple(ids), tuple(rows), out)
+    return ExpertRegion(block, nodes, tuple(inputs), tuple(ids), tuple(rows), out)
 
 
 def active_params(graph: OpGraph, blocks: tuple[ExpertBlock, ...]) -> int:
@@ -265,6 +264,29 @@ def _common_path(paths: list[str]) -> str:
             break
         common.append(level[0])
     return ".".join(common)
+
+
+def expert_dim(graph: OpGraph, gather: str) -> int:
+    """The dim of a gather's data that holds the experts (Gather's axis, GatherND's first indexed dim)."""
+    node = graph.node_by_name[gather]
+    return int(node.attr("axis" if node.op_type == "Gather" else "batch_dims", 0))  # type: ignore[call-overload]
+
+
+def splits_over(graph: OpGraph, block: ExpertBlock, ep: int) -> bool:
+    """Whether expert parallelism over `ep` ranks can split the block: every one of its gathers a Gather or
+    a one-index GatherND whose data holds the experts on that dim, `ep` dividing them. All of a block's
+    gathers split, or none (the executor runs a block's experts where they are, or all here)."""
+    if ep < 2 or block.num_experts % ep or not block.gathers:
+        return False
+    for g in block.gathers:
+        node = graph.node_by_name[g]
+        data = graph.tensors[node.inputs[0]].shape
+        d = expert_dim(graph, g)
+        if node.op_type not in ("Gather", "GatherND") or len(data) <= d or data[d] != block.num_experts:
+            return False
+        if node.op_type == "GatherND" and (graph.tensors[node.inputs[1]].shape or (0,))[-1] != 1:
+            return False
+    return True
 
 
 def ep_axis(mesh: DeviceMesh) -> int | None:

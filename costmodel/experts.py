@@ -60,17 +60,18 @@ class ExpertOps:
         self.view_tensors = frozenset(t for n in views for t in graph.node_by_name[n].outputs if t)
         # each block's first gather carries its dispatch and combine under expert parallelism
         self.dispatch = {b.gathers[0]: b for b in self.blocks if b.gathers}
-        self.gathers = frozenset(g for b in self.blocks for g in b.gathers)
         self.hidden = {b.topk: block_hidden(graph, b) for b in self.blocks}
 
 
 def block_hidden(graph: OpGraph, block: ExpertBlock) -> int:
-    """The width of a token a block routes: its router's weight's other dim than the experts'."""
+    """The width of a token a block routes: its router's weight's other dim than the experts'; else the
+    widest dim every expert weight has (gate-up [E, 2F, h] and down [E, h, F] share h)."""
     for p in block.router:
         shape = graph.tensors[p].shape
         if len(shape) == 2 and block.num_experts in shape:
             return shape[1] if shape[0] == block.num_experts else shape[0]
-    return min(d for p in block.experts for d in graph.tensors[p].shape[1:])
+    shared = set.intersection(*(set(graph.tensors[p].shape[1:]) for p in block.experts))
+    return max(shared or {d for p in block.experts for d in graph.tensors[p].shape[1:]})
 
 
 def dispatch_events(slots: float, hidden: int, experts: int, axis: int, mesh: DeviceMesh, profile: HardwareProfile,

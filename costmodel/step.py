@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
-from core.experts import CAPACITY_FACTOR, EXPERT_PARALLEL, ep_axis
+from core.experts import CAPACITY_FACTOR, EXPERT_PARALLEL, ep_axis, splits_over
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
 from core.mesh import DeviceMesh
@@ -168,6 +168,8 @@ class CostModel:
         self.capacity_factor = capacity_factor
         self.experts = ExpertOps(graph)
         self.ep_axis = ep_axis(mesh) if self.experts.blocks else None
+        self.ep_blocks = frozenset(b.topk for b in self.experts.blocks if self.ep_axis is not None
+                                   and splits_over(graph, b, mesh.shape[self.ep_axis]))  # split there (rules/experts.py)
         # A redistribute of gathered expert weights (a view, one expert's weights per routed slot) moves
         # the experts' weights themselves: priced at their shape, the experts in place of the slots.
         self.edge_shape = dict(self.experts.weight_shapes)
@@ -217,8 +219,8 @@ class CostModel:
         shapes = local_shapes(node, g, specs, self.mesh)
         if (expert := self.experts.matmuls.get(node.name)) is not None:
             w = strategy.input_specs[expert[1]]
-            ep = self.mesh.shape[self.ep_axis] if self.ep_axis is not None and w is not None and isinstance(
-                w.placements[self.ep_axis], Shard) else 1
+            ep = self.mesh.shape[self.ep_axis] if self.ep_axis is not None and expert[0].topk in self.ep_blocks \
+                and w is not None and isinstance(w.placements[self.ep_axis], Shard) else 1
             compute = grouped_gemm_cost(node, *expert, g, shapes, self.profile, self.precision, self.needs_grad,
                                         self.capacity_factor, ep)
         else:
@@ -263,7 +265,7 @@ class CostModel:
         slots = float(math.prod(spec.local_shape(self.graph.tensors[idx].shape, self.mesh.shape)))
         events = dispatch_events(slots, self.experts.hidden[block.topk], block.num_experts, a, self.mesh, self.profile,
                                  self.precision, self.capacity_factor, idx)
-        if node.name in self.layer_of and self.recompute is Recompute.FULL:
+        if node.name in self.layer_of and self.recompute in (Recompute.FULL, Recompute.SELECTIVE):
             events += tuple(replace(e, phase=Phase.BACKWARD) for e in events if e.phase is Phase.FORWARD)
         return events
 

@@ -39,7 +39,7 @@ def run_expert_region(region: ExpertRegion, values: Mapping[tuple[str, int], Any
     grid = received.view(ep, mine)
     send = per_expert.view(ep, mine).sum(1).tolist()
     recv = grid.sum(1).tolist()
-    local_ids = torch.repeat_interleave(torch.arange(mine).repeat(ep), grid.reshape(-1))
+    local_ids = torch.repeat_interleave(torch.arange(mine, device=ids.device).repeat(ep), grid.reshape(-1))
     env: dict[str, Any] = {}
     for key, value in values.items():
         t = graph.node_by_name[key[0]].inputs[key[1]]

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 from core.collectives import Cadence, Collective, Purpose
 from core.errors import MeshplanError
-from core.experts import EXPERT_PARALLEL, expert_region, find_expert_blocks
+from core.experts import EXPERT_PARALLEL, ExpertRegion, expert_region, find_expert_blocks
 from core.graph import OpGraph, TensorKind
-from core.levers import Attention, LossKind, Offload
+from core.levers import Attention, LossKind, Offload, Recompute
+from core.placement import Shard
 from costmodel.bucketing import is_bucketed
 from planner.stagecut import crossings, param_stages, strategy_chunks
 from planner.strategy import Strategy
@@ -113,9 +114,14 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         if strategy.pipeline is not None:
             raise RunError("the plan splits experts over ep inside pipeline stages, which the executor does not run "
                            "yet; plan without pp or without ep")
-        if expert_region(graph, block) is None:
+        region = expert_region(graph, block)
+        if region is None:
             raise RunError(f"the experts of {block.module or block.topk} are not one row-wise region from their "
                            "gathers to their last matmul, which the executor runs expert-parallel; plan without ep")
+        check_expert_region(strategy, graph, region)
+        if strategy.training.recompute_policy == Recompute.SELECTIVE:
+            raise RunError("the plan splits experts over ep under selective recomputation, which the executor does "
+                           "not run yet; plan with `recompute` none, full or auto")
     k = strategy.training.micro_batches
     # The batch every input starts with: bound as the dim "batch", or (a static export) as traced.
     first = graph.tensors[graph.inputs[0]].shape if graph.inputs else ()
@@ -125,6 +131,27 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         raise RunError(f"{k} micro-batches split every input along dim 0, the batch, but input(s) "
                        f"{', '.join(odd) or graph.inputs[0]} do not start with the batch dim; plan with "
                        "`accumulation_steps` 1")
+
+
+def check_expert_region(strategy: Strategy, graph: OpGraph, region: ExpertRegion) -> None:
+    """A block's experts run where they are only as planned: every tensor of the region one row per slot
+    split on dim 0 over ep (the weights on the experts' dim, split there only), none reshaped (the rows a
+    rank gets are known only at run time)."""
+    ep = strategy.mesh.axis_names.index("ep")
+    where = region.block.module or region.block.topk
+    for name in region.nodes:
+        node, plan = graph.node_by_name[name], strategy.nodes[name]
+        if node.op_type in ("Reshape", "Expand"):
+            raise RunError(f"the experts of {where} reshape their slots ({name}), which expert parallelism runs on "
+                           "a count known only at run time; plan without ep")
+        specs = [*zip(node.inputs, plan.inputs, strict=True), *zip(node.outputs, plan.outputs, strict=True)]
+        for t, spec in specs:
+            if spec is None or not t or graph.tensors[t].kind is TensorKind.CONSTANT:
+                continue
+            weights = name in region.block.gathers and t == node.inputs[0]
+            if spec.placements[ep] != Shard(0) or (weights and spec.num_shards(0, strategy.mesh.shape) != strategy.mesh.shape[ep]):
+                raise RunError(f"the experts of {where}: {t} is placed {spec} at {name}, not split on dim 0 over ep "
+                               "alone as the executor runs expert parallelism; plan without ep")
 
 
 class PipelineRunError(MeshplanError):

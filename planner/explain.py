@@ -136,9 +136,9 @@ def _experts(strategy: Strategy, mesh: DeviceMesh) -> dict[str, Any] | None:
     the hand layouts, none of which split experts); None for a dense model."""
     if strategy.training.capacity_factor is None:
         return None
-    ep = dict(zip(mesh.axis_names, mesh.shape, strict=True)).get("ep", 1)
     events = [x for node in strategy.nodes.values() for x in node.collectives
               if x.purpose in (Purpose.EXPERT_DISPATCH, Purpose.EXPERT_COMBINE)]
+    ep = dict(zip(mesh.axis_names, mesh.shape, strict=True)).get("ep", 1) if events else 1
     a2a_s = sum(x.time_s for x in events) * strategy.training.micro_batches
     others = [(f"mesh {'x'.join(map(str, c.mesh))} ({', '.join(c.axis_names)})", c.step_time_s)
               for c in strategy.candidates if c.step_time_s is not None and "ep" not in c.axis_names]

@@ -70,7 +70,7 @@ def _eval_dim(expr: str, bound: Mapping[str, int]) -> int | None:
         return None
 
 
-# Above this batch, shapes are inferred at batches 1, 2 and 3 and carried to the bound one along their
+# Above this batch, shapes are inferred at batches 1, 2, 3 and 7 and carried to the bound one along their
 # affine course (`_extrapolated`): ONNX's data propagation holds every value it propagates as a shape
 # proto, and a mixture of experts' routing indices (a constant expanded to tokens × top-k) then take
 # ~100 MB per sequence of 4096 — gigabytes at a global batch.
@@ -88,32 +88,32 @@ def with_static_shapes(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx
 
 
 def _extrapolated(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto | None:
-    """The model's shapes at `bound` from those at batches 1, 2 and 3: each dim d(b) = d(1) + (d(2) −
-    d(1))·(b − 1), where every dim of every tensor follows that line through all three (else None: the
-    full inference decides)."""
-    ms = [_inferred(model, {**bound, "batch": b}) for b in (1, 2, 3)]
+    """The model's shapes at `bound` from those at batches 1, 2, 3 and 7: each dim d(b) = d(1) + (d(2) −
+    d(1))·(b − 1), where every dim of every tensor follows that line through all four (else None: the
+    full inference decides; 7, past the others, catches a max(batch, 4) or a batch // 4 flat on 1–3)."""
+    ms = [_inferred(model, {**bound, "batch": b}) for b in (1, 2, 3, 7)]
     b = bound["batch"]
 
     def dims(m: onnx.ModelProto) -> dict[str, list[int | None]]:
         return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
                 for v in (*m.graph.input, *m.graph.value_info, *m.graph.output) if v.type.HasField("tensor_type")}
 
-    d1, d2, d3 = (dims(m) for m in ms)
-    if not (d1.keys() == d2.keys() == d3.keys()):
+    d1, d2, d3, d7 = (dims(m) for m in ms)
+    if not (d1.keys() == d2.keys() == d3.keys() == d7.keys()):
         return None
     out = ms[0]
     for v in (*out.graph.input, *out.graph.value_info, *out.graph.output):
         if not v.type.HasField("tensor_type"):
             continue
-        a, c, e = d1[v.name], d2[v.name], d3[v.name]
-        if not (len(a) == len(c) == len(e)):
+        a, c, e, f = d1[v.name], d2[v.name], d3[v.name], d7[v.name]
+        if not (len(a) == len(c) == len(e) == len(f)):
             return None
-        for d, x, y, z in zip(v.type.tensor_type.shape.dim, a, c, e, strict=True):
-            if x is None or y is None or z is None:
-                if not (x is None and y is None and z is None):
+        for d, x, y, z, w in zip(v.type.tensor_type.shape.dim, a, c, e, f, strict=True):
+            if x is None or y is None or z is None or w is None:
+                if not (x is None and y is None and z is None and w is None):
                     return None
                 continue
-            if z - y != y - x:
+            if z - y != y - x or w - x != 6 * (y - x):
                 return None
             d.dim_value = x + (y - x) * (b - 1)
     return out

@@ -151,6 +151,7 @@ def test_expert_parallel_run_equals_one_process_more(zoo: Callable[[str], Path],
 
 @pytest.mark.slow
 @pytest.mark.extended
+@pytest.mark.timeout(900)  # two Mixtral-8x7B plans: about 3 minutes alone on this VM, near the default 300 s beside others
 def test_mixtral_8x7b_on_64_h100_with_expert_parallelism(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     """Mixtral-8x7B at 4096 tokens × global batch 1024 on 64 H100 (8 a node), the mesh dp=8 × ep=8 held
     and everything else the planner's: its all-to-alls against the hand calculation — per block, step and
@@ -188,3 +189,15 @@ def test_mixtral_8x7b_on_64_h100_with_expert_parallelism(zoo: Callable[[str], Pa
                                     global_batch_size=1024, layout=parse_layout("dp_shard=64", 64), zero_stage=3,
                                     must_fit=True))
     assert s.step_time_s < fsdp.step_time_s
+
+
+def test_run_refuses_expert_parallelism_it_does_not_run(zoo: Callable[[str], Path]) -> None:
+    """Selective recomputation would run a block's all-to-alls again in backward as the executor's
+    checkpoint policy decides, untested: refused before any rank starts, in one line."""
+    from executor.preflight import RunError, check_step
+
+    model = zoo("mixtral-tiny")
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": 8, "seq": 16}, profile="cpu", devices=4,
+                                 recompute="selective", layout=parse_layout("dp_shard=4,ep=4", 4)))
+    with pytest.raises(RunError, match="selective recomputation"):
+        check_step(s, load_graph(model, s.model.dims))

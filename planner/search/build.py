@@ -55,7 +55,7 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
     over = None
     if layout is not None:  # (a layout without data-parallel axes, tp alone, shards over what it has, as before)
         names = mesh.axis_names
-        over = tuple(a for a, n in enumerate(names) if n == "dp_shard") or \
+        over = tuple(a for a, n in enumerate(names) if n in ("dp_shard", "ep")) or \
             tuple(a for a, n in enumerate(names) if n == "dp_replicate") or None
 
     def zero3(param: str, spec: Spec) -> Spec | None:
