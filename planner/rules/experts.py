@@ -12,34 +12,36 @@ another axis too. A block's gathers split all or none (`core.experts.splits_over
 
 from __future__ import annotations
 
-from dataclasses import replace
+from collections.abc import Mapping
 
 from core.experts import EXPERT_PARALLEL, ep_axis, expert_dim, find_expert_blocks, splits_over
 from core.graph import OpGraph
+from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Replicate, Shard, Spec
-from planner.rules.registry import NodeStrategies, RuleSet
 
 
-def expert_parallel(rules: RuleSet, graph: OpGraph) -> RuleSet:
-    """`rules` with each expert gather's strategies on the ep axis made expert-parallel (unchanged on a
-    mesh without one, or for a block the axis cannot split)."""
-    a = ep_axis(rules.mesh)
+def expert_parallel(strategies: Mapping[str, tuple[OpStrategy, ...]], graph: OpGraph,
+                    mesh: DeviceMesh) -> dict[str, tuple[OpStrategy, ...]]:
+    """The expert gathers' strategies (of `strategies`, node → its strategies on `mesh`) made
+    expert-parallel on the ep axis: node → its new strategies (none on a mesh without one, or for a
+    block the axis cannot split). `planner/rules/registry.rules_for_graph` applies them."""
+    a = ep_axis(mesh)
+    out: dict[str, tuple[OpStrategy, ...]] = {}
     if a is None:
-        return rules
+        return out
     for block in find_expert_blocks(graph):
-        if not splits_over(graph, block, rules.mesh.shape[a]) or any(g not in rules.by_node for g in block.gathers):
+        if not splits_over(graph, block, mesh.shape[a]) or any(g not in strategies for g in block.gathers):
             continue
-        split: dict[str, NodeStrategies] = {}
+        split: dict[str, tuple[OpStrategy, ...]] = {}
         for name in block.gathers:
-            ns = rules.by_node[name]
             d = expert_dim(graph, name)
-            kept = tuple(s for st in ns.strategies if (s := _split(st, a, d)))
+            kept = tuple(s for st in strategies[name] if (s := _split(st, a, d)))
             if not kept:
                 break
-            split[name] = replace(ns, strategies=kept)
+            split[name] = kept
         else:
-            rules.by_node.update(split)
-    return rules
+            out.update(split)
+    return out
 
 
 def _split(st: OpStrategy, a: int, expert_dim: int) -> OpStrategy | None:

@@ -13,6 +13,7 @@ from core.errors import MeshplanError
 from core.graph import OpGraph, OpNode, TensorKind
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Placement, R, Shard, Spec
+from planner.rules.experts import expert_parallel
 
 
 class MissingRuleError(MeshplanError):
@@ -202,9 +203,10 @@ def rules_for_graph(graph: OpGraph, mesh: DeviceMesh, *, strict: bool = False) -
         if hit is None:
             hit = seen[key] = strategies_for(n, graph, mesh)
         rs.by_node[n.name] = NodeStrategies(n, hit.strategies, hit.fallback)
-    from planner.rules.experts import expert_parallel  # (it reads this module's types)
-
-    return expert_parallel(rs, graph)
+    # an ep axis: the expert gathers' strategies there made expert-parallel
+    for name, strategies in expert_parallel({n: ns.strategies for n, ns in rs.by_node.items()}, graph, mesh).items():
+        rs.by_node[name] = NodeStrategies(rs.by_node[name].node, strategies, rs.by_node[name].fallback)
+    return rs
 
 
 def follow(ctx: OpContext, dims_in_to_out: Sequence[tuple[int, int]], *, inputs: Sequence[int] = (0,),
