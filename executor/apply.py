@@ -64,6 +64,7 @@ from core import placement as mp
 from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
 from core.levers import Offload, Runtime
+from executor.apply_experts import apply_expert_parallel, expert_parallel_blocks
 from executor.apply_layers import (
     compile_module,
     host_activation_layers,
@@ -113,6 +114,8 @@ class ApplyReport:
     offloaded: list[str] = field(default_factory=list)  # fully_shard units under CPUOffloadPolicy ("" the root)
     host_activations: list[str] = field(default_factory=list)  # layer FQNs whose saved activations go to the host
     host: Any = None  # their `HostActivations` (the host bytes one forward held: `host.peak_bytes`)
+    experts: list[str] = field(default_factory=list)  # experts modules split over ep (`executor/apply_experts.py`)
+    ep: int = 1  # … over this many ranks
 
     def batch_share(self, batch: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a global batch, as a data loader gives them (all rows where no axis splits
@@ -158,6 +161,9 @@ class ApplyReport:
             out.append(f"replicated over {self.tp_axis}: every rank computes the whole step, as the plan does")
         if self.zero:
             out.append(self.zero)
+        if self.experts:
+            out.append(f"expert parallel over ep={self.ep}: {len(self.experts)} experts modules split, tokens sent to "
+                       "their experts and back (all_to_all_single; none dropped, as the module drops none)")
         if self.offloaded:
             layers = [u for u in self.offloaded if u]
             out.append(f"offload: weights, gradients and optimizer states on the host (fully_shard's CPUOffloadPolicy) "
@@ -242,6 +248,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          f"this run has {dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
                          f"{dist.get_world_size()} devices")
     if s.pipeline is not None:
+        if expert_parallel_blocks(s, graph):
+            raise ApplyError("apply does not run expert parallelism inside pipeline stages yet; plan without pp or "
+                             "without ep")
         return _apply_pipelined(s, graph, module, mesh, loss_fn, compile)
     if mesh is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -280,6 +289,12 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     report.dp_rank, report.dp_size = _batch_coordinate(mesh, dp_big)
     recompute_layers(s, graph, module, report)
     host_activation_layers(s, graph, module, report)
+    if expert_parallel_blocks(s, graph) and (tp_axes or compile or report.recompute == "selective"):
+        raise ApplyError("apply runs expert parallelism beside data parallelism only, eager, without selective "
+                             "recomputation; this plan has " + ("a tensor-parallel axis" if tp_axes else "compile" if compile
+                                                                else "selective recomputation")
+                             + ": run it with `meshplan run`, or plan without it")
+    experts = apply_expert_parallel(s, graph, module, mesh, bindings, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if compile:
@@ -288,9 +303,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         report.fallbacks.append("runtime: the plan prices torch.compile's fused kernels, the module runs eager "
                                 "(apply with compile=True, or plan with `runtime` eager)")
     if len(dp_big) == 2:
-        _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report)
+        _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report, experts)
     elif dp_big:
-        _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
+        _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report, experts)
     elif (s.settings.dtype == "mixed" or weights_offloaded(s)) and not tp_axes:  # one device: the policy (and
         # the offload) alone, as a user's FSDP2 run has them
         _fully_shard(s, module, mesh[names[0]] if len(names) > 1 else mesh, None, report)
@@ -393,17 +408,20 @@ def _apply_tensor_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh:
 
 
 def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
-                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
+                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport,
+                         experts: set[nn.Parameter] | None = None) -> None:
+    """`experts`: the parameters expert parallelism holds (left out of the data-parallel wrapping)."""
     name = s.mesh.axis_names[axis]
-    sharded = [b for b in bindings if isinstance(planned_spec(s, b.onnx).placements[axis], mp.Shard)]
     _batch_local(s, graph, bindings, [axis], report)
+    bindings = _without_experts(bindings, report)
+    sharded = [b for b in bindings if isinstance(planned_spec(s, b.onnx).placements[axis], mp.Shard)]
     sub = mesh[name]
     if sharded or s.training.zero_stage:
         if len(sharded) < len(bindings):
             _sharded_together(name, len(bindings) - len(sharded), report)
         zero = s.training.zero_stage
         again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
-        _fully_shard(s, module, sub, again, report)
+        _fully_shard(s, module, sub, again, report, experts)
         report.data_parallel = "fully_shard"
         if not again:
             _zero_as_fully_shard(module, zero, report)
@@ -417,7 +435,8 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         from torch.distributed._composable.replicate import replicate
 
         cap = s.training.comm_fusion.allreduce
-        replicate(module, process_group=sub.get_group(), bucket_cap_mb=cap / 2**20, broadcast_buffers=False)
+        replicate(module, process_group=sub.get_group(), bucket_cap_mb=cap / 2**20, broadcast_buffers=False,
+                  ignored_modules=[module.get_submodule(f) for f in report.experts])
         # DDP's set-up now rather than in the first forward: rank 0's parameters broadcast to every
         # rank (the seeds' parameter_broadcast), once, not inside the first step.
         replicate.state(module).lazy_init()
@@ -447,10 +466,12 @@ def _zero_as_fully_shard(module: nn.Module, zero: int, report: ApplyReport) -> N
 
 
 def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh, bindings: tuple[Binding, ...],
-                  axes: list[int], report: ApplyReport) -> None:
+                  axes: list[int], report: ApplyReport, experts: set[nn.Parameter] | None = None) -> None:
     """Two data-parallel axes: HSDP (`fully_shard` on the 2-D mesh, replicas over the first axis, shards
     over the second) where the plan stores every parameter whole over one and split over the other."""
     names = s.mesh.axis_names
+    _batch_local(s, graph, bindings, axes, report)
+    bindings = _without_experts(bindings, report)
     split = {a: [isinstance(planned_spec(s, b.onnx).placements[a], mp.Shard) for b in bindings] for a in axes}
     replicate, shard = axes
     if any(split[replicate]) or not any(split[shard]):
@@ -461,8 +482,7 @@ def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMe
                          "`meshplan run`)")
     if not all(split[shard]):
         _sharded_together(names[shard], split[shard].count(False), report)
-    _batch_local(s, graph, bindings, axes, report)
-    _fully_shard(s, module, mesh[(names[replicate], names[shard])], True, report)
+    _fully_shard(s, module, mesh[(names[replicate], names[shard])], True, report, experts)
     report.data_parallel = "fully_shard (HSDP)"
     # One unit, the root: gathered over the shards for forward and again for backward, its gradients
     # reduce-scattered over them and the shard all-reduced over the replicas.
@@ -481,13 +501,17 @@ def _batch_local(s: Strategy, graph: OpGraph, bindings: tuple[Binding, ...], axe
             report.fallback_saves_s += sum(c.time_s for c in r.collectives)
 
 
+def _without_experts(bindings: tuple[Binding, ...], report: ApplyReport) -> tuple[Binding, ...]:
+    return tuple(b for b in bindings if not any(f.rpartition(".")[0] in report.experts for f in b.fqns))
+
+
 def _sharded_together(axis: str, whole: int, report: ApplyReport) -> None:
     report.fallbacks.append(f"'{axis}': {whole} parameters the plan keeps whole are sharded too (fully_shard "
                             "shards a module's parameters together)")
 
 
 def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 report: ApplyReport) -> None:
+                 report: ApplyReport, ignored: set[nn.Parameter] | None = None) -> None:
     """`fully_shard` on `mesh`; a mixed plan under MixedPrecisionPolicy (bf16 compute on the gathered
     weights, fp32 reductions and states). `reshard_after_forward` None: FSDP2's default. Where the plan
     keeps layers' weights on the host (offload params,optimizer), each such layer its own unit under
@@ -501,10 +525,11 @@ def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after
     host = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     units, root = offloaded_units(s, module, report)
     for fqn, layer in units:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=host)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=host,
+                    ignored_params=ignored or None)
         report.offloaded.append(fqn)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                offload_policy=host if root else OffloadPolicy())
+                offload_policy=host if root else OffloadPolicy(), ignored_params=ignored or None)
     if root:
         report.offloaded.append("")
     report.mixed_policy = mixed

@@ -62,8 +62,15 @@ PLANS: dict[str, dict[str, Any]] = {"dp": {"mode": "data-parallel", "zero_stage"
                                                       "offload": "params,optimizer"},
                                     # every layer's saved activations copied to the host and back (CPU to CPU)
                                     "zero3-activations": {"layout": "dp_shard=2", "zero_stage": 3,
-                                                          "offload": "activations", "recompute": "none"}}
-RANKS = {"hsdp": 4}  # (the others: 2)
+                                                          "offload": "activations", "recompute": "none"},
+                                    # mixtures of experts: the experts split over ep=2 (borrowed from dp_shard), the
+                                    # rest FSDP over it
+                                    "ep": {"layout": "dp_shard=2,ep=2", "zero_stage": 3, "recompute": "none"},
+                                    # HSDP's replicas beside ep on 4 ranks: the experts' gradients all-reduced
+                                    # over the replicas holding the same experts
+                                    "ep-hsdp": {"layout": "dp_replicate=2,dp_shard=2,ep=2", "zero_stage": 3,
+                                                "recompute": "none"}}
+RANKS = {"hsdp": 4, "ep-hsdp": 4}  # (the others: 2)
 
 
 def hf_module(zoo_json: Path) -> Any:
@@ -197,12 +204,14 @@ CASES = [(m, k) for m in ("gpt2-tiny", "llama-tiny") for k in ("dp", "tp", "zero
     [("gpt2-tiny", k) for k in ("dp-amp", "tp-amp", "zero3-mixed")] + [(m, "hsdp") for m in ("gpt2-tiny", "llama-tiny")] + \
     [("llama-tiny", "zero3-compiled"), ("gpt2-tiny", "recompute-compiled")] + [(m, "selective") for m in ("gpt2-tiny", "llama-tiny")] + \
     [("gpt2-tiny", "selective-compiled"), ("gpt2-tiny", "zero3-offload")] + [(m, "zero3-activations") for m in
-                                                                              ("gpt2-tiny", "llama-tiny")]
+                                                                              ("gpt2-tiny", "llama-tiny")] + \
+    [(m, k) for m in ("mixtral-tiny", "deepseek-v3-tiny") for k in ("ep", "ep-hsdp")]
 
 
 # Heavier variants a lighter case covers (the same path on the other model, or compiled): `make check`.
 EXTENDED = {("gpt2-tiny", "recompute-compiled"), ("gpt2-tiny", "selective"), ("gpt2-tiny", "selective-compiled"),
-            ("llama-tiny", "zero3-compiled"), ("llama-tiny", "selective"), ("llama-tiny", "zero3-activations")}
+            ("llama-tiny", "zero3-compiled"), ("llama-tiny", "selective"), ("llama-tiny", "zero3-activations"),
+            ("mixtral-tiny", "ep-hsdp"), ("deepseek-v3-tiny", "ep"), ("deepseek-v3-tiny", "ep-hsdp")}
 
 
 @pytest.mark.slow
@@ -301,6 +310,22 @@ def test_apply_equals_one_process(name: str, kind: str, zoo: Callable[[str], Pat
         assert "compiled: 2 layers (torch.compile, Inductor)" in lines, lines
         assert [ln for ln in lines if ln.startswith("fallback: compile: per layer")], lines
         kind = "recompute"
+    if kind.startswith("ep"):  # each block's experts where they are: per block, the counts, dispatch and
+        # combine forward, the two again backward (blocks counted in the graph, not by apply)
+        from core.experts import find_expert_blocks
+        from planner.graph import load_graph
+
+        blocks = len(find_expert_blocks(load_graph(zoo(name), {"batch": B, "seq": S})))
+        assert executed["all_to_all"] == 5 * blocks, executed
+        assert f"expert parallel over ep=2: {blocks} experts modules split, tokens sent to their experts and back " \
+            "(all_to_all_single; none dropped, as the module drops none)" in lines, lines
+        assert not [ln for ln in lines if ln.startswith("fallback")], lines
+        rest = {k: v for k, v in executed.items() if k != "all_to_all"}
+        want = {"ep": {"all_gather": 2, "reduce_scatter": 1},
+                # HSDP's, and each expert weight's gradient all-reduced over the replicas holding it
+                "ep-hsdp": {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1 + len(
+                    [n for n in names_after if n.rsplit(".", 1)[0].endswith(".experts")])}}
+        assert rest == want[kind], (rest, lines)
     if kind == "zero3":
         assert executed == {"all_gather": 2, "reduce_scatter": 1}  # gathered for forward, again for backward
     if kind == "hsdp":  # and the shard's gradient all-reduced over the replicas; nothing else falls back
