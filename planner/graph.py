@@ -155,6 +155,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     constant_nodes = _constant_nodes(nodes, tensors)
     read = {t for n in nodes for t in n.inputs if t} | {v.name for v in g.output}
     missing: list[str] = []
+    unshaped: list[str] = []  # constants of values shape inference does not follow (a Range's indices)
     for node in nodes:
         kind = TensorKind.CONSTANT if node.name in constant_nodes else TensorKind.ACTIVATION
         for t in node.outputs:
@@ -169,6 +170,8 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
             elif shape is None and kind is TensorKind.ACTIVATION and t in read:
                 # An output nothing reads (Dropout's mask, training-mode statistics) needs no shape.
                 missing.append(f"{t!r} (output of {node.op_type} node {node.name!r})")
+            elif shape is None and kind is TensorKind.CONSTANT and t in read:
+                unshaped.append(t)
             tensors[t] = TensorInfo(t, shape or (), dtype, kind)
     if missing:
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
@@ -202,8 +205,10 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         parameters={k: p for k, p in table.params.items() if k in tensors},
         notes=table.notes,
     )
-    from planner.lookups import check_constant_lookups  # it evaluates constant subgraphs of this graph
+    from planner.lookups import check_constant_lookups, shape_constants  # they evaluate constant subgraphs
 
+    data_read = {t for n in nodes if n.name not in constant_nodes for t in n.inputs}
+    shape_constants(model, graph, [t for t in unshaped if t in data_read], _SMALL_TENSOR_ELEMS)
     check_constant_lookups(model, graph)
     return graph
 

@@ -1,6 +1,7 @@
-"""Constant lookups, checked at import: a parameter table read at constant indices (a position
-embedding read at 0 … seq−1) must hold every index at the bound dims, or training fails at run time.
-The indices' constant subgraph is evaluated with ONNX's numpy reference evaluator on the static shapes.
+"""Constant subgraphs evaluated at import, with ONNX's numpy reference evaluator on the static shapes:
+the shapes of constants that shape inference does not follow (indices from a Range over a shape), and
+constant lookups checked — a parameter table read at constant indices (a position embedding read at
+0 … seq−1) must hold every index at the bound dims, or training fails at run time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import onnx
 
 from core.errors import DimBindingError
-from core.graph import NUMPY_DTYPES, SHAPE_ONLY_OPS, OpGraph, TensorKind, shape_op_value
+from core.graph import NUMPY_DTYPES, SHAPE_ONLY_OPS, OpGraph, TensorInfo, TensorKind, shape_op_value
 
 
 def check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
@@ -37,6 +38,20 @@ def check_constant_lookups(model: onnx.ModelProto, graph: OpGraph) -> None:
                 ", ".join(f"{k}={v}" for k, v in graph.dims.items())
             raise DimBindingError(f"{node.name} reads row {top} of {table.name}, which has {rows} rows, at {bound}: "
                                   f"the model holds {rows} positions; bind that dim to at most {rows}")
+
+
+def shape_constants(model: onnx.ModelProto, graph: OpGraph, names: list[str], small: int) -> None:
+    """Give `names` (constants read by data ops whose shapes inference left unknown: indices from a
+    Range over a shape, as the dynamo exporter writes `x[..., a:b] = y`) the shape of their value, and
+    the value itself where it has at most `small` elements."""
+    protos = {n.name or f"{n.op_type}_{i}": n for i, n in enumerate(model.graph.node)}
+    for t in names:
+        value = _evaluate_constant(model, graph, protos, t)
+        if value is None:
+            continue
+        graph.tensors[t] = TensorInfo(t, tuple(int(d) for d in value.shape), graph.tensors[t].dtype, TensorKind.CONSTANT)
+        if value.size <= small:
+            graph.const_values[t] = value
 
 
 def _evaluate_constant(model: onnx.ModelProto, graph: OpGraph, protos: Mapping[str, onnx.NodeProto],

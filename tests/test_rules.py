@@ -104,6 +104,12 @@ CASES = [
     Case("GatherND", [(4, 6, 8), ("int", (4, 2, 1), 6)], {"batch_dims": 1}),
     Case("GatherND", [(4, 6, 8), ("int", (8, 1), 4)], {"batch_dims": 0}, name="GatherND-experts"),
     Case("TopK", [(8, 6), c(2)], {"axis": -1}, n_out=2, name="TopK-router"),
+    # The dynamo exporter's `q[..., :k] = y`: the sliced dim transposed to the front, rows written.
+    Case("ScatterND", [(6, 4, 8), np.array([[1], [4]]), (2, 4, 8)], name="ScatterND-slice-assign"),
+    Case("ScatterND", [(6, 4, 8), np.array([[1], [4]]), (2, 4, 8)], {"reduction": "add"}, name="ScatterND-add"),
+    # Group-limited routing's mask: ones scattered at each token's chosen groups.
+    Case("ScatterElements", [(8, 6), np.array([[0, 2], [1, 5], [3, 4], [0, 1]] * 2), (8, 2)], {"axis": 1},
+         name="ScatterElements-groups"),
     # Opsets 7–23 as found in the wild (the onnx wheel's model-zoo CNNs, newer exporters).
     Case("Sum", [(4, 8), (8,), (4, 8)], name="Sum-variadic"),
     Case("Mean", [(4, 8), (4, 8)], name="Mean"),

@@ -11,6 +11,12 @@ GatherND(batch_dims=b), indices [..., m], Y = indices[:-1] + data[b + m:]:
   data R; indices S(j), b ≤ j < rank(indices) − 1 → Y S(j)   (rows looked up split: data parallel)
   data S(d), d ≥ b + m; indices R               → Y S(rank(indices) − 1 + d − b − m)
 An expert gather's split over the `ep` axis (data and indices split) is `planner/rules/experts.py`'s.
+
+Scatters write updates into a copy of data; a dim no index addresses splits all three alike:
+ScatterND, indices [..., m], updates indices[:-1] + data[m:]  (an exporter's `x[..., a:b] = y`):
+  data S(d), d ≥ m; indices R; updates S(rank(indices) − 1 + d − m) → Y S(d)
+ScatterElements(axis): data, indices and updates S(d), d ≠ axis       → Y S(d)
+Both, reduction none or add: data P, indices R, updates P             → Y P   (linear in both)
 """
 
 from __future__ import annotations
@@ -65,3 +71,34 @@ def gather_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
         out += [AxisStrategy(inputs=(Shard(d), R if ctx.placeable[1] else None), outputs=(Shard(q - 1 + d - b - m),))
                 for d in range(b + m, len(data))]
     return out
+
+
+def _partial_scatter(ctx: OpContext) -> list[AxisStrategy]:
+    """Y is linear in (data, updates) jointly when writes overwrite or add: addends scatter alike."""
+    if str(ctx.node.attr("reduction", "none")) not in ("none", "add") or not (ctx.placeable[0] and ctx.placeable[2]):
+        return []
+    return [AxisStrategy(inputs=(P, R if ctx.placeable[1] else None, P), outputs=(P,))]
+
+
+@register_rule("ScatterND")
+def scatter_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
+    data, idx, _ = ctx.in_shapes
+    if not idx or idx[-1] <= 0 or not (ctx.placeable[0] and ctx.placeable[2]):
+        return []
+    m, q = idx[-1], len(idx)
+    idx_r = R if ctx.placeable[1] else None
+    out = [AxisStrategy(inputs=(Shard(d), idx_r, Shard(q - 1 + d - m)), outputs=(Shard(d),))
+           for d in range(m, len(data))]
+    return out + _partial_scatter(ctx)
+
+
+@register_rule("ScatterElements")
+def scatter_elements_rule(ctx: OpContext) -> list[AxisStrategy]:
+    data, idx, upd = ctx.in_shapes
+    axis = ctx.axis_attr("axis", 0, len(data))
+    if not (ctx.placeable[0] and ctx.placeable[2]):
+        return []
+    idx_s = (lambda d: Shard(d)) if ctx.placeable[1] else (lambda d: None)
+    out = [AxisStrategy(inputs=(Shard(d), idx_s(d), Shard(d)), outputs=(Shard(d),))
+           for d in range(len(data)) if d != axis and data[d] == idx[d] == upd[d]]
+    return out + _partial_scatter(ctx)
