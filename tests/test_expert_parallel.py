@@ -201,3 +201,32 @@ def test_run_refuses_expert_parallelism_it_does_not_run(zoo: Callable[[str], Pat
                                  recompute="selective", layout=parse_layout("dp_shard=4,ep=4", 4)))
     with pytest.raises(RunError, match="selective recomputation"):
         check_step(s, load_graph(model, s.model.dims))
+
+
+def test_apply_refuses_experts_it_cannot_route(zoo: Callable[[str], Path]) -> None:
+    """`meshplan.apply` routes tokens into experts modules called as transformers' are (the tokens, their
+    experts, their weights); one called otherwise (torchtitan's `GroupedExperts(x, num_tokens_per_expert)`)
+    is refused in one line naming it, before anything is split."""
+    import torch
+
+    from executor.apply_experts import expert_modules, expert_parallel_blocks
+    from executor.binding import ApplyError, bind_parameters
+    from tests.test_apply import hf_module
+
+    model = zoo("mixtral-tiny")
+    s = _plan(model, "dp_shard=2,ep=2", devices=2)
+    graph = load_graph(model, s.model.dims)
+    module = hf_module(model.with_suffix(".json"))
+    bindings = bind_parameters(s, graph, module)
+    blocks = expert_parallel_blocks(s, graph)
+    assert len(blocks) == 2
+    found = expert_modules(blocks, module, bindings)
+    assert [e.fqn for e in found] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+
+    def grouped(x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return x
+
+    module.model.layers[1].mlp.experts.forward = grouped
+    with pytest.raises(ApplyError, match=r"model.layers.1.mlp.experts is called as MixtralExperts\(x, "
+                                         r"num_tokens_per_expert\); apply runs expert parallelism on experts called as"):
+        expert_modules(blocks, module, bindings)
