@@ -30,7 +30,8 @@ from planner.replicate import replicate_layers
 
 # Dims a user names get these example sizes for the trace unless given (2: torch.export specialises 0 and 1).
 _EXAMPLE_SIZES = {"batch": 2, "seq": 16}
-# Deeper stacks are exported at 2 layers and repeated (planner/replicate.py): same graph, seconds not minutes.
+# Deeper stacks are exported at 2 layers (after any first layers built otherwise) and the last repeated
+# (planner/replicate.py): the same graph, seconds not minutes.
 _REPEAT_ABOVE_LAYERS = 4
 
 
@@ -84,7 +85,7 @@ def _dynamic_shapes(example_inputs: Sequence[Any], dynamic: Sequence[Sequence[st
 
 
 def _export_file(module: Any, example_inputs: Sequence[Any], path: Path, *, dynamic: Any, weights: bool,
-                 dim_max: Mapping[str, int], repeat: tuple[str, int] | None = None) -> None:
+                 dim_max: Mapping[str, int], repeat: tuple[str, int, int] | None = None) -> None:
     import onnx
     import torch
 
@@ -219,6 +220,22 @@ def hf_model(config: Any, *, num_layers: int | None = None) -> tuple[Any, str]:
     return logits_module(model, key), key
 
 
+def _layer_signature(layer: Any) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    """What makes two layers the same graph: their modules' types and their parameters' shapes."""
+    mods = tuple((n, type(m).__name__, ()) for n, m in layer.named_modules())
+    return mods + tuple((n, "param", tuple(p.shape)) for n, p in layer.named_parameters())
+
+
+def _first_of_the_rest(layers: Any) -> int | None:
+    """The index from which every layer is built alike (0: all of them; DeepSeek-V3: 3, after its dense
+    layers), or None where the last two differ (layers alternating kinds)."""
+    sigs = [_layer_signature(x) for x in layers]
+    first = len(sigs) - 1
+    while first > 0 and sigs[first - 1] == sigs[-1]:
+        first -= 1
+    return first if first <= len(sigs) - 2 else None
+
+
 def _layer_list(module: Any) -> tuple[str, int] | None:
     """The module's stack of repeated layers: the longest ModuleList (its path and length)."""
     from torch import nn
@@ -247,9 +264,14 @@ def export_config(config: Any, path: str | Path, *, dims: Mapping[str, int | Non
     layers = _layer_list(full)
     repeat = None
     traced = full
-    if layers is not None and layers[1] == depth > _REPEAT_ABOVE_LAYERS:
-        traced, _ = hf_model(copy.deepcopy(config), num_layers=2)
-        repeat = (layers[0], depth)
+    first = _first_of_the_rest(full.get_submodule(layers[0])) if layers is not None and layers[1] == depth else None
+    if layers is not None and first is not None and depth - first > _REPEAT_ABOVE_LAYERS:
+        # The first layers as they are, two of the rest, the last repeated: if the shallower config
+        # builds its layers as the full one does (a config listing each layer's kind might not).
+        shallow, _ = hf_model(copy.deepcopy(config), num_layers=first + 2)
+        full_layers, few = full.get_submodule(layers[0]), shallow.get_submodule(layers[0])
+        if [_layer_signature(x) for x in few] == [_layer_signature(full_layers[i]) for i in range(first + 2)]:
+            traced, repeat = shallow, (layers[0], depth, first)
     names, sizes = _input_dims(config, key, dims or {})
     if key == "input_ids":
         x = torch.zeros(sizes, dtype=torch.long, device="meta")
@@ -257,7 +279,7 @@ def export_config(config: Any, path: str | Path, *, dims: Mapping[str, int | Non
         x = torch.zeros(sizes, device="meta")
     dim_max = {"seq": int(getattr(config, "max_position_embeddings", 0) or 0) or 1 << 20}
     _export_file(traced, (x,), Path(path), dynamic=[names], weights=False, dim_max=dim_max, repeat=repeat)
-    note = f"{repeat[0]}: 2 → {repeat[1]}" if repeat else ""
+    note = f"{repeat[0]}: {repeat[2] + 2} → {repeat[1]}" if repeat else ""
     return ExportReport(Path(path), num_params, False, time.perf_counter() - t0, note)
 
 

@@ -1,16 +1,18 @@
 """Deepen an exported ONNX graph by repeating its last transformer layer: a 2-layer export becomes
-an 80-layer one. Used by `meshplan export` (planner/export.py) on shape-only models, where tracing
+an 80-layer one (a model whose first layers differ — DeepSeek-V3's 3 dense layers before 58 of
+experts — is exported with those and two of the rest, and its last layer repeated). Used by `meshplan export` (planner/export.py) on shape-only models, where tracing
 80 layers through torch.export and the ONNX translator takes minutes and repeats one layer's work
 80 times; the result is the graph the full export gives, up to the names of its values.
 
 Layers are the nodes whose module path (the exporter's `name_scopes`) lies under `{prefix}.{i}`,
-e.g. `model.model.layers.1`. Layer 1 is copied as layers 2 … L−1: a copy's node reads its own
-copy's values where layer 1 read its own, the previous layer's values where layer 1 read layer 0's
-(matched by position: layers 0 and 1 are the same sequence of ops), and everything else (rotary
-tables, masks, constants) unchanged; its parameters are declared under `{prefix}.{i}.`. Nodes after
-the layers read the last copy's values where they read layer 1's. The source must have exactly two
-layers of the same structure (layer 0 may compute a few shape values more, which layer 1 and its
-copies read: `_paired`); anything else is refused.
+e.g. `model.model.layers.1`. With the source's last two layers f and f+1 (f = 0 unless its first
+layers differ), layer f+1 is copied as layers f+2 … L−1: a copy's node reads its own copy's values
+where layer f+1 read its own, the previous layer's values where layer f+1 read layer f's (matched by
+position: layers f and f+1 are the same sequence of ops), and everything else (rotary tables, masks,
+constants) unchanged; its parameters are declared under `{prefix}.{i}.`. Nodes after the layers read
+the last copy's values where they read layer f+1's. Layers f and f+1 must have the same structure
+(layer f may compute a few shape values more, which layer f+1 and its copies read: `_paired`);
+anything else is refused.
 """
 
 from __future__ import annotations
@@ -54,31 +56,32 @@ def _paired(g: onnx.GraphProto, l0: list[int], l1: list[int]) -> list[tuple[int,
     return pairs if len(pairs) == len(l1) and extra <= _EXTRA_FIRST_LAYER_NODES else None
 
 
-def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int) -> onnx.ModelProto:
-    """`model` with layers `{prefix}.0` and `{prefix}.1`, deepened to `num_layers` layers."""
+def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int, first: int = 0) -> onnx.ModelProto:
+    """`model` with layers `{prefix}.0` … `{prefix}.{first + 1}`, deepened to `num_layers` layers by
+    repeating the last (layers `first` and `first + 1` the same structure)."""
     g = model.graph
     # Constant nodes are shared between layers (the exporter emits each value once): not repeated.
     layer = [None if n.op_type == "Constant" else _layer_of(module_path(n), prefix) for n in g.node]
-    l0 = [i for i, k in enumerate(layer) if k == 0]
-    l1 = [i for i, k in enumerate(layer) if k == 1]
+    l0 = [i for i, k in enumerate(layer) if k == first]
+    l1 = [i for i, k in enumerate(layer) if k == first + 1]
     pairs = _paired(g, l0, l1)
-    if not l0 or pairs is None or any(k is not None and k > 1 for k in layer):
-        raise ModelError(f"cannot repeat the layers under {prefix}: the export's two layers differ; "
+    if not l0 or pairs is None or any(k is not None and k > first + 1 for k in layer):
+        raise ModelError(f"cannot repeat the layers under {prefix}: the export's last two layers differ; "
                          "export the model at full depth")
-    if num_layers <= 2:
+    if num_layers <= first + 2:
         return model
     # Layer 0's values ↔ layer 1's, by position: what layer 1 reads of layer 0, copy c reads of c−1.
     prev_of: dict[str, str] = {}
     for i0, i1 in pairs:
         prev_of.update(zip(g.node[i0].output, g.node[i1].output, strict=True))
     l1_outputs = {t for i in l1 for t in g.node[i].output if t}
-    p1 = f"{prefix}.1."
+    p1 = f"{prefix}.{first + 1}."
     inits = {t.name: t for t in g.initializer}
     infos = {v.name: v for v in g.value_info}
 
     new_nodes: list[onnx.NodeProto] = [_copy(g.node[i]) for i in range(l1[-1] + 1)]
     rename_prev: dict[str, str] = {t: t for t in l1_outputs}  # layer 1's value → the last copy's
-    for c in range(2, num_layers):
+    for c in range(first + 2, num_layers):
         pc = f"{prefix}.{c}."
         here: dict[str, str] = {}
         for i in l1:
@@ -101,7 +104,7 @@ def replicate_layers(model: onnx.ModelProto, prefix: str, num_layers: int) -> on
                 node.output.append(here[t])
             for p in node.metadata_props:
                 if p.key == _SCOPES_KEY:
-                    p.value = p.value.replace(f"'{prefix}.1", f"'{prefix}.{c}")
+                    p.value = p.value.replace(f"'{prefix}.{first + 1}", f"'{prefix}.{c}")
             new_nodes.append(node)
         for t, name in here.items():
             if t in infos and name:

@@ -61,6 +61,38 @@ def test_repeated_layers_equal_a_full_depth_export(tmp_path: Path) -> None:
     assert graph_flops(a) == graph_flops(b)
 
 
+# DeepSeek-V3's shape at toy size: 2 dense layers, then layers of 8 routed experts (top-2 in 2 groups)
+# beside a shared one.
+DEEPSEEK = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 7, "first_k_dense_replace": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "n_routed_experts": 8,
+            "n_shared_experts": 1, "num_experts_per_tok": 2, "n_group": 2, "topk_group": 1, "q_lora_rank": 32,
+            "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8,
+            "max_position_embeddings": 256, "tie_word_embeddings": False}
+
+
+def test_repeated_layers_keep_the_first_layers_built_otherwise(tmp_path: Path) -> None:
+    """A model whose first layers differ from the rest (DeepSeek-V3's dense layers before its experts) is
+    exported with those and two of the rest, the last repeated: the full export's ops, parameters and
+    FLOPs, torch's parameter count, and an experts block in every layer after the dense ones."""
+    from core.experts import find_expert_blocks
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(DEEPSEEK))
+    report = export_config(load_hf_config(path), tmp_path / "rep.onnx")
+    assert report.repeated_layers == "model.model.layers: 4 → 7"
+    full_model, _ = hf_model(load_hf_config(path))
+    x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+    _export_file(full_model, (x,), tmp_path / "full.onnx", dynamic=[("batch", "seq")], weights=False, dim_max={})
+    dims = {"batch": 2, "seq": 32}
+    a, b = load_graph(report.path, dims), load_graph(tmp_path / "full.onnx", dims)
+    assert Counter(n.op_type for n in a.compute_nodes) == Counter(n.op_type for n in b.compute_nodes)
+    assert {(p.name, p.shape) for p in a.params} == {(p.name, p.shape) for p in b.params}
+    assert a.num_params == report.num_params == sum(p.numel() for p in full_model.parameters())
+    assert graph_flops(a) == graph_flops(b)
+    assert [blk.module for blk in find_expert_blocks(a)] == [f"model.model.layers.{i}.mlp" for i in range(2, 7)]
+
+
 def test_repeated_layers_compute_what_the_module_computes(tmp_path: Path) -> None:
     """With weights: a 2-layer export repeated to 4 layers runs like a 4-layer torch model whose
     layers 2 and 3 hold layer 1's weights."""
