@@ -91,17 +91,12 @@ def _extrapolated(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.Mode
     """The model's shapes at `bound` from those at batches 1, 2, 3 and 7: each dim d(b) = d(1) + (d(2) −
     d(1))·(b − 1), where every dim of every tensor follows that line through all four (else None: the
     full inference decides; 7, past the others, catches a max(batch, 4) or a batch // 4 flat on 1–3)."""
-    ms = [_inferred(model, {**bound, "batch": b}) for b in (1, 2, 3, 7)]
+    base, (d1, d2, d3, d7) = _bases(model, bound)
     b = bound["batch"]
-
-    def dims(m: onnx.ModelProto) -> dict[str, list[int | None]]:
-        return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
-                for v in (*m.graph.input, *m.graph.value_info, *m.graph.output) if v.type.HasField("tensor_type")}
-
-    d1, d2, d3, d7 = (dims(m) for m in ms)
     if not (d1.keys() == d2.keys() == d3.keys() == d7.keys()):
         return None
-    out = ms[0]
+    out = onnx.ModelProto()
+    out.CopyFrom(base)
     for v in (*out.graph.input, *out.graph.value_info, *out.graph.output):
         if not v.type.HasField("tensor_type"):
             continue
@@ -117,6 +112,32 @@ def _extrapolated(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.Mode
                 return None
             d.dim_value = x + (y - x) * (b - 1)
     return out
+
+
+_Dims = dict[str, list[int | None]]
+# The inferences at batches 1, 2, 3, 7 of the last models extrapolated (the planner binds the batch once
+# per micro-step count: one inference of four, not four each): (model, its other dims) → the model it
+# is checked to be, the batch-1 inference and the four inferences' dims.
+_BASES: dict[tuple[int, tuple[tuple[str, int], ...]], tuple[onnx.ModelProto, onnx.ModelProto, list[_Dims]]] = {}
+_BASES_KEPT = 2
+
+
+def _bases(model: onnx.ModelProto, bound: Mapping[str, int]) -> tuple[onnx.ModelProto, list[_Dims]]:
+    key = (id(model), tuple(sorted((k, v) for k, v in bound.items() if k != "batch")))
+    hit = _BASES.get(key)
+    if hit is not None and hit[0] is model:
+        return hit[1], hit[2]
+    ms = [_inferred(model, {**bound, "batch": b}) for b in (1, 2, 3, 7)]
+
+    def dims(m: onnx.ModelProto) -> _Dims:
+        return {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+                for v in (*m.graph.input, *m.graph.value_info, *m.graph.output) if v.type.HasField("tensor_type")}
+
+    found = [dims(m) for m in ms]
+    while len(_BASES) >= _BASES_KEPT:
+        _BASES.pop(next(iter(_BASES)))
+    _BASES[key] = (model, ms[0], found)
+    return ms[0], found
 
 
 def _inferred(model: onnx.ModelProto, bound: Mapping[str, int]) -> onnx.ModelProto:
