@@ -63,7 +63,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from core import placement as mp
 from core.collectives import Collective
 from core.graph import OpGraph, TensorKind
-from core.levers import Offload, Runtime
+from core.levers import Offload, Recompute, Runtime
 from executor.apply_experts import apply_expert_parallel, expert_parallel_blocks
 from executor.apply_layers import (
     compile_module,
@@ -289,7 +289,8 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     report.dp_rank, report.dp_size = _batch_coordinate(mesh, dp_big)
     recompute_layers(s, graph, module, report)
     host_activation_layers(s, graph, module, report)
-    if expert_parallel_blocks(s, graph) and (tp_axes or compile or report.recompute == "selective"):
+    selective = Recompute.SELECTIVE in s.training.recompute.values()
+    if expert_parallel_blocks(s, graph) and (tp_axes or compile or selective):
         raise ApplyError("apply runs expert parallelism beside data parallelism only, eager, without selective "
                              "recomputation; this plan has " + ("a tensor-parallel axis" if tp_axes else "compile" if compile
                                                                 else "selective recomputation")

@@ -7,8 +7,10 @@ top_k_weights)`) keeps E/ep experts per rank: its weights become DTensors split 
 names and `full_tensor()` unchanged). Its forward routes as `run` does (`executor/experts.Routed`): each
 token's top-k slots sorted by expert, the counts exchanged, each slot's token sent to its expert's rank
 (`all_to_all_single`), the module's own forward run there on the tokens received (each one slot: its
-local expert id, weight 1), the results sent back and summed into the tokens by their routing weights.
-No slot is dropped, as the module drops none. Backward is autograd through the two all-to-alls.
+local expert id, weight 1), the results sent back and summed into the tokens by their routing weights
+(transformers' experts scale each expert's output by its weight: the module's output is linear in
+them, and they need not travel). No slot is dropped, as the module drops none. Backward is autograd
+through the two all-to-alls.
 
 Gradients: a rank's experts receive every ep rank's slots, so their gradients hold the sum over the ep
 group's losses; the experts are outside fully_shard / DDP (their `ignored_params` / `ignored_modules`),
@@ -123,6 +125,9 @@ def _ep_forward(experts: nn.Module, forward: Callable[..., torch.Tensor], num_ex
             experts._parameters.update(held)
             if count is not None:
                 setattr(experts, "num_experts", count)  # noqa: B010
+        if y.grad_fn is None and torch.is_grad_enabled():  # no slot here (an eager loop's zeros): backward
+            # must still run both all-to-alls and the experts' reductions, as every other rank does
+            y = y + 0 * (x.sum() + sum(w.sum() for w in local.values()))
         back = routed.combine(y).reshape(tokens, k, -1)
         return (back * top_k_weights.unsqueeze(-1).to(back.dtype)).sum(1).to(hidden_states.dtype)
 

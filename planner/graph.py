@@ -30,6 +30,7 @@ from planner.shapes import bind_dims, static_shape, with_static_shapes
 
 # Constant attribute tensors up to this many elements keep their values (indices, axes, scalars).
 _SMALL_TENSOR_ELEMS = 64
+_INDEXED = frozenset({"Gather", "GatherElements", "GatherND", "ScatterND", "ScatterElements"})  # input 1: indices
 
 # Inputs that contribute only their dtype or shape, never their values (CastLike's target_type).
 _META_ONLY_INPUTS = {"CastLike": (1,)}
@@ -207,8 +208,9 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
     )
     from planner.lookups import check_constant_lookups, shape_constants  # they evaluate constant subgraphs
 
-    data_read = {t for n in nodes if n.name not in constant_nodes for t in n.inputs}
-    shape_constants(model, graph, [t for t in unshaped if t in data_read], _SMALL_TENSOR_ELEMS)
+    # (only indices a data op reads: their rules need the shape, and an index is one int per looked-up row)
+    indices = {n.inputs[1] for n in nodes if n.name not in constant_nodes and n.op_type in _INDEXED and len(n.inputs) > 1}
+    shape_constants(model, graph, [t for t in unshaped if t in indices], _SMALL_TENSOR_ELEMS)
     check_constant_lookups(model, graph)
     return graph
 

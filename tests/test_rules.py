@@ -298,3 +298,21 @@ def test_sequence_split_and_at_numerically() -> None:
             parts = shard(x, s.input_specs[0], mesh_shape)
             ys = {co: ReferenceEvaluator(model).run(None, {"x": v})[0] for co, v in parts.items()}
             np.testing.assert_allclose(unshard(ys, a.output_specs[0], mesh_shape), expected, rtol=1e-5)
+
+
+def test_scatter_partial_only_where_no_place_is_written_twice() -> None:
+    """Overwriting scatters are linear in (data, updates) only where each place is written once (which
+    duplicate wins is undefined): with a repeated index, or indices not known, no Partial; adding ones
+    always."""
+    def partial(case: Case) -> bool:
+        graph, _, _ = build(case)
+        (n,) = graph.compute_nodes
+        return any(s.input_specs[0] is not None and s.input_specs[0].has_partial
+                   for s in strategies_for(n, graph, DeviceMesh.build(2)).strategies)
+
+    data, upd = (6, 4, 8), (2, 4, 8)
+    assert partial(Case("ScatterND", [data, np.array([[1], [4]]), upd]))
+    assert not partial(Case("ScatterND", [data, np.array([[1], [1]]), upd]))
+    assert not partial(Case("ScatterND", [data, ("int", (2, 1), 6), upd]))  # indices computed: not known
+    assert partial(Case("ScatterND", [data, ("int", (2, 1), 6), upd], {"reduction": "add"}))
+    assert not partial(Case("ScatterElements", [(4, 6), np.array([[0, 0]] * 4), (4, 2)], {"axis": 1}))

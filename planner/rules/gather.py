@@ -16,10 +16,15 @@ Scatters write updates into a copy of data; a dim no index addresses splits all 
 ScatterND, indices [..., m], updates indices[:-1] + data[m:]  (an exporter's `x[..., a:b] = y`):
   data S(d), d ≥ m; indices R; updates S(rank(indices) − 1 + d − m) → Y S(d)
 ScatterElements(axis): data, indices and updates S(d), d ≠ axis       → Y S(d)
-Both, reduction none or add: data P, indices R, updates P             → Y P   (linear in both)
+Both, reduction add, or none with known indices writing no place twice:
+  data P, indices R, updates P                                         → Y P   (linear in both)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
 
 from core.placement import P, R, Shard
 from planner.rules.registry import AxisStrategy, OpContext, register_rule
@@ -73,10 +78,19 @@ def gather_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
     return out
 
 
-def _partial_scatter(ctx: OpContext) -> list[AxisStrategy]:
-    """Y is linear in (data, updates) jointly when writes overwrite or add: addends scatter alike."""
-    if str(ctx.node.attr("reduction", "none")) not in ("none", "add") or not (ctx.placeable[0] and ctx.placeable[2]):
+def _partial_scatter(ctx: OpContext, rows: Callable[[np.ndarray], np.ndarray]) -> list[AxisStrategy]:
+    """Y is linear in (data, updates) jointly when writes add, or overwrite each place once (indices known,
+    `rows(indices)` the places written, none twice: which duplicate wins is undefined): addends scatter alike."""
+    reduction = str(ctx.node.attr("reduction", "none"))
+    if reduction not in ("none", "add") or not (ctx.placeable[0] and ctx.placeable[2]):
         return []
+    if reduction == "none":
+        idx = ctx.const_inputs[1] if len(ctx.const_inputs) > 1 else None
+        if idx is None:
+            return []
+        places = rows(np.asarray(idx))
+        if len(np.unique(places, axis=0)) != len(places):
+            return []
     return [AxisStrategy(inputs=(P, R if ctx.placeable[1] else None, P), outputs=(P,))]
 
 
@@ -89,7 +103,7 @@ def scatter_nd_rule(ctx: OpContext) -> list[AxisStrategy]:
     idx_r = R if ctx.placeable[1] else None
     out = [AxisStrategy(inputs=(Shard(d), idx_r, Shard(q - 1 + d - m)), outputs=(Shard(d),))
            for d in range(m, len(data))]
-    return out + _partial_scatter(ctx)
+    return out + _partial_scatter(ctx, lambda i: i.reshape(-1, i.shape[-1]))
 
 
 @register_rule("ScatterElements")
@@ -101,4 +115,10 @@ def scatter_elements_rule(ctx: OpContext) -> list[AxisStrategy]:
     idx_s = (lambda d: Shard(d)) if ctx.placeable[1] else (lambda d: None)
     out = [AxisStrategy(inputs=(Shard(d), idx_s(d), Shard(d)), outputs=(Shard(d),))
            for d in range(len(data)) if d != axis and data[d] == idx[d] == upd[d]]
-    return out + _partial_scatter(ctx)
+
+    def places(i: np.ndarray) -> np.ndarray:  # each index's full coordinate, its axis's taken from it
+        grid = np.indices(i.shape).reshape(i.ndim, -1).T
+        grid[:, axis] = (i % data[axis]).reshape(-1)
+        return grid
+
+    return out + _partial_scatter(ctx, places)
