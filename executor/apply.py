@@ -292,10 +292,10 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
     selective = Recompute.SELECTIVE in s.training.recompute.values()
     if expert_parallel_blocks(s, graph) and (tp_axes or compile or selective):
         raise ApplyError("apply runs expert parallelism beside data parallelism only, eager, without selective "
-                             "recomputation; this plan has " + ("a tensor-parallel axis" if tp_axes else "compile" if compile
-                                                                else "selective recomputation")
-                             + ": run it with `meshplan run`, or plan without it")
-    experts = apply_expert_parallel(s, graph, module, mesh, bindings, report)
+                         "recomputation; this plan has " + ("a tensor-parallel axis" if tp_axes else "compile" if compile
+                                                            else "selective recomputation")
+                         + ": run it with `meshplan run`, or plan without it")
+    apply_expert_parallel(s, graph, module, mesh, bindings, report)
     if tp_axes:
         _apply_tensor_parallel(s, graph, module, mesh, bindings, tp_axes[0], report)
     if compile:
@@ -304,9 +304,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         report.fallbacks.append("runtime: the plan prices torch.compile's fused kernels, the module runs eager "
                                 "(apply with compile=True, or plan with `runtime` eager)")
     if len(dp_big) == 2:
-        _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report, experts)
+        _apply_hybrid(s, graph, module, mesh, bindings, dp_big, report)
     elif dp_big:
-        _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report, experts)
+        _apply_data_parallel(s, graph, module, mesh, bindings, dp_big[0], report)
     elif (s.settings.dtype == "mixed" or weights_offloaded(s)) and not tp_axes:  # one device: the policy (and
         # the offload) alone, as a user's FSDP2 run has them
         _fully_shard(s, module, mesh[names[0]] if len(names) > 1 else mesh, None, report)
@@ -409,9 +409,8 @@ def _apply_tensor_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh:
 
 
 def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
-                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport,
-                         experts: set[nn.Parameter] | None = None) -> None:
-    """`experts`: the parameters expert parallelism holds (left out of the data-parallel wrapping)."""
+                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
+    """(The experts expert parallelism holds, `report.experts`, are left out of the data-parallel wrapping.)"""
     name = s.mesh.axis_names[axis]
     _batch_local(s, graph, bindings, [axis], report)
     bindings = _without_experts(bindings, report)
@@ -422,7 +421,7 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
             _sharded_together(name, len(bindings) - len(sharded), report)
         zero = s.training.zero_stage
         again = zero not in (1, 2)  # ZeRO-3 gathers the parameters again for backward, as the plan prices it
-        _fully_shard(s, module, sub, again, report, experts)
+        _fully_shard(s, module, sub, again, report)
         report.data_parallel = "fully_shard"
         if not again:
             _zero_as_fully_shard(module, zero, report)
@@ -467,7 +466,7 @@ def _zero_as_fully_shard(module: nn.Module, zero: int, report: ApplyReport) -> N
 
 
 def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh, bindings: tuple[Binding, ...],
-                  axes: list[int], report: ApplyReport, experts: set[nn.Parameter] | None = None) -> None:
+                  axes: list[int], report: ApplyReport) -> None:
     """Two data-parallel axes: HSDP (`fully_shard` on the 2-D mesh, replicas over the first axis, shards
     over the second) where the plan stores every parameter whole over one and split over the other."""
     names = s.mesh.axis_names
@@ -483,7 +482,7 @@ def _apply_hybrid(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMe
                          "`meshplan run`)")
     if not all(split[shard]):
         _sharded_together(names[shard], split[shard].count(False), report)
-    _fully_shard(s, module, mesh[(names[replicate], names[shard])], True, report, experts)
+    _fully_shard(s, module, mesh[(names[replicate], names[shard])], True, report)
     report.data_parallel = "fully_shard (HSDP)"
     # One unit, the root: gathered over the shards for forward and again for backward, its gradients
     # reduce-scattered over them and the shard all-reduced over the replicas.
@@ -512,7 +511,7 @@ def _sharded_together(axis: str, whole: int, report: ApplyReport) -> None:
 
 
 def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 report: ApplyReport, ignored: set[nn.Parameter] | None = None) -> None:
+                 report: ApplyReport) -> None:
     """`fully_shard` on `mesh`; a mixed plan under MixedPrecisionPolicy (bf16 compute on the gathered
     weights, fp32 reductions and states). `reshard_after_forward` None: FSDP2's default. Where the plan
     keeps layers' weights on the host (offload params,optimizer), each such layer its own unit under
@@ -525,6 +524,7 @@ def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after
         else MixedPrecisionPolicy()
     host = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     units, root = offloaded_units(s, module, report)
+    ignored = {p for f in report.experts for p in module.get_submodule(f).parameters()}  # expert parallelism's
     for fqn, layer in units:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=host,
                     ignored_params=ignored or None)

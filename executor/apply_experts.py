@@ -135,12 +135,12 @@ def _ep_forward(experts: nn.Module, forward: Callable[..., torch.Tensor], num_ex
 
 
 def apply_expert_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
-                          bindings: tuple[Binding, ...], report: Any) -> set[nn.Parameter]:
-    """Split each expert-parallel block's experts over ep and route its tokens there; returns their
-    parameters (for data parallelism to leave alone). Nothing where the plan splits no experts."""
+                          bindings: tuple[Binding, ...], report: Any) -> None:
+    """Split each expert-parallel block's experts over ep and route its tokens there (`report.experts`
+    their modules, for data parallelism to leave alone). Nothing where the plan splits no experts."""
     blocks = expert_parallel_blocks(s, graph)
     if not blocks:
-        return set()
+        return
     names = tuple(s.mesh.axis_names)
     ep = s.mesh.shape[names.index(EP_AXIS)]
     others = [n for n, size in zip(names, s.mesh.shape, strict=True) if n != EP_AXIS and size > 1]
@@ -153,14 +153,14 @@ def apply_expert_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: 
     group = mesh[EP_AXIS].get_group()
     replicas = mesh["dp_replicate"].get_group() if others else None
     found = expert_modules(blocks, module, bindings)
-    params: set[nn.Parameter] = set()
+    split_weights = 0
     for e in found:
         for name, p in list(e.module.named_parameters(recurse=False)):
             if p.shape[0] % ep:
                 raise ApplyError(f"{e.fqn}.{name}: {p.shape[0]} experts do not split over ep={ep}")
             split = nn.Parameter(distribute_tensor(p.detach(), mesh[EP_AXIS], [Shard(0)]), requires_grad=p.requires_grad)
             setattr(e.module, name, split)
-            params.add(split)
+            split_weights += 1
         e.module.forward = _ep_forward(e.module, e.module.forward, e.block.num_experts, group, ep,
                                        report.dp_size, replicas)
     report.experts = [e.fqn for e in found]
@@ -170,6 +170,5 @@ def apply_expert_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: 
     again = sum(1 for e in found if any(e.fqn.startswith(r + ".") for r in report.recomputed))
     counts = Counter({"all_to_all": 5 * len(found) + 3 * again})
     if replicas is not None:
-        counts["all_reduce"] = len(params)
+        counts["all_reduce"] = split_weights
     report.expected = dict(Counter(report.expected) + counts)
-    return params
