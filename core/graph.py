@@ -104,6 +104,9 @@ _ITEMSIZE_BYTES = {
 }
 
 
+SEQUENCE_DIM = "seq"  # the symbolic dim of a sequence's tokens
+
+
 class OpGraph:
     """An ONNX graph with static shapes: nodes in topological order, tensors by name, and structure.
 
@@ -126,6 +129,7 @@ class OpGraph:
         const_values: Mapping[str, np.ndarray] | None = None,
         parameters: Mapping[str, Parameter] | None = None,
         notes: tuple[str, ...] = (),
+        input_dims: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         self.name = name
         self.nodes = nodes
@@ -139,9 +143,16 @@ class OpGraph:
         # Every PARAM tensor's provenance: the initializer holding its value, the torch name it stands for.
         self.parameters = dict(parameters or {})
         self.notes = notes  # what the import changed or could not recover, for inspect and plan to say
+        # each input's dims by the symbolic name the file gives them ("" where a dim is a number)
+        self.input_dims = dict(input_dims or {})
         self.node_by_name = {n.name: n for n in nodes}
         self.producer = {t: n.name for n in nodes for t in n.outputs if t}
         self.graph = self._build_digraph()
+
+    def sequence_dims(self) -> dict[str, int]:
+        """The inputs with a sequence dim — a dim the file names `seq`, as `meshplan export` writes it
+        and `--dim seq=N` binds — and its index (context parallelism splits them there)."""
+        return {t: names.index(SEQUENCE_DIM) for t, names in self.input_dims.items() if SEQUENCE_DIM in names}
 
     def _build_digraph(self) -> nx.DiGraph:
         g = nx.DiGraph()

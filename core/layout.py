@@ -22,6 +22,15 @@ mesh splits dp_shard into dp_shard/ep × ep (axes dp_shard, ep); for every op bu
 block's experts both are one data-parallel group (the batch split, FSDP over both); the experts are
 split over ep (E/ep a rank, the tokens sent to them and back by all-to-alls, `planner/rules/experts.py`)
 and FSDP-split over dp_shard/ep on their next free dim.
+
+    --layout dp_shard=8,cp=8
+
+adds context parallelism: every input's sequence dim (the one named `seq`) split over cp, every op
+using its parameters whole there and FSDP storing them split over dp_shard × cp (torchtitan's rule).
+The ILP places the activations, none of them whole on cp (`planner/search/build.as_written`): an
+attention keeps its queries split and sees all keys and values, gathered over cp before it and their
+gradients reduce-scattered after (Llama-3's all-gather design), its causal work priced in the zig-zag
+order (`costmodel/context.py`).
 """
 
 from __future__ import annotations
@@ -36,10 +45,10 @@ from core.graph import OpGraph
 from core.mesh import DeviceMesh
 from core.placement import Replicate, Shard, Spec
 
-LAYOUT_KEYS = ("dp_replicate", "dp_shard", "ep", "tp")  # mesh axes, outer to inner
+LAYOUT_KEYS = ("dp_replicate", "dp_shard", "ep", "cp", "tp")  # mesh axes, outer to inner
 PIPELINE_KEYS = ("pp", "vpp")
-NOT_YET = ("cp",)
 DATA_AXES = ("dp_replicate", "dp_shard", "ep")  # the batch's axes (ep: of dp_shard's ranks)
+WHOLE_AXES = (*DATA_AXES, "cp")  # the axes every op uses its parameters whole on
 
 
 @dataclass(frozen=True)
@@ -68,6 +77,10 @@ class Layout:
     @property
     def expert_parallel(self) -> int:
         return self.degree.get("ep", 1)
+
+    @property
+    def context_parallel(self) -> int:
+        return self.degree.get("cp", 1)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -109,8 +122,11 @@ class Layout:
                                     f"{b.module or b.topk}; pick an ep that divides {b.num_experts}")
 
     def input_pins(self, graph: OpGraph, mesh: DeviceMesh) -> dict[str, Spec]:
-        """Every input split on its batch dim (0) over the data-parallel axes, replicated elsewhere."""
+        """Every input split on its batch dim (0) over the data-parallel axes and on its sequence dim
+        over cp (`check_context`), replicated elsewhere."""
         dp_axes = [a for a, name in enumerate(mesh.axis_names) if name in DATA_AXES and mesh.shape[a] > 1]
+        cp_axes = [a for a, name in enumerate(mesh.axis_names) if name == "cp" and mesh.shape[a] > 1]
+        seq = graph.sequence_dims() if cp_axes else {}
         pins = {}
         for t in graph.inputs:
             shape = graph.tensors[t].shape
@@ -118,8 +134,27 @@ class Layout:
                 raise MeshplanError(f"`layout` {self}: input {t} has batch {shape[0] if shape else 0} per micro-step, "
                                     f"fewer than the {self.data_parallel} data-parallel ranks; raise the batch or "
                                     "lower dp_replicate × dp_shard")
-            pins[t] = Spec(tuple(Shard(0) if a in dp_axes else Replicate() for a in range(mesh.ndim)))
+            pins[t] = Spec(tuple(Shard(0) if a in dp_axes else Shard(seq[t]) if a in cp_axes and t in seq
+                                 else Replicate() for a in range(mesh.ndim)))
         return pins
+
+    def check_context(self, graph: OpGraph, causal: bool) -> None:
+        """cp > 1 needs inputs with a sequence dim (`OpGraph.sequence_dims`) that cp divides, 2·cp under a
+        causal mask (the zig-zag order: each rank two chunks of 2·cp, `costmodel/context.py`)."""
+        cp = self.context_parallel
+        if cp == 1:
+            return
+        seq = graph.sequence_dims()
+        if not seq:
+            raise MeshplanError(f"`layout` cp={cp}: the model's inputs have no sequence dim to split (none named "
+                                "`seq`); drop cp, or export the model with its token dim named seq "
+                                "(`meshplan export` does)")
+        length = graph.dims.get("seq") or max(graph.tensors[t].shape[d] for t, d in seq.items())
+        chunks = 2 * cp if causal else cp
+        if length % chunks:
+            raise MeshplanError(f"`layout` cp={cp} splits the sequence of {length} tokens into {chunks} "
+                                f"{'zig-zag chunks (2·cp, a causal mask)' if causal else 'chunks'}, which does not "
+                                f"divide it; pick a cp with {chunks // cp}·cp dividing {length}, or pad the sequence")
 
     def param_layout(self, graph: OpGraph, mesh: DeviceMesh) -> Callable[[str, Spec], Spec | None]:
         """A parameter as the layout stores it when a consumer needs it at `spec`: whole on
@@ -132,7 +167,7 @@ class Layout:
         (split on dim 0 over both). None when the consumer would need it split along a data-parallel
         axis (or an expert whole along ep)."""
         replicate = [a for a, n in enumerate(mesh.axis_names) if n == "dp_replicate"]
-        shard = [a for a, n in enumerate(mesh.axis_names) if n == "dp_shard"]
+        shard = [a for a, n in enumerate(mesh.axis_names) if n in ("dp_shard", "cp")]
         ep = [a for a, n in enumerate(mesh.axis_names) if n == "ep" and mesh.shape[a] > 1]
         experts = {p for b in find_expert_blocks(graph) for p in b.experts} if ep else set()
 
@@ -162,9 +197,6 @@ def parse_layout(text: str, devices: int) -> Layout:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, eq, value = part.partition("=")
         key = key.strip()
-        if key in NOT_YET:
-            raise MeshplanError(f"`layout` {key}: context parallelism is not planned yet; use "
-                                f"{', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))}")
         if key not in (*LAYOUT_KEYS, *PIPELINE_KEYS):
             raise MeshplanError(f"`layout` {key}: unknown key; use {', '.join((*LAYOUT_KEYS, *PIPELINE_KEYS))} "
                                 "(torchtitan's names, Megatron's pp and vpp)")
@@ -173,6 +205,9 @@ def parse_layout(text: str, devices: int) -> Layout:
         if key in sizes:
             raise MeshplanError(f"`layout` {key} given twice; give each degree once")
         sizes[key] = int(value)
+    if sizes.get("cp", 1) > 1 and (sizes.get("pp", 1) > 1 or sizes.get("ep", 1) > 1):
+        raise MeshplanError(f"`layout` cp={sizes['cp']} with {'pp' if sizes.get('pp', 1) > 1 else 'ep'}: context "
+                            "parallelism is planned beside dp_replicate, dp_shard and tp only yet; drop one of them")
     if "ep" in sizes:  # torchtitan's: ep borrows its ranks from dp_shard
         ep, shard = sizes["ep"], sizes.get("dp_shard", 1)
         if shard % ep:

@@ -205,6 +205,7 @@ def graph_from_proto(model: onnx.ModelProto, dims: Mapping[str, int], *, name: s
         const_values=const_values,
         parameters={k: p for k, p in table.params.items() if k in tensors},
         notes=table.notes,
+        input_dims={v.name: tuple(d.dim_param for d in v.type.tensor_type.shape.dim) for v in user_inputs},
     )
     from planner.lookups import check_constant_lookups, shape_constants  # they evaluate constant subgraphs
 

@@ -143,7 +143,6 @@ def test_planner_takes_the_fewest_micro_steps_that_fit(zoo: Callable[[str], Path
     (["--zero", "5"], "--zero 5: choose 0, 1, 2, 3 (ZeRO's stages) or auto"),
     (["--layout", "dp_shard=4"], "multiplies to 4 devices, not --devices 2"),
     (["--layout", "dp_shard=1,fsdp=2"], "--layout fsdp: unknown key"),
-    (["--layout", "cp=2"], "--layout cp: context parallelism is not planned yet"),
     (["--layout", "dp_shard=2", "--mesh", "2"], "--layout and --mesh both fix the mesh"),
     (["--layout", "dp_shard=2", "--global-batch-size", "12", "--micro-batch-size", "4"],
      "--global-batch-size 12 is not divisible by micro-batch 4 × 2 data-parallel ranks"),

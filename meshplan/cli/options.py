@@ -246,7 +246,7 @@ def plan_options(fn: F) -> F:
         click.option("--capacity-factor", "capacity_factor", type=float, default=1.25, show_default=True, metavar="F",
                      help="Mixture-of-experts blocks: the tokens an expert is sized for, its uniform share times F "
                        "(the slowest expert's grouped GEMM bounds the block)."),
-        click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,ep=E,tp=C",
+        click.option("--layout", default=None, metavar="dp_replicate=A,dp_shard=B,ep=E,cp=S,tp=C",
                      help="Hold the plan to a layout in torchtitan's degrees (ep borrows from dp_shard) and compare it "
                        "with the ILP's best."),
         click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",

@@ -11,11 +11,12 @@ from typing import Any
 
 from core.collectives import Phase
 from core.experts import ep_axis, expert_weight_nodes, find_expert_blocks
-from core.graph import OpGraph, TensorKind
-from core.layout import DATA_AXES, Layout
+from core.graph import SEQUENCE_DIM, OpGraph, TensorKind
+from core.layout import WHOLE_AXES, Layout
 from core.levers import Composer, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
-from core.placement import OpStrategy, Replicate, Shard, Spec, fully_sharded
+from core.placement import OpStrategy, Partial, Placement, Replicate, Shard, Spec, fully_sharded
+from costmodel.attention import causal_regions
 from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
@@ -55,7 +56,7 @@ def param_layout_for(req: PlanRequest, layout: Layout | None, graph: OpGraph,
     over = None
     if layout is not None:  # (a layout without data-parallel axes, tp alone, shards over what it has, as before)
         names = mesh.axis_names
-        over = tuple(a for a, n in enumerate(names) if n in ("dp_shard", "ep")) or \
+        over = tuple(a for a, n in enumerate(names) if n in ("dp_shard", "ep", "cp")) or \
             tuple(a for a, n in enumerate(names) if n == "dp_replicate") or None
 
     def zero3(param: str, spec: Spec) -> Spec | None:
@@ -206,20 +207,27 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
-    uses its parameters whole, as DDP and FSDP run them (FSDP gathers them for use): no op may split a
+    (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
+    for use): no op may split a
     weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
     tp every op splits its matrices (parameters of two or more dims: linear weights, embedding tables),
     as Megatron-LM runs them: an op holding them whole there would make tp a data-parallel axis the
     layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
     same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
-    before them), which split their experts there (`planner/rules/experts.py`)."""
+    before them), which split their experts there (`planner/rules/experts.py`). On cp every op's float
+    activations stay split (on the sequence, or wherever the ILP finds cheaper: attention's scores by
+    its queries), none whole: only what an op reads may be gathered there — an attention's keys and
+    values, all of them for each rank's queries (context parallelism's all-gather design)."""
     if layout is None:
         return rules
     layout.check_experts(graph)
-    dp = [a for a, name in enumerate(layout.axis_names) if name in DATA_AXES]
+    layout.check_context(graph, causal=bool(causal_regions(graph)))
+    dp = [a for a, name in enumerate(layout.axis_names) if name in WHOLE_AXES]
     ep = [a for a, name in enumerate(layout.axis_names) if name == "ep"]
     experts = {n for b in find_expert_blocks(graph) for n in expert_weight_nodes(graph, b)} if ep else set()
     tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
+    cp = [a for a, name in enumerate(layout.axis_names) if name == "cp"]
+    batch = graph.dims.get("batch") if graph.dims.get("batch") != graph.dims.get(SEQUENCE_DIM) else None
     if not dp and not tp:
         return rules
     # A parameter read through a view or cast (Llama exports: W -> Transpose -> MatMul) is a parameter too.
@@ -241,8 +249,22 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
             (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Shard) for a in tp)
             for i in matrices))
         strategies = split if split and matrices and tp else strategies
+        views = [t for t in ns.node.outputs if t and t not in held and graph.tensors[t].kind is TensorKind.ACTIVATION
+                 and graph.tensors[t].is_float]
+        along = tuple(st for st in strategies if all(
+            _split_off_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
+            for j, t in enumerate(ns.node.outputs) if t in views for a in cp))
+        strategies = along if along and views and cp else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
     return out
+
+
+def _split_off_batch(p: Placement, shape: tuple[int, ...], batch: int | None) -> bool:
+    """A context-parallel axis' placement of an activation: split, and not on its batch (a leading dim
+    of the batch's size: that would be data parallelism the layout gave dp_shard)."""
+    if isinstance(p, Shard):
+        return not (p.dim == 0 and batch is not None and bool(shape) and shape[0] == batch)
+    return isinstance(p, Partial)
 
 
 def sharding_ilp(req: PlanRequest, graph: OpGraph, rules: RuleSet, cm: CostModel, mesh: DeviceMesh,

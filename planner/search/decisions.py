@@ -188,8 +188,8 @@ class DecisionGraph:
         strategies = self._strategies(name)
         placed = [i for i, sp in enumerate(strategies[0].input_specs)
                   if sp is not None and g.tensors[node.inputs[i]].kind is not TensorKind.CONSTANT]
-        if len(placed) != 1 or len(strategies) < 2:
-            return None
+        if len(placed) != 1 or len(strategies) < 2 or not any(st.is_replicated for st in strategies):
+            return None  # (a follower takes the replicated strategy where its input comes otherwise)
         i = placed[0]
         t = node.inputs[i]
         src = g.producer.get(t)

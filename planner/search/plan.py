@@ -49,7 +49,7 @@ from planner.search.build import (
     training_settings,
 )
 from planner.search.dataset import check_splits, parse_dataset_strategy, split_pins
-from planner.search.decisions import PinError
+from planner.search.decisions import NotBetterError, PinError
 from planner.search.incumbents import HandLayout, against_hand_layouts, incumbents, planned
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
@@ -156,12 +156,19 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
         fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
         below = [k for k in steps if k < fewest]
 
-        def walk(order: list[int]) -> None:
+        def walk(order: list[int]) -> None:  # more micro-steps while each is faster
             for k in order:
                 best = min((f[1][0].step_time_s for f in found), default=math.inf)
                 plan = attempt(k, policies[1])
                 if plan is None or plan[0].step_time_s >= best:
-                    break  # fewer micro-steps need more memory: none fits; or recomputation costs more
+                    break
+
+        def down(order: list[int]) -> None:  # fewer micro-steps until none fits: recomputing the layers
+            # costs a forward at any count, which fewer micro-steps may win back (fewer per-micro-step
+            # gathers and all-to-alls) only below the first count that fits
+            for k in order:
+                if attempt(k, policies[1]) is None and not isinstance(failures[-1], NotBetterError):
+                    break  # fewer micro-steps need more memory: none fits
 
         if below:
             before = min((f[1][0].step_time_s for f in found), default=math.inf)
@@ -169,7 +176,7 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
             if plan is not None and plan[0].step_time_s < before:
                 walk(below[1:])
             else:
-                walk(below[:0:-1])
+                down(below[:0:-1])
     try:
         hand_plans = planned(hands, say)  # (here, where the pipelines' search holds the other core, beside it)
     finally:  # its process waited for, whatever the hand layouts raise
@@ -459,8 +466,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         candidates.append(Candidate(mesh=mesh, cost=cost, stats=stats))
         if best is None or cost.step_time_s < best[0]:
             best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats, recomputed)
-    if best is None:
-        raise errors[0]
+    if best is None:  # (a mesh that fits but beats no plan the search holds says so first)
+        raise next((e for e in errors if isinstance(e, NotBetterError)), errors[0])
     _, mesh, rules, cm, choice, cost, stats, recomputed = best
     settings = plan_settings(req, graph, search=req.search if req.mode in (Mode.AUTO, Mode.SEMI) else Search.PROPAGATION,
                              dtype=precision.name, limit=limit, loss=cm.loss)

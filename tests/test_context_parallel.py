@@ -1,0 +1,119 @@
+"""Context parallelism (a `cp` layout axis): the sequence split over cp, attention's keys and values
+gathered there for each rank's queries (Llama-3's all-gather design) at the bytes a hand count gives,
+the causal work per rank in the zig-zag order against the mask's cells, runs equal to one process,
+and bad input refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from core.layout import parse_layout
+from core.placement import Replicate, Shard
+from costmodel.attention import attention_regions
+from costmodel.context import causal_shares, zigzag_order
+from planner.graph import load_graph
+from planner.search.plan import make_plan
+from planner.search.request import PlanRequest
+from planner.strategy import Strategy
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4, 8])
+def test_causal_shares_count_the_masks_cells(cp: int) -> None:
+    """Each rank's share of a causal mask's cells (query i sees keys 0…i; the diagonal block's cells
+    counted as they fall, the closed form takes it at half: equal as the sequence grows), zig-zag and
+    contiguous; the zig-zag order's every rank the mean, 1/(2·cp)."""
+    s = 256 * cp
+    mask = np.tril(np.ones((s, s), dtype=bool))
+    zig = [int(mask[rows].sum()) / s**2 for rows in zigzag_order(s, cp)]
+    contiguous = [int(mask[r * s // cp:(r + 1) * s // cp].sum()) / s**2 for r in range(cp)]
+    assert zig == pytest.approx(causal_shares(cp), abs=1 / s)
+    assert contiguous == pytest.approx(causal_shares(cp, zigzag=False), abs=1 / s)
+    assert causal_shares(cp) == pytest.approx([1 / (2 * cp)] * cp)
+    assert sum(causal_shares(cp, zigzag=False)) == pytest.approx(0.5)
+    assert sorted(i for rows in zigzag_order(s, cp) for i in rows) == list(range(s))
+
+
+def test_layout_cp_splits_the_sequence(zoo: Callable[[str], Path]) -> None:
+    """cp is a mesh axis after the data-parallel ones; the inputs are split on their batch over dp_shard
+    and on their `seq` dim over cp; parameters are used whole on cp and stored split over dp_shard × cp."""
+    lay = parse_layout("dp_shard=2,cp=2", 4)
+    assert (lay.axis_names, lay.mesh_shape, lay.context_parallel, lay.data_parallel) == (("dp_shard", "cp"), (2, 2), 2, 2)
+    assert str(lay) == "dp_shard=2,cp=2"
+    s = _plan(zoo("llama-tiny"), "dp_shard=2,cp=2", batch=2)
+    g = load_graph(zoo("llama-tiny"), s.model.dims)
+    assert g.sequence_dims() == dict.fromkeys(g.inputs, 1)
+    for t in g.inputs:
+        assert s.tensors[t].spec.placements == (Shard(0), Shard(1))
+    for p in g.params:
+        if p.shape and p.shape[0] % 4 == 0:
+            assert all(isinstance(x, Shard) for x in s.tensors[p.name].spec.placements), p.name  # FSDP over both
+
+
+def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 32) -> Strategy:
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": batch, "seq": seq}, profile="cpu", devices=devices,
+                                 recompute="none", dtype="fp32", layout=parse_layout(layout, devices)))
+    return s
+
+
+def test_attention_gathers_keys_and_values_over_cp(zoo: Callable[[str], Path]) -> None:
+    """cp=4 on llama-tiny (batch 1, 32 tokens): every activation stays split on cp; each attention's
+    queries keep their 8 tokens and its keys and values are gathered over cp at its entry — an
+    all_gather each of b·heads·head_dim·s·4 bytes (the 4 query heads' keys, as the exported graph
+    repeats the 2 KV heads before the product) forward, a reduce_scatter of their gradients backward."""
+    model = zoo("llama-tiny")
+    s = _plan(model, "cp=4", batch=1)
+    g = load_graph(model, s.model.dims)
+    regions = attention_regions(g)
+    assert len(regions) == 2
+    cp = s.mesh.axis_names.index("cp")
+    for r in regions.values():
+        assert s.tensors[r.q].spec.placements[cp] == Shard(2)  # (b, h, s, d): the queries' tokens
+        for t, mm in ((r.kt, r.nodes[0]), (r.v, r.nodes[-1])):
+            moved = [x for x in s.reshards if x.tensor == t and x.consumer == mm]
+            assert len(moved) == 1 and isinstance(moved[0].dst.placements[cp], Replicate), (t, moved)
+            events = [(e.kind.value, e.phase.value, e.size_bytes) for e in s.nodes[mm].collectives if e.tensor == t]
+            assert events == [("all_gather", "forward", 1 * 4 * 16 * 32 * 4),
+                              ("reduce_scatter", "backward", 1 * 4 * 16 * 32 * 4)], events
+    for name, node in s.nodes.items():  # no float activation whole on cp (a weight's view is the weight)
+        if any(g.tensors[t].kind.name == "PARAM" for t in g.node_by_name[name].inputs if t in g.tensors):
+            continue
+        for t, spec in zip(g.node_by_name[name].outputs, node.outputs, strict=True):
+            info = g.tensors[t]
+            if info.is_float and info.kind.name == "ACTIVATION" and info.shape:
+                assert not isinstance(spec.placements[cp], Replicate), (name, t)
+
+
+@pytest.mark.parametrize("layout", ["dp_shard=2,cp=2", "cp=4"])
+def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], layout: str, tmp_path: Path) -> None:
+    """On 4 gloo ranks, causal llama-tiny at 32 tokens (divisible by 2·cp): loss, gradients and
+    parameters after a step equal one process (< 1e-5, fp32), the collectives run those planned."""
+    from tests.test_training_step import run_equals_one_process
+
+    s = _plan(zoo("llama-tiny"), layout, batch=4 // parse_layout(layout, 4).context_parallel)
+    r = run_equals_one_process(s, zoo("llama-tiny"), tmp_path)
+    assert r["grad_max_abs_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5
+    assert r["collectives_planned"]["all_gather"] >= 4 * s.training.micro_batches  # k and v per attention
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize(("model", "dims", "layout", "message"), [
+    ("llama-tiny", ["batch=2", "seq=34"], "dp_shard=2,cp=2", "zig-zag chunks (2·cp, a causal mask), which does not "
+                                                             "divide it"),
+    ("llama-tiny", ["batch=2", "seq=30"], "cp=4", "cp=4 splits the sequence of 30 tokens into 8"),
+    ("mlp", ["batch=8"], "dp_shard=2,cp=2", "no sequence dim to split"),
+    ("llama-tiny", ["batch=2", "seq=32"], "cp=2,pp=2", "cp=2 with pp: context parallelism is planned beside"),
+])
+def test_bad_context_parallelism_is_one_line(zoo: Callable[[str], Path], model: str, dims: list[str], layout: str,
+                                             message: str) -> None:
+    r = _cli("plan", str(zoo(model)), "--devices", "4", "--profile", "cpu",
+             *(x for d in dims for x in ("--dim", d)), "--layout", layout, "-o", "/dev/null")
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
