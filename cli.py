@@ -18,6 +18,7 @@ from core.levers import (
     ActivationOffload,
     Attention,
     Composer,
+    CpMethod,
     Dtype,
     LossKind,
     Mode,
@@ -120,7 +121,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
          offload: str, comm_fusion: str, zero_threshold: str, zero_shard_size: int | None, gradients_sum: bool,
          parameter_broadcast: bool, pipeline_result_broadcast: bool, force_fp32_communication: bool, overlap: bool | None,
          attention: str, attention_dropout: float, capacity_factor: float, runtime: str, layout: str | None, schedule: str | None,
-         micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, group_ckpt_out: str | None,
+         cp_method: str | None, micro_batch_size: int | None, out_path: str | None, strategy_out: str | None, group_ckpt_out: str | None,
          only_trainable_params: bool,
          strategy_in: str | None, as_json: bool) -> None:
     """Plan how to shard MODEL over N devices: the ILP's choice, its predicted step time and memory."""
@@ -158,6 +159,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
                       gradient_accumulation_shard=gradient_accumulation_shard, dataset_strategy=dataset_strategy,
                       layout=parse_layout(layout, devices) if layout else None,
                       micro_batch_size=micro_batch_size, schedule=lever(Schedule, schedule, "schedule") if schedule else None,
+                      cp_method=lever(CpMethod, cp_method, "cp_method") if cp_method else None,
                       composer=None if overlap is None else Composer.OVERLAP if overlap else Composer.SERIAL,
                       fusion=parse_fusion(comm_fusion),
                       zero_threshold_bytes=parse_size(zero_threshold, "--zero-threshold", allow_zero=True),
@@ -172,6 +174,7 @@ def plan(model: str, dims: dict[str, int], devices: int, mesh: str | None, axis_
         if layout is not None:  # the same cluster and global batch, every lever the ILP's
             status.update("the ILP's best for comparison")
             best, _ = make_plan(replace(req, layout=None, micro_batch_size=None, accumulation_steps=None, schedule=None,
+                                        cp_method=None,
                                         recompute=Recompute.AUTO, recompute_layers=None, gradient_accumulation_shard="auto",
                                         offload=Offload.AUTO if states_offload is not Offload.NONE else Offload.NONE,
                                         offload_activations=ActivationOffload.AUTO

@@ -66,6 +66,7 @@ class Purpose(enum.Enum):
     PIPELINE_RECV = "pipeline recv"
     EXPERT_DISPATCH = "expert dispatch"  # expert parallelism: each routed token sent to its expert's rank
     EXPERT_COMBINE = "expert combine"  # and its expert's output brought back
+    CONTEXT_PASS = "context pass"  # ring attention: a block of keys or values passed to the next cp rank
 
 
 class Phase(enum.Enum):

@@ -130,6 +130,14 @@ class Attention(enum.StrEnum):
     FUSED_SOFTMAX = "fused-softmax"
 
 
+class CpMethod(enum.StrEnum):
+    """How an attention whose queries are split over cp sees every key and value (`costmodel/context.py`)."""
+
+    ALLGATHER = "allgather"  # gathered over cp before it, their gradients reduce-scattered (Llama-3's)
+    RING = "ring"  # passed rank to rank, each block's attention computed as it arrives (ring attention)
+    AUTO = "auto"  # the faster of the two, as priced
+
+
 class LossKind(enum.StrEnum):
     """The training loss on the model's first output (AUTO: cross-entropy on logits, else MSE)."""
 

@@ -15,6 +15,19 @@ the sequence contiguously: the same numbers, its last rank holding (2cp − 1)/c
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+
+from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose
+from core.graph import OpGraph, OpNode
+from core.mesh import DeviceMesh
+from costmodel.comm import collective_time_s
+from costmodel.compute import tensor_bytes
+from costmodel.device import matmul_time_s
+from costmodel.memory import Precision
+from hwprofiles.profile import HardwareProfile
+
 
 def causal_shares(cp: int, *, zigzag: bool = True) -> tuple[float, ...]:
     """Each of `cp` ranks' share of a causal attention's s² score grid (the diagonal's blocks at half)
@@ -30,3 +43,35 @@ def zigzag_order(length: int, cp: int) -> list[list[int]]:
     assert length % (2 * cp) == 0, (length, cp)
     c = length // (2 * cp)
     return [[*range(r * c, (r + 1) * c), *range((2 * cp - 1 - r) * c, (2 * cp - r) * c)] for r in range(cp)]
+
+
+def ring_events(node: OpNode, keys: bool, graph: OpGraph, shapes: Mapping[str, tuple[int, ...]], axis: int,
+                mesh: DeviceMesh, profile: HardwareProfile, precision: Precision, *, causal: bool, overlap: bool,
+                recomputed: bool) -> tuple[PricedCollective, ...]:
+    """Ring attention's passes at one of its products (`core/context.py`): its second operand (kᵀ at
+    q·kᵀ, `keys`; v at P·v) — its local block, as the product reads it — sent to the next rank of the cp ring cp − 1 times
+    forward (the last block is not passed on), and its gradient's blocks cp − 1 times backward, back the
+    way they came (as `executor/context.py` runs them); again forward in backward where the layer is
+    recomputed. Each pass is priced at what outlasts its share of the block of attention it runs beside
+    (`overlap`: the overlapped step, each of the two passes beside half a block, the backward's twice the
+    forward's FLOPs; a causal block at the zig-zag order's half), whole otherwise."""
+    cp = mesh.shape[axis]
+    t = node.inputs[1]
+    size = tensor_bytes(graph.tensors[t], shapes[t], precision)
+    send = collective_time_s(profile, mesh, Collective.SEND_RECV, size, (axis,)) + (profile.device.reshard_overhead_s or 0.0)
+    hidden = 0.0
+    if overlap:  # a block: the rank's queries against one block of keys, both products
+        a, kv = shapes[node.inputs[0]], shapes[t]
+        rows = float(math.prod(a[:-1]))
+        inner, cols = (float(kv[-2]), float(kv[-1])) if keys else (float(kv[-1]), float(kv[-2]))
+        flops = 2 * 2.0 * rows * inner * cols * (0.5 if causal else 1.0)
+        dtype = precision.compute_dtype if precision.compute_dtype in profile.device.peak_flops_per_s else "fp32"
+        hidden = matmul_time_s(profile.device, flops, dtype) / 2
+    out = []
+    for phase, beside in ((Phase.FORWARD, hidden), (Phase.BACKWARD, 2 * hidden)):
+        for _ in range(cp - 1):
+            out.append(PricedCollective(Collective.SEND_RECV, (axis,), size, max(0.0, send - beside), phase,
+                                        Purpose.CONTEXT_PASS, t, Cadence.MICRO_BATCH))
+    if recomputed:
+        out += [replace(e, phase=Phase.BACKWARD) for e in out[:cp - 1]]
+    return tuple(out)

@@ -37,6 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
+from core.context import RING, cp_axis
 from core.experts import CAPACITY_FACTOR, EXPERT_PARALLEL, ep_axis, splits_over
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
@@ -62,6 +63,7 @@ from costmodel.compute import (
     local_shapes,
     tensor_bytes,
 )
+from costmodel.context import ring_events
 from costmodel.experts import NO_COST, ExpertOps, dispatch_events, grouped_gemm_cost
 from costmodel.flash import flash_cost
 from costmodel.fusion import compiled
@@ -195,6 +197,10 @@ class CostModel:
         measured = attention is Attention.FLASH and profile.device.attention_forward is not None
         self.flash = {n: r for r in regions for n in r.nodes if n not in self.materialized} if measured else {}
         self.causal = causal_regions(graph) if self.flash else frozenset()
+        # Context parallelism's ring design: the attention products by name, the causal chains by last node.
+        self.cp_axis = cp_axis(mesh)
+        self.regions = {n: r for r in regions for n in r.nodes} if self.cp_axis is not None else {}
+        self.causal_chains = causal_regions(graph) if self.cp_axis is not None else frozenset()
         self.selective_saves, self.selective_inside = self._selective_saves()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
@@ -235,6 +241,7 @@ class CostModel:
         elif node.name in self.flash:
             compute = flash_cost(self.profile.device, self.precision, g, node, self.flash[node.name], shapes, compute,
                                  causal=node.name in self.causal)  # (its last node's)
+        ring = self._ring(node, strategy, shapes)
         loss = None
         if self.loss_tensor in node.outputs:
             loss = self.loss_cost(strategy.output_specs[node.outputs.index(self.loss_tensor)])
@@ -244,12 +251,25 @@ class CostModel:
             if node.name in self.selective_saves:  # and what selective recomputation saves: the op's output, whole,
                 # whatever its consumers' backward reads (an attention's: not its materialised probabilities)
                 out = sum(tensor_bytes(g.tensors[t], shapes[t], self.precision) for t in node.outputs)
-                return NodeCost(compute=compute, activation_bytes=kept + out, loss=loss)
+                return NodeCost(compute=compute, activation_bytes=kept + out, loss=loss, events=ring)
             if node.name in self.selective_inside:  # inside the attention saved whole: nothing of its own
-                return NodeCost(compute=compute, activation_bytes=kept, loss=loss)
+                return NodeCost(compute=compute, activation_bytes=kept, loss=loss, events=ring)
             return NodeCost(compute=compute, activation_bytes=kept, loss=loss, recompute_s=compute.fwd_s,
-                            recomputed_bytes=act)
-        return NodeCost(compute=compute, activation_bytes=act, loss=loss)
+                            recomputed_bytes=act, events=ring)
+        return NodeCost(compute=compute, activation_bytes=act, loss=loss, events=ring)
+
+    def _ring(self, node: OpNode, strategy: OpStrategy, shapes: Mapping[str, tuple[int, ...]]
+              ) -> tuple[PricedCollective, ...]:
+        """Ring attention's passes, at an attention product the plan runs so on the cp axis
+        (`core/context.py`, `costmodel/context.py`); a fully recomputed layer's forward ones again."""
+        a = self.cp_axis
+        if a is None or len(strategy.kernels) <= a or strategy.kernels[a] != RING:
+            return ()
+        region = self.regions[node.name]
+        return ring_events(node, node.name == region.nodes[0], self.graph, shapes, a, self.mesh, self.profile,
+                           self.precision, causal=region.nodes[-1] in self.causal_chains,
+                           overlap=self.composer is Composer.OVERLAP,
+                           recomputed=node.name in self.layer_of and self.recompute is Recompute.FULL)
 
     def _dispatch(self, node: OpNode, strategy: OpStrategy) -> tuple[PricedCollective, ...]:
         """Expert parallelism's all-to-alls, on its block's first expert gather where that runs split

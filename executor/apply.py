@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from core import placement as mp
 from core.collectives import Collective
+from core.context import cp_axis
 from core.graph import OpGraph, TensorKind
 from core.levers import Offload, Recompute, Runtime
 from executor.apply_experts import apply_expert_parallel, expert_parallel_blocks
@@ -247,6 +248,9 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          f"{[len(s.pipeline.stages), *shape] if s.pipeline else list(shape)} needs {devices} ranks, "
                          f"this run has {dist.get_world_size()}; launch with --nproc-per-node {devices} or plan for "
                          f"{dist.get_world_size()} devices")
+    if cp_axis(s.mesh) is not None:
+        raise ApplyError("apply does not run context parallelism yet (torch's context_parallel, GPU only); run the "
+                         "plan with `meshplan run` (both designs, any device), or plan without cp")
     if s.pipeline is not None:
         if expert_parallel_blocks(s, graph):
             raise ApplyError("apply does not run expert parallelism inside pipeline stages yet; plan without pp or "

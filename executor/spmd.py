@@ -23,12 +23,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from core.context import RING, cp_axis
 from core.experts import EXPERT_PARALLEL, ExpertRegion, ep_axis, expert_region, find_expert_blocks
 from core.graph import OpNode
 from core.levers import Attention, Recompute
 from core.placement import Spec, gradient_spec, split_axes
 from costmodel.attention import AttentionRegion, attention_regions
 from costmodel.autocast import LOW_OPS as AUTOCAST_LOW
+from executor.context import ring_attention
 from executor.dtensors import (
     contiguous_stride,
     full_grad,
@@ -110,6 +112,13 @@ class SpmdRunner:
         names = {n.name for n in mine}
         self.regions = {last: r for last, r in attention_regions(self.graph).items()
                         if self._is_local(r) and set(r.nodes) <= names}
+        # Context parallelism's ring design: those chains whose products run the ring on the cp axis.
+        self._cp = cp_axis(strategy.mesh)
+        self.ring = {r.nodes[-1] for r in attention_regions(self.graph).values() if r.nodes[0] in names
+                     and self._cp is not None and self._plans[r.nodes[0]][3][self._cp:self._cp + 1] == [RING]}
+        if self.ring - set(self.regions):
+            raise ValueError(f"the attention ending at {sorted(self.ring - set(self.regions))[0]} runs ring attention "
+                             "but the plan moves tensors inside it; the executor runs a ring chain as one kernel")
         # Mixture-of-experts blocks split over ep: each block's expert region runs as one entry at its last
         # node, the tokens sent to their experts and back (`executor/experts.py`).
         self._ep = ep_axis(strategy.mesh)
@@ -298,6 +307,10 @@ class SpmdRunner:
                     assert self._ep is not None
                     outs = [run_expert_region(region, {k: prepare(*k) for k in region.inputs}, g,
                                               self.mesh.get_group(self._ep), self.mesh_shape[self._ep], self._region_op)]
+                elif region is not None and node.name in self.ring:  # its keys and values passed round cp
+                    assert self._cp is not None
+                    q, kt, *mask, v = (prepare(n, i) for n, i in region.inputs)
+                    outs = [ring_attention(q, kt, mask[0] if mask else None, v, self.mesh.get_group(self._cp))]
                 elif region is not None:  # the attention chain ending here, as the planned kernel(s)
                     outs = [attention(*(prepare(n, i) for n, i in region.inputs))]
                 else:

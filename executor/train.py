@@ -23,9 +23,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
+from core.collectives import Collective
 from core.levers import LossKind
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
+from executor.context import ring_passes
 from executor.dtensors import local_shard
 from executor.groups import check_groups, mesh_groups
 from executor.interpreter import OnnxModule, load_module
@@ -145,6 +147,7 @@ class PlainStep:
         runner.regather.on_saved = meter.pack if measure else None  # inside the runner's forward (its own hooks)
         runner.on_kept = meter.keep if measure else None  # a recomputed layer's inputs, kept to backward
         runner.recompute_watch = meter.watch if measure else None
+        passes = ring_passes()  # ring attention's sends (point to point: no collective torch counts)
         with comm if comm is not None else contextlib.nullcontext():
             for i in range(self.k):
                 t0 = clock(self.device)
@@ -161,6 +164,8 @@ class PlainStep:
             runner.reduce_gradients()
         if comm is not None:
             self.counted_by_dtype = comm.by_dtype
+            if ring_passes() > passes:
+                comm.counts[Collective.SEND_RECV.value] += ring_passes() - passes
         return loss, dict(comm.counts) if comm is not None else {}, [fwd_s, bwd_s, clock(self.device) - t2], \
             meter.peak
 

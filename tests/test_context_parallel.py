@@ -13,10 +13,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from core.collectives import Collective, Phase, Purpose
+from core.context import RING
 from core.layout import parse_layout
+from core.mesh import DeviceMesh
 from core.placement import Replicate, Shard
 from costmodel.attention import attention_regions
+from costmodel.comm import collective_time_s
 from costmodel.context import causal_shares, zigzag_order
+from costmodel.device import matmul_time_s
+from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
@@ -55,9 +61,10 @@ def test_layout_cp_splits_the_sequence(zoo: Callable[[str], Path]) -> None:
             assert all(isinstance(x, Shard) for x in s.tensors[p.name].spec.placements), p.name  # FSDP over both
 
 
-def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 32) -> Strategy:
-    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": batch, "seq": seq}, profile="cpu", devices=devices,
-                                 recompute="none", dtype="fp32", layout=parse_layout(layout, devices)))
+def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 32, method: str = "allgather",
+          profile: str = "cpu") -> Strategy:
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": batch, "seq": seq}, profile=profile, devices=devices,
+                                 recompute="none", dtype="fp32", layout=parse_layout(layout, devices), cp_method=method))
     return s
 
 
@@ -89,16 +96,62 @@ def test_attention_gathers_keys_and_values_over_cp(zoo: Callable[[str], Path]) -
                 assert not isinstance(spec.placements[cp], Replicate), (name, t)
 
 
-@pytest.mark.parametrize("layout", ["dp_shard=2,cp=2", "cp=4"])
-def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], layout: str, tmp_path: Path) -> None:
+def test_ring_passes_priced_against_a_hand_count(zoo: Callable[[str], Path]) -> None:
+    """cp=4 under the ring design: each attention's products hold kᵀ and v split on their tokens (kernel
+    RING on cp) and pass their blocks — 1·4·16·8·4 B each — cp − 1 = 3 times forward and their gradients 3
+    times backward; on the CPU profile (no overlap) each pass priced as a send on the cp axis; on the
+    H100 (overlapped) at what outlasts half the block's attention (4·b·h·s_q·d·s_blk FLOPs, halved causal)."""
+    model = zoo("llama-tiny")
+    for profile in ("cpu", "h100-sxm"):
+        s = _plan(model, "cp=4", batch=1, method="ring", profile=profile)
+        prof = load_profile(profile)
+        mesh = DeviceMesh.build(4, (4,), ("cp",), devices_per_node=prof.devices_per_node)
+        send = collective_time_s(prof, mesh, Collective.SEND_RECV, 2048.0, (0,)) + (prof.device.reshard_overhead_s or 0.0)
+        block = 4.0 * 1 * 4 * 8 * 16 * 8 * 0.5
+        hidden = matmul_time_s(prof.device, block, "fp32") / 2 if profile == "h100-sxm" else 0.0  # (an fp32 plan)
+        g = load_graph(model, s.model.dims)
+        for r in attention_regions(g).values():
+            for mm, t in ((r.nodes[0], r.kt), (r.nodes[-1], r.v)):
+                assert s.nodes[mm].kernels == (RING,) and s.tensors[t].spec.placements == (Shard(2 if t == r.v else 3),)
+                passes = [e for e in s.nodes[mm].collectives if e.purpose is Purpose.CONTEXT_PASS]
+                assert [(e.phase, e.size_bytes, e.tensor) for e in passes] == \
+                    [(Phase.FORWARD, 2048.0, t)] * 3 + [(Phase.BACKWARD, 2048.0, t)] * 3
+                assert [e.time_s for e in passes] == pytest.approx([max(0.0, send - hidden)] * 3
+                                                                  + [max(0.0, send - 2 * hidden)] * 3)
+
+
+def test_cp_method_auto_plans_the_faster(zoo: Callable[[str], Path]) -> None:
+    model = zoo("llama-tiny")
+    auto = _plan(model, "cp=4", batch=1, method="auto")
+    assert auto.step_time_s == min(_plan(model, "cp=4", batch=1, method=m).step_time_s for m in ("allgather", "ring"))
+
+
+def _run(zoo: Callable[[str], Path], layout: str, method: str, tmp_path: Path) -> None:
     """On 4 gloo ranks, causal llama-tiny at 32 tokens (divisible by 2·cp): loss, gradients and
-    parameters after a step equal one process (< 1e-5, fp32), the collectives run those planned."""
+    parameters after a step equal one process (< 1e-5, fp32), the collectives and sends run those
+    planned: k and v gathered per attention, or passed cp − 1 times each way."""
     from tests.test_training_step import run_equals_one_process
 
-    s = _plan(zoo("llama-tiny"), layout, batch=4 // parse_layout(layout, 4).context_parallel)
+    lay = parse_layout(layout, 4)
+    s = _plan(zoo("llama-tiny"), layout, batch=4 // lay.context_parallel, method=method)
     r = run_equals_one_process(s, zoo("llama-tiny"), tmp_path)
     assert r["grad_max_abs_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5
-    assert r["collectives_planned"]["all_gather"] >= 4 * s.training.micro_batches  # k and v per attention
+    k = s.training.micro_batches
+    if method == "ring":
+        assert r["collectives_planned"]["send_recv"] == 2 * 2 * 2 * (lay.context_parallel - 1) * k
+    else:
+        assert r["collectives_planned"]["all_gather"] >= 4 * k and "send_recv" not in r["collectives_planned"]
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], method: str, tmp_path: Path) -> None:
+    _run(zoo, "dp_shard=2,cp=2", method, tmp_path)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_context_parallel_run_equals_one_process_cp4(zoo: Callable[[str], Path], method: str, tmp_path: Path) -> None:
+    _run(zoo, "cp=4", method, tmp_path)
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -111,9 +164,11 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     ("llama-tiny", ["batch=2", "seq=30"], "cp=4", "cp=4 splits the sequence of 30 tokens into 8"),
     ("mlp", ["batch=8"], "dp_shard=2,cp=2", "no sequence dim to split"),
     ("llama-tiny", ["batch=2", "seq=32"], "cp=2,pp=2", "cp=2 with pp: context parallelism is planned beside"),
+    ("llama-tiny", ["batch=4", "seq=32", "--cp-method", "ring"], "dp_shard=4",
+     "--cp-method ring: context parallelism needs a cp axis"),
 ])
 def test_bad_context_parallelism_is_one_line(zoo: Callable[[str], Path], model: str, dims: list[str], layout: str,
                                              message: str) -> None:
     r = _cli("plan", str(zoo(model)), "--devices", "4", "--profile", "cpu",
-             *(x for d in dims for x in ("--dim", d)), "--layout", layout, "-o", "/dev/null")
+             *(x for d in dims for x in (("--dim", d) if "=" in d else (d,))), "--layout", layout, "-o", "/dev/null")
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

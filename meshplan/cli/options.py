@@ -251,6 +251,9 @@ def plan_options(fn: F) -> F:
                        "with the ILP's best."),
         click.option("--schedule", default=None, metavar="gpipe|1f1b|interleaved",
                      help="A pipeline layout's schedule (default 1f1b; interleaved with vpp)."),
+        click.option("--cp-method", "cp_method", default=None, metavar="allgather|ring|auto",
+                     help="With cp in --layout: attention's keys and values gathered over cp, passed around its "
+                          "ring, or the faster as priced (default auto)."),
         click.option("--micro-batch-size", type=int, default=None, metavar="M",
                      help="Sequences per data-parallel rank per micro-step (with --global-batch-size and --layout)."),
         click.option("-o", "--out", "out_path", default=None, help="Strategy JSON to write (default: MODEL_STEM.strategy.json)."),
@@ -305,7 +308,7 @@ FLAGS = {
     "zero_shard_size": "--zero-shard-size", "time_limit_s": "--time-limit", "strategy_out": "--strategy-out",
     "search": "--search", "save": "--save", "recompute": "--recompute", "offload": "--offload",
     "gradient_accumulation_shard": "--gradient-accumulation-shard", "dataset_strategy": "--dataset-strategy", "strict": "--strict", "steps": "--steps",
-    "solver": "--solver", "schedule": "--schedule", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
+    "solver": "--solver", "schedule": "--schedule", "cp_method": "--cp-method", "optimizer": "--optimizer", "load": "--load", "hf_config": "--hf-config",
     "fusion": "--comm-fusion", "attention_dropout": "--attention-dropout", "capacity_factor": "--capacity-factor", "attention": "--attention", "workers": "--workers",
     "warmup": "--warmup", "profile": "--profile", "quick": "--quick", "compute_only": "--compute-only",
     "axis_names": "--axis-names", "dtype": "--dtype", "loss": "--loss", "zero_threshold_bytes": "--zero-threshold",

@@ -13,7 +13,7 @@ from core.collectives import Phase
 from core.experts import ep_axis, expert_weight_nodes, find_expert_blocks
 from core.graph import SEQUENCE_DIM, OpGraph, TensorKind
 from core.layout import WHOLE_AXES, Layout
-from core.levers import Composer, LossKind, Recompute, Search
+from core.levers import Composer, CpMethod, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Placement, Replicate, Shard, Spec, fully_sharded
 from costmodel.attention import causal_regions
@@ -25,6 +25,7 @@ from hwprofiles.files import list_presets
 from hwprofiles.profile import HardwareProfile
 from planner.graph import load_graph
 from planner.rules import RuleSet
+from planner.rules.context import context_parallel
 from planner.search.decisions import SolverOptions
 from planner.search.request import PlanRequest
 from planner.search.solve import ShardingILP
@@ -205,7 +206,8 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
         dataset_strategy=req.dataset_strategy)
 
 
-def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet:
+def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
+               cp_method: CpMethod = CpMethod.ALLGATHER) -> RuleSet:
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
     (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
     for use): no op may split a
@@ -217,7 +219,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
     before them), which split their experts there (`planner/rules/experts.py`). On cp every op's float
     activations stay split (on the sequence, or wherever the ILP finds cheaper: attention's scores by
     its queries), none whole: only what an op reads may be gathered there — an attention's keys and
-    values, all of them for each rank's queries (context parallelism's all-gather design)."""
+    values, all of them for each rank's queries: gathered (context parallelism's all-gather design), or
+    under `cp_method` ring passed around the cp ring (`planner/rules/context.py`)."""
     if layout is None:
         return rules
     layout.check_experts(graph)
@@ -256,6 +259,9 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None) -> RuleSet
             for j, t in enumerate(ns.node.outputs) if t in views for a in cp))
         strategies = along if along and views and cp else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
+    ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method)
+    for name, strategies in ring.items():
+        out.by_node[name] = replace(out.by_node[name], strategies=strategies)
     return out
 
 

@@ -26,7 +26,7 @@ from core.errors import DimBindingError, MeshplanError
 from core.experts import find_expert_blocks
 from core.graph import OpGraph
 from core.layout import Layout
-from core.levers import ActivationOffload, Mode, Offload, Recompute, Search
+from core.levers import ActivationOffload, CpMethod, Mode, Offload, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Spec
 from costmodel.compose import StepCost
@@ -78,6 +78,10 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     at fewer micro-steps while that is faster; without --mesh, over mesh shapes; never slower than a
     hand layout that fits (`incumbents.py`)."""
     with sharing():
+        if req.layout is not None and req.layout.context_parallel > 1 and req.cp_method in (None, CpMethod.AUTO):
+            # context parallelism's two designs, each planned; the faster
+            plans = [_make_plan(replace(req, cp_method=m), progress) for m in (CpMethod.ALLGATHER, CpMethod.RING)]
+            return min(plans, key=lambda p: p[0].step_time_s)
         return _make_plan(req, progress)
 
 
@@ -389,7 +393,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     for shape, names in named:
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
-        rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout)
+        rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout,
+                           req.cp_method or CpMethod.ALLGATHER)
         model = partial(cost_model_for, req, graph, mesh, profile, precision, steps)
         # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
         counted = graph.layers and req.decides and (recompute is Recompute.AUTO or req.recompute_layers is not None)

@@ -12,6 +12,7 @@ from core.levers import (
     ActivationOffload,
     Attention,
     Composer,
+    CpMethod,
     Dtype,
     LossKind,
     Mode,
@@ -76,6 +77,8 @@ class PlanRequest:
     # torchtitan's degrees (core/layout.py), given parsed or as text ("dp_shard=8,tp=8"; pp, vpp pipeline)
     layout: Layout | None = None
     schedule: Schedule | None = None  # a pipeline's (default 1f1b; interleaved with vpp)
+    # With cp in the layout: how an attention sees every key and value (`core/context.py`); None: auto
+    cp_method: CpMethod | None = None
     micro_batch_size: int | None = None  # per data-parallel rank per micro-step (needs the dp degree)
     # How priced items add up (costmodel/compose.py); None: the profile's default (`for_profile`).
     composer: Composer | None = None
@@ -116,6 +119,8 @@ class PlanRequest:
                 object.__setattr__(self, name, lever(kind, getattr(self, name), name))
         if self.schedule is not None:
             object.__setattr__(self, "schedule", lever(Schedule, self.schedule, "schedule"))
+        if self.cp_method is not None:
+            object.__setattr__(self, "cp_method", lever(CpMethod, self.cp_method, "cp_method"))
         if isinstance(self.layout, str):
             object.__setattr__(self, "layout", parse_layout(self.layout, self.devices))
         if self.devices < 1:
@@ -132,6 +137,9 @@ class PlanRequest:
                 raise MeshplanError("`layout` and `mesh_shape` both fix the mesh; give one")
             if not self.decides:
                 raise MeshplanError(f"`layout` is priced by the ILP: use `mode` auto or semi, not {self.mode}")
+        if self.cp_method not in (None, CpMethod.AUTO) and (self.layout is None or self.layout.context_parallel == 1):
+            raise MeshplanError(f"`cp_method` {self.cp_method}: context parallelism needs a cp axis; give `layout` "
+                                "with cp=N (e.g. dp_shard=8,cp=8), or drop `cp_method`")
         pp = self.layout
         if pp is not None and pp.pipeline > 1 and self.global_batch_size is None and "batch" in self.dims:
             raise MeshplanError("`layout` pp: a pipeline runs micro-batches of a global batch; give "
