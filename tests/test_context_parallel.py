@@ -172,3 +172,14 @@ def test_bad_context_parallelism_is_one_line(zoo: Callable[[str], Path], model: 
     r = _cli("plan", str(zoo(model)), "--devices", "4", "--profile", "cpu",
              *(x for d in dims for x in (("--dim", d) if "=" in d else (d,))), "--layout", layout, "-o", "/dev/null")
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_long_sequences_add_an_fsdp_cp_hand_layout() -> None:
+    """The planner's hand layouts add FSDP + CP (the sequence split over a node) from LONG_CONTEXT tokens."""
+    from planner.search.incumbents import LONG_CONTEXT, hand_layouts
+
+    names = {h.name: h.layout for h in hand_layouts(64, 8, 131072)}
+    assert names["FSDP + CP"] == "dp_shard=8,cp=8" and parse_layout(names["FSDP + CP"], 64).context_parallel == 8
+    assert "FSDP + CP" not in {h.name for h in hand_layouts(64, 8, LONG_CONTEXT - 1)}
+    assert "FSDP + CP" not in {h.name for h in hand_layouts(64, 8, None)}
+    assert {h.name: h.layout for h in hand_layouts(8, 8, 131072)}["FSDP + CP"] == "cp=8"

@@ -10,6 +10,9 @@ slower, and says which: a plan is never predicted slower than a hand layout that
                                              places the tensors inside tp), FSDP across nodes (on
                                              more than one node: inside one, tp places everything
                                              as the search itself does)
+  FSDP + CP  dp_shard=N/G, cp=G, ZeRO 3      long sequences (LONG_CONTEXT tokens or more): the
+                                             sequence split over a node (context parallelism,
+                                             `--cp-method` auto), FSDP over both
 
 Each is tried on the request's mesh shape where the request fixes one, on its own otherwise, and at
 the request's ZeRO stage where it fixes one (and its other levers: precision, recomputation, micro-steps).
@@ -35,14 +38,21 @@ class HandLayout:
     zero: int
 
 
-def hand_layouts(devices: int, devices_per_node: int) -> list[HandLayout]:
-    """The hand layouts for `devices` GPUs in nodes of `devices_per_node`."""
+# From this many tokens per sequence a practitioner splits the sequence (Llama-3's long-context stage: 128k)
+LONG_CONTEXT = 32768
+
+
+def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = None) -> list[HandLayout]:
+    """The hand layouts for `devices` GPUs in nodes of `devices_per_node`; `sequence`: the tokens of the
+    model's sequence dim, where it has one."""
     n, g = devices, min(devices_per_node, devices)
     out = [HandLayout("DDP", f"dp_replicate={n}", 0), HandLayout("FSDP", f"dp_shard={n}", 3)]
     if n > g > 1 and n % g == 0:
         out.append(HandLayout("HSDP", f"dp_replicate={n // g},dp_shard={g}", 3))
     if n > g > 1 and n % g == 0:
         out.append(HandLayout("FSDP + TP", f"dp_shard={n // g},tp={g}", 3))
+    if sequence is not None and sequence >= LONG_CONTEXT and g > 1 and n % g == 0:
+        out.append(HandLayout("FSDP + CP", f"dp_shard={n // g},cp={g}" if n > g else f"cp={g}", 3))
     return out
 
 
@@ -54,11 +64,12 @@ def states_floor(layout: Layout, zero: int, num_params: float, precision: Precis
 
 
 def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,
-               num_params: float, precision: Precision, limit: float) -> list[tuple[HandLayout, Strategy | str]]:
+               num_params: float, precision: Precision, limit: float,
+               sequence: int | None = None) -> list[tuple[HandLayout, Strategy | str]]:
     """Each hand layout planned by `plan` as written for the request (its devices, global batch,
     precision and levers) at the fewest micro-steps and the recomputation that fit, or why none fits."""
     out: list[tuple[HandLayout, Strategy | str]] = []
-    for hand in hand_layouts(req.devices, devices_per_node):
+    for hand in hand_layouts(req.devices, devices_per_node, sequence):
         if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
             # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
             if (hand.name == "DDP") == (req.zero_stage == 3):

@@ -24,7 +24,7 @@ from typing import TypeVar
 
 from core.errors import DimBindingError, MeshplanError
 from core.experts import find_expert_blocks
-from core.graph import OpGraph
+from core.graph import SEQUENCE_DIM, OpGraph
 from core.layout import Layout
 from core.levers import ActivationOffload, CpMethod, Mode, Offload, Recompute, Search
 from core.mesh import DeviceMesh
@@ -215,7 +215,8 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
         except DimBindingError:  # a static export: its batch is its own
             graph = graph_for(req.model, req.dims)
         return incumbents(req, profile.devices_per_node, lambda r: make_plan(r)[0], num_params=graph.num_params,
-                          precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile))
+                          precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile),
+                          sequence=graph.dims.get(SEQUENCE_DIM) if graph.sequence_dims() else None)
 
     if req.searches_pipelines():
         return lambda: job(say)
