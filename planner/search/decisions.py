@@ -27,7 +27,19 @@ class InfeasiblePlanError(MeshplanError):
 
 
 class NotBetterError(InfeasiblePlanError):
-    """No plan of the ILP beats the cutoff it was given (a plan the search already holds)."""
+    """No plan of the ILP beats the cutoff it was given (a plan the search already holds); `memory`: the
+    plans that would have beaten it exceed the memory limit."""
+
+    def __init__(self, message: str, *, memory: bool = False) -> None:
+        super().__init__(message)
+        self.memory = memory
+
+    def __reduce__(self) -> tuple[object, ...]:  # (a forked solve's error comes back pickled)
+        return _not_better, (str(self), self.memory)
+
+
+def _not_better(message: str, memory: bool) -> NotBetterError:
+    return NotBetterError(message, memory=memory)
 
 
 class PinError(MeshplanError):

@@ -171,8 +171,9 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
             # costs a forward at any count, which fewer micro-steps may win back (fewer per-micro-step
             # gathers and all-to-alls) only below the first count that fits
             for k in order:
-                if attempt(k, policies[1]) is None and not isinstance(failures[-1], NotBetterError):
-                    break  # fewer micro-steps need more memory: none fits
+                if attempt(k, policies[1]) is None and not (isinstance(failures[-1], NotBetterError)
+                                                            and not failures[-1].memory):
+                    break  # fewer micro-steps need more memory: none fits (or none faster fits)
 
         if below:
             before = min((f[1][0].step_time_s for f in found), default=math.inf)
@@ -473,7 +474,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
         if best is None or cost.step_time_s < best[0]:
             best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats, recomputed)
     if best is None:  # (a mesh that fits but beats no plan the search holds says so first)
-        raise next((e for e in errors if isinstance(e, NotBetterError)), errors[0])
+        beaten = [e for e in errors if isinstance(e, NotBetterError)]
+        raise next((e for e in beaten if not e.memory), beaten[0] if beaten else errors[0])
     _, mesh, rules, cm, choice, cost, stats, recomputed = best
     settings = plan_settings(req, graph, search=req.search if req.mode in (Mode.AUTO, Mode.SEMI) else Search.PROPAGATION,
                              dtype=precision.name, limit=limit, loss=cm.loss)

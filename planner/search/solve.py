@@ -515,7 +515,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
                                       num_workers=o.num_workers, log=o.log)
         if result.status == "INFEASIBLE" and o.cutoff_s is not None:
             raise NotBetterError(f"no plan {'fits the memory limit and ' if held else ''}beats {o.cutoff_s:.6g} s "
-                                 "(a plan already found)")
+                                 "(a plan already found)", memory=held)
         if result.status == "INFEASIBLE":
             families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
