@@ -10,7 +10,8 @@ the mean — every rank alike.
 
 The cost model prices a query shard of s/cp rows against all s keys, halved under a causal mask
 (`costmodel/flash.py`): exactly the zig-zag share, the order the planned step assumes. (`run` splits
-the sequence contiguously: the same numbers, its last rank holding (2cp − 1)/cp of the mean.)
+the sequence contiguously and computes every block's scores whole, masked: the same numbers, each
+rank twice the causal share.)
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ class CostModel:
     def _ring(self, node: OpNode, strategy: OpStrategy, shapes: Mapping[str, tuple[int, ...]]
               ) -> tuple[PricedCollective, ...]:
         """Ring attention's passes, at an attention product the plan runs so on the cp axis
-        (`core/context.py`, `costmodel/context.py`); a fully recomputed layer's forward ones again."""
+        (`core/context.py`, `costmodel/context.py`); a recomputed layer's forward ones again (selectively
+        too: the ring is no op whose output selective recomputation saves)."""
         a = self.cp_axis
         if a is None or len(strategy.kernels) <= a or strategy.kernels[a] != RING:
             return ()
@@ -269,7 +270,8 @@ class CostModel:
         return ring_events(node, node.name == region.nodes[0], self.graph, shapes, a, self.mesh, self.profile,
                            self.precision, causal=region.nodes[-1] in self.causal_chains,
                            overlap=self.composer is Composer.OVERLAP,
-                           recomputed=node.name in self.layer_of and self.recompute is Recompute.FULL)
+                           recomputed=node.name in self.layer_of
+                           and self.recompute in (Recompute.FULL, Recompute.SELECTIVE))
 
     def _dispatch(self, node: OpNode, strategy: OpStrategy) -> tuple[PricedCollective, ...]:
         """Expert parallelism's all-to-alls, on its block's first expert gather where that runs split

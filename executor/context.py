@@ -5,7 +5,10 @@ contiguous chunks: rank r holds block r. cp times it computes its queries agains
 — the mask's columns of that block added —, merges the block's softmax into the running one by their
 log-sum-exps, and passes the block to the next rank while taking the previous rank's (`dist.isend` /
 `irecv`; the last block is not passed on). Backward runs through the same ops: each pass's gradient
-goes back the way the block came (`_Pass`). The result equals softmax(q·kᵀ + mask)·v over all keys.
+goes back the way the block came (`_Pass`). The result equals softmax(q·kᵀ + mask)·v over all keys
+(a row the mask leaves no key: 0, as the exporter's NaN guard makes it). A reference implementation
+for gloo: each exchange is waited for before the block is computed (no overlap), each block's scores
+are written to memory and every received block is kept for backward (the all-gather's memory).
 
 Each pass is counted (`passes`), for the run's report against the plan's `send_recv`s.
 """
@@ -68,10 +71,11 @@ def ring_attention(q: torch.Tensor, kt: torch.Tensor, mask: torch.Tensor | None,
         blk = torch.logsumexp(s, dim=-1, keepdim=True).masked_fill(dead, float("-inf"))
         o = torch.matmul(torch.softmax(s, dim=-1), v_blk)
         if out is None or lse is None:
-            out, lse = o, blk  # (its own block: a causal row sees its own token)
-        else:
+            out, lse = o.masked_fill(dead, 0.0), blk
+        else:  # (a row masked whole so far keeps -inf: its weights 0, not exp(-inf + inf))
             new = torch.logaddexp(lse, blk)
-            out = out * torch.exp(lse - new) + o * torch.exp(blk - new)
+            safe = new.masked_fill(torch.isneginf(new), 0.0)
+            out = out * torch.exp(lse - safe) + o * torch.exp(blk - safe)
             lse = new
         if i < n - 1:
             k_blk, v_blk = _Pass.apply(k_blk, group, to, frm), _Pass.apply(v_blk, group, to, frm)

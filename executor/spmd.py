@@ -114,8 +114,15 @@ class SpmdRunner:
                         if self._is_local(r) and set(r.nodes) <= names}
         # Context parallelism's ring design: those chains whose products run the ring on the cp axis.
         self._cp = cp_axis(strategy.mesh)
-        self.ring = {r.nodes[-1] for r in attention_regions(self.graph).values() if r.nodes[0] in names
-                     and self._cp is not None and self._plans[r.nodes[0]][3][self._cp:self._cp + 1] == [RING]}
+        def ring(name: str) -> bool:
+            return self._cp is not None and self._plans[name][3][self._cp:self._cp + 1] == [RING]
+
+        chains = [r for r in attention_regions(self.graph).values() if r.nodes[0] in names]
+        self.ring = {r.nodes[-1] for r in chains if ring(r.nodes[0]) and ring(r.nodes[-1])}
+        mixed = [r.nodes[-1] for r in chains if ring(r.nodes[0]) != ring(r.nodes[-1])]
+        if mixed:
+            raise ValueError(f"the attention ending at {mixed[0]} runs one product as ring attention and the other "
+                             "not; plan it with `cp_method` ring or allgather")
         if self.ring - set(self.regions):
             raise ValueError(f"the attention ending at {sorted(self.ring - set(self.regions))[0]} runs ring attention "
                              "but the plan moves tensors inside it; the executor runs a ring chain as one kernel")

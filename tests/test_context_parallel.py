@@ -62,9 +62,10 @@ def test_layout_cp_splits_the_sequence(zoo: Callable[[str], Path]) -> None:
 
 
 def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 32, method: str = "allgather",
-          profile: str = "cpu") -> Strategy:
+          profile: str = "cpu", recompute: str = "none") -> Strategy:
     s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": batch, "seq": seq}, profile=profile, devices=devices,
-                                 recompute="none", dtype="fp32", layout=parse_layout(layout, devices), cp_method=method))
+                                 recompute=recompute, dtype="fp32", layout=parse_layout(layout, devices),
+                                 cp_method=method))
     return s
 
 
@@ -126,19 +127,21 @@ def test_cp_method_auto_plans_the_faster(zoo: Callable[[str], Path]) -> None:
     assert auto.step_time_s == min(_plan(model, "cp=4", batch=1, method=m).step_time_s for m in ("allgather", "ring"))
 
 
-def _run(zoo: Callable[[str], Path], layout: str, method: str, tmp_path: Path) -> None:
+def _run(zoo: Callable[[str], Path], layout: str, method: str, tmp_path: Path, recompute: str = "none") -> None:
     """On 4 gloo ranks, causal llama-tiny at 32 tokens (divisible by 2·cp): loss, gradients and
     parameters after a step equal one process (< 1e-5, fp32), the collectives and sends run those
-    planned: k and v gathered per attention, or passed cp − 1 times each way."""
+    planned: k and v gathered per attention, or passed cp − 1 times each way (and forward again in
+    backward where the layer is recomputed)."""
     from tests.test_training_step import run_equals_one_process
 
     lay = parse_layout(layout, 4)
-    s = _plan(zoo("llama-tiny"), layout, batch=4 // lay.context_parallel, method=method)
+    s = _plan(zoo("llama-tiny"), layout, batch=4 // lay.context_parallel, method=method, recompute=recompute)
     r = run_equals_one_process(s, zoo("llama-tiny"), tmp_path)
     assert r["grad_max_abs_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5
     k = s.training.micro_batches
     if method == "ring":
-        assert r["collectives_planned"]["send_recv"] == 2 * 2 * 2 * (lay.context_parallel - 1) * k
+        again = 2 if recompute == "none" else 3
+        assert r["collectives_planned"]["send_recv"] == 2 * 2 * again * (lay.context_parallel - 1) * k
     else:
         assert r["collectives_planned"]["all_gather"] >= 4 * k and "send_recv" not in r["collectives_planned"]
 
@@ -146,6 +149,12 @@ def _run(zoo: Callable[[str], Path], layout: str, method: str, tmp_path: Path) -
 @pytest.mark.parametrize("method", ["allgather", "ring"])
 def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], method: str, tmp_path: Path) -> None:
     _run(zoo, "dp_shard=2,cp=2", method, tmp_path)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("recompute", ["full", "selective"])
+def test_ring_recomputed_runs_its_passes_again(zoo: Callable[[str], Path], recompute: str, tmp_path: Path) -> None:
+    _run(zoo, "cp=4", "ring", tmp_path, recompute=recompute)
 
 
 @pytest.mark.extended

@@ -58,9 +58,10 @@ def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = Non
 
 def states_floor(layout: Layout, zero: int, num_params: float, precision: Precision) -> float:
     """A lower bound of a layout's model states per device: ZeRO's forms (`memory.model_states`) over
-    all its data-parallel ranks, tensor parallelism splitting every parameter."""
+    all its data-parallel ranks (and cp's: FSDP shards over dp_shard × cp), tensor parallelism splitting
+    every parameter."""
     return model_state_bytes(num_params / layout.degree.get("tp", 1), precision, zero_stage=zero,
-                             dp_degree=layout.data_parallel)
+                             dp_degree=layout.data_parallel * layout.context_parallel)
 
 
 def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,

@@ -80,7 +80,16 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     with sharing():
         if req.layout is not None and req.layout.context_parallel > 1 and req.cp_method in (None, CpMethod.AUTO):
             # context parallelism's two designs, each planned; the faster
-            plans = [_make_plan(replace(req, cp_method=m), progress) for m in (CpMethod.ALLGATHER, CpMethod.RING)]
+            plans, errors = [], []
+            for m in (CpMethod.ALLGATHER, CpMethod.RING):
+                try:
+                    plans.append(_make_plan(replace(req, cp_method=m), progress))
+                except PinError:
+                    raise
+                except MeshplanError as e:  # (the other design may fit)
+                    errors.append(e)
+            if not plans:
+                raise errors[0]
             return min(plans, key=lambda p: p[0].step_time_s)
         return _make_plan(req, progress)
 
