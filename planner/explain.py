@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Purpose
+from core.context import RING, cp_axis
 from core.errors import MeshplanError, ProfileError
 from core.experts import CAPACITY_FACTOR
 from core.graph import OpGraph, numbered_levels
+from core.levers import CpMethod
 from core.mesh import DeviceMesh
 from costmodel.compose import StepCost
 from costmodel.memory import PRECISIONS
@@ -127,7 +129,30 @@ def explain_strategy(path: str, *, top: int = 10, hand_layouts: Baselines | None
         "offload_activations": dict(strategy.training.offload_activations),
         "host": document["cost"].get("host"),
         "experts": _experts(strategy, mesh),
+        "context": _context(strategy, mesh),
     }
+
+
+def _context(strategy: Strategy, mesh: DeviceMesh) -> dict[str, Any] | None:
+    """A context-parallel plan's design (ring where its attention products run `RING`, else all-gather),
+    the traffic on its cp axis a step per rank (the ring's passes, or every collective on cp), and the
+    best plan the planner found without cp (mesh candidates, hand layouts); None without a cp axis."""
+    a = cp_axis(mesh)
+    if a is None:
+        return None
+    ring = any(len(n.kernels) > a and n.kernels[a] == RING for n in strategy.nodes.values())
+    events = [x for node in strategy.nodes.values() for x in node.collectives
+              if (x.purpose is Purpose.CONTEXT_PASS if ring else a in x.axes)]
+    k = strategy.training.micro_batches
+    others = [(f"mesh {'x'.join(map(str, c.mesh))} ({', '.join(c.axis_names)})", c.step_time_s)
+              for c in strategy.candidates if c.step_time_s is not None and "cp" not in c.axis_names]
+    others += [(f"hand layout {h.name} ({h.layout})", h.step_time_s) for h in strategy.hand_layouts
+               if h.step_time_s is not None and h.fits and not h.chosen and "cp=" not in h.layout]
+    best = min(others, key=lambda o: o[1], default=None)
+    return {"context_parallel": mesh.shape[a], "design": str(CpMethod.RING if ring else CpMethod.ALLGATHER),
+            "count": len(events) * k, "bytes": sum(x.size_bytes for x in events) * k,
+            "time_s": sum(x.time_s for x in events) * k,
+            "without_cp": None if best is None else {"name": best[0], "step_time_s": best[1]}}
 
 
 def _experts(strategy: Strategy, mesh: DeviceMesh) -> dict[str, Any] | None:

@@ -192,3 +192,34 @@ def test_long_sequences_add_an_fsdp_cp_hand_layout() -> None:
     assert "FSDP + CP" not in {h.name for h in hand_layouts(64, 8, LONG_CONTEXT - 1)}
     assert "FSDP + CP" not in {h.name for h in hand_layouts(64, 8, None)}
     assert {h.name: h.layout for h in hand_layouts(8, 8, 131072)}["FSDP + CP"] == "cp=8"
+
+
+def test_a_shared_cost_model_tells_cp_from_another_axis(zoo: Callable[[str], Path]) -> None:
+    """Within one planning call (`sharing`), a mesh of the same shape under other names (dp × tp, then
+    dp_shard × cp) gets its own cost model: the ring's passes are priced on the cp mesh."""
+    from planner.search.build import sharing
+
+    model = zoo("llama-tiny")
+    with sharing():
+        make_plan(PlanRequest(model=str(model), dims={"batch": 2, "seq": 32}, profile="cpu", devices=4,
+                              mesh_shape=(2, 2), axis_names=("dp", "tp"), recompute="none", dtype="fp32"))
+        s = _plan(model, "dp_shard=2,cp=2", batch=2, method="ring")
+    assert sum(e.purpose is Purpose.CONTEXT_PASS for n in s.nodes.values() for e in n.collectives) == 2 * 2 * 2
+
+
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_explain_names_the_design_and_its_traffic(zoo: Callable[[str], Path], method: str, tmp_path: Path) -> None:
+    """explain's context section: cp's degree, the design, and the traffic on cp a step per rank — the
+    ring's 24 passes of 2048 B (cp=4: 2 attentions × 2 products × 3 passes × 2 directions), or the
+    collectives on cp among them the 8 gathers and scatters of kᵀ and v."""
+    from planner.explain import explain_strategy
+
+    s = _plan(zoo("llama-tiny"), "cp=4", batch=1, method=method)
+    s.save(tmp_path / "s.json")
+    c = explain_strategy(str(tmp_path / "s.json"))["context"]
+    assert (c["context_parallel"], c["design"]) == (4, method)
+    if method == "ring":
+        assert (c["count"], c["bytes"]) == (24, 24 * 2048.0)
+    else:
+        kv = [e for n in s.nodes.values() for e in n.collectives if e.size_bytes == 1 * 4 * 16 * 32 * 4]
+        assert c["count"] >= len(kv) >= 8

@@ -213,6 +213,15 @@ def render_explain(e: dict[str, Any], report: str | None) -> None:
             w = x["without_ep"]
             line += f"; the best plan without expert parallelism, {w['name']}: {w['step_time_s'] * 1e3:.2f} ms"
         console.print(line)
+    if e.get("context"):
+        x = e["context"]
+        what = "passes of keys and values" if x["design"] == "ring" else "collectives on cp"
+        line = (f"context: cp={x['context_parallel']}, {x['design']} design, {x['count']} {what} a step per rank, "
+                f"{fmt_bytes(x['bytes'])}, {x['time_s'] * 1e3:.2f} ms priced")
+        if x["without_cp"]:
+            w = x["without_cp"]
+            line += f"; the best plan without context parallelism, {w['name']}: {w['step_time_s'] * 1e3:.2f} ms"
+        console.print(line)
     if e.get("host"):
         h = e["host"]
         console.print("host: " + "; ".join([*(f"{m} for {len(ts)} parameters" for m, ts in e["offload"].items()),

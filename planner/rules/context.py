@@ -11,26 +11,26 @@ not planned).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from core.context import RING, cp_axis
 from core.graph import OpGraph
 from core.levers import CpMethod
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Replicate, Shard, Spec
-from costmodel.attention import attention_regions
 
 
 def context_parallel(strategies: Mapping[str, tuple[OpStrategy, ...]], graph: OpGraph, mesh: DeviceMesh,
-                     method: CpMethod) -> dict[str, tuple[OpStrategy, ...]]:
+                     method: CpMethod, chains: Iterable[tuple[str, str]]) -> dict[str, tuple[OpStrategy, ...]]:
     """The attention products' strategies (of `strategies`, node → its strategies on `mesh`) under
-    `method` on the cp axis: node → its new strategies (none without a cp axis, or under allgather)."""
+    `method` on the cp axis: node → its new strategies (none without a cp axis). `chains`: each
+    attention chain's q·kᵀ and P·v nodes (`costmodel.attention.attention_regions`)."""
     a = cp_axis(mesh)
     out: dict[str, tuple[OpStrategy, ...]] = {}
     if a is None:
         return out
-    for region in attention_regions(graph).values():
-        for name, keys in ((region.nodes[0], True), (region.nodes[-1], False)):
+    for first, last in chains:
+        for name, keys in ((first, True), (last, False)):
             if name in strategies:
                 rank = len(graph.tensors[graph.node_by_name[name].inputs[1]].shape)
                 q = len(graph.tensors[graph.node_by_name[name].inputs[0]].shape)

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Phase
+from core.context import cp_axis
 from core.experts import ep_axis, expert_weight_nodes, find_expert_blocks
 from core.graph import SEQUENCE_DIM, OpGraph, TensorKind
 from core.layout import WHOLE_AXES, Layout
 from core.levers import Composer, CpMethod, LossKind, Recompute, Search
 from core.mesh import DeviceMesh
 from core.placement import OpStrategy, Partial, Placement, Replicate, Shard, Spec, fully_sharded
-from costmodel.attention import causal_regions
+from costmodel.attention import attention_regions, causal_regions
 from costmodel.compose import StepCost
 from costmodel.items import PricedStep
 from costmodel.memory import Precision
@@ -102,11 +103,11 @@ def graph_for(path: str, dims: Mapping[str, int]) -> OpGraph:
 def cost_model_for(req: PlanRequest, graph: OpGraph, mesh: DeviceMesh, profile: HardwareProfile, precision: Precision,
                 steps: int, policy: Recompute, layers: Mapping[str, int] | None = None) -> CostModel:
     """The request's cost model (once per graph, mesh and levers within `sharing`: the axes' names do
-    not change a price but for an expert-parallel axis, and ZeRO-3 is in the placements, so a request at
-    stage 3 shares stage 0's)."""
+    not change a price but for an expert-parallel axis and a context-parallel one (the ring's passes),
+    and ZeRO-3 is in the placements, so a request at stage 3 shares stage 0's)."""
     if _SHARED is None:
         return _cost_model(req, graph, mesh, profile, precision, steps, policy, layers)
-    key = ("cost model", id(graph), mesh.shape, ep_axis(mesh), mesh.devices, mesh.devices_per_node, profile.digest,
+    key = ("cost model", id(graph), mesh.shape, ep_axis(mesh), cp_axis(mesh), mesh.devices, mesh.devices_per_node, profile.digest,
            precision.name, steps, policy,
            tuple(sorted((layers or {}).items())), req.all_to_all, req.loss, (req.zero_stage or 0) % 3, req.composer,
            req.fusion, req.zero_threshold_bytes, req.force_fp32_communication, req.zero_shard_size, req.attention,
@@ -259,7 +260,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
             for j, t in enumerate(ns.node.outputs) if t in views for a in cp))
         strategies = along if along and views and cp else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
-    ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method)
+    ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method,
+                            [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else [])
     for name, strategies in ring.items():
         out.by_node[name] = replace(out.by_node[name], strategies=strategies)
     return out
