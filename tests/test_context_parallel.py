@@ -146,9 +146,11 @@ def _run(zoo: Callable[[str], Path], layout: str, method: str, tmp_path: Path, r
         assert r["collectives_planned"]["all_gather"] >= 4 * k and "send_recv" not in r["collectives_planned"]
 
 
-@pytest.mark.parametrize("method", ["allgather", "ring"])
-def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], method: str, tmp_path: Path) -> None:
-    _run(zoo, "dp_shard=2,cp=2", method, tmp_path)
+@pytest.mark.parametrize(("layout", "method"), [("dp_shard=2,cp=2", "allgather"), ("dp_shard=2,cp=2", "ring"),
+                                               ("cp=2,tp=2", "ring")])
+def test_context_parallel_run_equals_one_process(zoo: Callable[[str], Path], layout: str, method: str,
+                                                 tmp_path: Path) -> None:
+    _run(zoo, layout, method, tmp_path)
 
 
 @pytest.mark.extended
