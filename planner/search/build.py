@@ -211,8 +211,7 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
                cp_method: CpMethod = CpMethod.ALLGATHER) -> RuleSet:
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
     (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
-    for use): no op may split a
-    weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
+    for use): no op may split a weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
     tp every op splits its matrices (parameters of two or more dims: linear weights, embedding tables),
     as Megatron-LM runs them: an op holding them whole there would make tp a data-parallel axis the
     layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
@@ -225,7 +224,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     if layout is None:
         return rules
     layout.check_experts(graph)
-    layout.check_context(graph, causal=bool(causal_regions(graph)))
+    if layout.context_parallel > 1:
+        layout.check_context(graph, causal=bool(causal_regions(graph)))
     dp = [a for a, name in enumerate(layout.axis_names) if name in WHOLE_AXES]
     ep = [a for a, name in enumerate(layout.axis_names) if name == "ep"]
     experts = {n for b in find_expert_blocks(graph) for n in expert_weight_nodes(graph, b)} if ep else set()
@@ -253,12 +253,12 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
             (spec := st.input_specs[i]) is None or all(isinstance(spec.placements[a], Shard) for a in tp)
             for i in matrices))
         strategies = split if split and matrices and tp else strategies
-        views = [t for t in ns.node.outputs if t and t not in held and graph.tensors[t].kind is TensorKind.ACTIVATION
-                 and graph.tensors[t].is_float]
+        acts = [t for t in ns.node.outputs if t and t not in held and graph.tensors[t].kind is TensorKind.ACTIVATION
+                and graph.tensors[t].is_float]
         along = tuple(st for st in strategies if all(
             _split_off_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
-            for j, t in enumerate(ns.node.outputs) if t in views for a in cp))
-        strategies = along if along and views and cp else strategies
+            for j, t in enumerate(ns.node.outputs) if t in acts for a in cp))
+        strategies = along if along and acts and cp else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
     ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method,
                             [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else [])
