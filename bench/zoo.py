@@ -242,6 +242,12 @@ ZOO: dict[str, ZooEntry] = {
                  input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
                  default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
                  description="Llama-3-70B, shape-only"),
+        # The Llama-3 paper's 405B (Dubey et al. 2024, Table 3), for its published 128k-token stage
+        # (bench/published_runs.toml).
+        ZooEntry(name="llama3-405b", build=lambda: _llama(126, 16384, 53248, 128, 8, 128256, 131072),
+                 input_kind="tokens", input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
+                 default_dims={"batch": 16, "seq": 8192}, vocab=128256, with_weights=False,
+                 description="Llama-3-405B, shape-only"),
         # Mixtures of experts (core/experts.py): Mixtral's 8 experts top-2, DeepSeek-V3's shared + routed.
         ZooEntry(name="mixtral-tiny", build=lambda: _mixtral(2, 64, 128, 4, 2, 256, 4, 2, 128), input_kind="tokens",
                  input_dims=("batch", "seq"), example_dims={"batch": 2, "seq": 16},
@@ -283,7 +289,7 @@ for _name, (_n, _h, _heads, _vocab, _seq) in GPT_SHAPES.items():
         vocab=_vocab, with_weights=False, dim_max={"seq": _seq},
         description=f"GPT, {_n} layers, h={_h}, shape-only (benchmark)")
 SMALL = [n for n, e in ZOO.items() if e.with_weights]
-BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES or n == "deepseek-v3"]
+BENCH_ONLY = [n for n in ZOO if n.startswith("llama3-8b-") or n in GPT_SHAPES or n in ("deepseek-v3", "llama3-405b")]
 
 
 # ---------------------------------------------------------------------------------------------

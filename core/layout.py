@@ -205,9 +205,9 @@ def parse_layout(text: str, devices: int) -> Layout:
         if key in sizes:
             raise MeshplanError(f"`layout` {key} given twice; give each degree once")
         sizes[key] = int(value)
-    if sizes.get("cp", 1) > 1 and (sizes.get("pp", 1) > 1 or sizes.get("ep", 1) > 1):
-        raise MeshplanError(f"`layout` cp={sizes['cp']} with {'pp' if sizes.get('pp', 1) > 1 else 'ep'}: context "
-                            "parallelism is planned beside dp_replicate, dp_shard and tp only yet; drop one of them")
+    if sizes.get("cp", 1) > 1 and sizes.get("ep", 1) > 1:
+        raise MeshplanError(f"`layout` cp={sizes['cp']} with ep={sizes['ep']}: context parallelism is planned beside "
+                            "dp_replicate, dp_shard, tp and pp, not beside experts yet; drop one of them")
     if "ep" in sizes:  # torchtitan's: ep borrows its ranks from dp_shard
         ep, shard = sizes["ep"], sizes.get("dp_shard", 1)
         if shard % ep:

@@ -27,10 +27,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import Shard
 
+from core.collectives import Collective
 from core.graph import OpGraph
 from core.levers import LossKind, Schedule
 from core.placement import Spec
 from costmodel.loss import loss_input_spec, loss_kind
+from executor.context import ring_passes
 from executor.dtensors import local_shard
 from executor.groups import check_groups, mesh_groups
 from executor.interpreter import load_module
@@ -229,6 +231,7 @@ class PipelinedStep:
         runner.on_kept = meter.keep if measure else None  # a recomputed layer's inputs, kept to backward
         runner.recompute_watch = meter.watch if measure else None
         comm = CollectiveCounter() if count else None
+        passes = ring_passes()  # ring attention's sends, inside a stage's chunks (point to point: not counted by torch)
         hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if measure else nullcontext()
         with comm if comm is not None else nullcontext(), counting_sends() if count else nullcontext():
             CountedStage.spent = {"forward": 0.0, "backward": 0.0}
@@ -250,6 +253,8 @@ class PipelinedStep:
             self.counted_by_dtype = comm.by_dtype
         if count and CountedStage.sends:
             executed["send"] = CountedStage.sends
+        if count and ring_passes() > passes:
+            executed[Collective.SEND_RECV.value] = ring_passes() - passes
         # The schedule's time beyond its chunks' compute: waiting for the other stages' sends (their
         # compute and the transfer), posting its own, the last stage's loss, ZeRO-2's reduce-scatters.
         return loss, executed, [fwd, bwd, t1 - t0 - fwd - bwd, clock(self.device) - t1], meter.peak

@@ -26,6 +26,7 @@ from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
+from planner.stagecut import strategy_chunks
 from planner.strategy import Strategy
 
 
@@ -165,6 +166,50 @@ def test_context_parallel_run_equals_one_process_cp4(zoo: Callable[[str], Path],
     _run(zoo, "cp=4", method, tmp_path)
 
 
+def _pipelined(model: Path, method: str) -> Strategy:
+    """cp=2 × pp=2 on 4 devices, llama-tiny at 32 tokens, global batch 4 (4 micro-batches of 1)."""
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 32}, profile="cpu", devices=4, global_batch_size=4,
+                                 recompute="none", dtype="fp32", layout=parse_layout("cp=2,pp=2", 4), cp_method=method))
+    return s
+
+
+def test_context_parallel_in_pipeline_stages(zoo: Callable[[str], Path]) -> None:
+    """cp=2 inside each of 2 pipeline stages (the Llama-3 paper's 4D layout, in small): each stage's
+    sub-mesh is the cp axis; under the ring design every attention product, in either stage, passes its
+    1·4·16·16·4 B block cp − 1 = 1 time forward and once backward; under all-gather none passes, and the
+    products gather kᵀ and v over cp instead."""
+    model = zoo("llama-tiny")
+    ring, gather = _pipelined(model, "ring"), _pipelined(model, "allgather")
+    assert ring.pipeline is not None and len(ring.pipeline.stages) == 2 and ring.mesh.axis_names == ("cp",)
+    g = load_graph(model, ring.model.dims)
+    chunk = strategy_chunks(g, ring.pipeline)
+    assert {chunk[r.nodes[0]] for r in attention_regions(g).values()} == {0, 1}
+    for r in attention_regions(g).values():
+        for mm in r.nodes[0], r.nodes[-1]:
+            passes = [e for e in ring.nodes[mm].collectives if e.purpose is Purpose.CONTEXT_PASS]
+            assert ring.nodes[mm].kernels == (RING,)
+            assert [(e.phase, e.size_bytes) for e in passes] == [(Phase.FORWARD, 1 * 4 * 16 * 16 * 4),
+                                                                 (Phase.BACKWARD, 1 * 4 * 16 * 16 * 4)]
+            assert not any(e.purpose is Purpose.CONTEXT_PASS for e in gather.nodes[mm].collectives)
+            assert any(e.kind is Collective.ALL_GATHER for e in gather.nodes[mm].collectives)
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("method", ["allgather", "ring"])
+def test_context_parallel_pipelined_run_equals_one_process(zoo: Callable[[str], Path], method: str,
+                                                           tmp_path: Path) -> None:
+    """cp=2 × pp=2 on 4 gloo ranks (torch.distributed.pipelining's 1F1B, each stage's chunk run on its
+    cp pair) equals one process and runs the planned collectives, pipeline sends and ring passes. Under
+    SGD: AdamW's first step divides each gradient by its own magnitude, and on this model's smallest
+    gradients (~1e-8) turns their 2e-8 differences from summation order into 1.5e-5 in the parameters."""
+    from tests.test_training_step import run_equals_one_process
+
+    s = _pipelined(zoo("llama-tiny"), method)
+    r = run_equals_one_process(s, zoo("llama-tiny"), tmp_path, optimizer="sgd")
+    assert r["collectives_planned"].get("send_recv", 0) == (16 if method == "ring" else 0)  # 4 products × 2 × 4 µb
+    assert r["collectives_planned"]["send"] == 4
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "cli", *args], capture_output=True, text=True, timeout=600)
 
@@ -174,7 +219,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
                                                              "divide it"),
     ("llama-tiny", ["batch=2", "seq=30"], "cp=4", "cp=4 splits the sequence of 30 tokens into 8"),
     ("mlp", ["batch=8"], "dp_shard=2,cp=2", "no sequence dim to split"),
-    ("llama-tiny", ["batch=2", "seq=32"], "cp=2,pp=2", "cp=2 with pp: context parallelism is planned beside"),
+    ("llama-tiny", ["batch=2", "seq=32"], "dp_shard=2,ep=2,cp=2", "cp=2 with ep=2: context parallelism is planned "
+                                                                  "beside dp_replicate, dp_shard, tp and pp"),
     ("llama-tiny", ["batch=4", "seq=32", "--cp-method", "ring"], "dp_shard=4",
      "--cp-method ring: context parallelism needs a cp axis"),
 ])

@@ -48,7 +48,7 @@ def run_equals_one_process(s: Strategy, model: Path, tmp: Path, optimizer: str =
     from executor.preflight import RunOptions
 
     s.save(tmp / "s.json")
-    r = run(str(tmp / "s.json"), str(model), nproc=s.mesh.num_devices, timeout_s=240,
+    r = run(str(tmp / "s.json"), str(model), nproc=s.pipeline.devices if s.pipeline else s.mesh.num_devices, timeout_s=240,
             opts=RunOptions(steps=1, warmup=1, verify=True, optimizer=optimizer))
     assert r["max_abs_diff"] < 1e-5, r
     assert r["collectives_executed"] == r["collectives_planned"]
