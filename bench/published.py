@@ -46,6 +46,9 @@ class Run:
     published: str
     step_s: float
     source: str
+    cp_method: str | None = None  # context parallelism's design (the run's own)
+    own_plan: bool = True  # False: no own plan (a search too large for this bench: 16,384 devices)
+    time_limit_s: float = 60.0  # the solver's, for the layout's ILP
 
 
 def runs() -> list[Run]:
@@ -58,7 +61,8 @@ def _request(run: Run) -> Any:
     return PlanRequest(model=str(zoo.export(run.model)), dims={"seq": run.seq}, profile=run.profile, devices=run.gpus,
                        dtype=run.dtype, global_batch_size=run.global_batch, layout=run.layout,
                        micro_batch_size=run.micro_batch, zero_stage=run.zero, recompute=run.recompute,
-                       attention=run.attention, attention_dropout=run.attention_dropout, composer="overlap")
+                       attention=run.attention, attention_dropout=run.attention_dropout, composer="overlap",
+                       cp_method=run.cp_method, time_limit_s=run.time_limit_s)
 
 
 def price(run: Run) -> tuple[Any, float]:
@@ -103,7 +107,7 @@ def bench_published(console: Console, *, own: bool = True, only: set[str] | None
         err = (c.step_time_s - run.step_s) / run.step_s
         errors.append(abs(err))
         mine, speedup = "", ""
-        if own:
+        if own and run.own_plan:
             o = own_plan(run)
             mine, speedup = f"{o.cost.step_time_s:.3g}", f"{c.step_time_s / o.cost.step_time_s:.2f}×"
         table.add_row(run.id, run.model, cluster, shape, f"{run.step_s:.3g}", f"{c.step_time_s:.3g}", f"{err:+.0%}",

@@ -211,10 +211,11 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
                cp_method: CpMethod = CpMethod.ALLGATHER) -> RuleSet:
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
     (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
-    for use): no op may split a weight over a data-parallel axis, which would be tensor parallelism the layout did not ask for. On
-    tp every op splits its matrices (parameters of two or more dims: linear weights, embedding tables),
-    as Megatron-LM runs them: an op holding them whole there would make tp a data-parallel axis the
-    layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
+    for use): no op may split a weight over a data-parallel axis, which would be tensor parallelism the
+    layout did not ask for; and, without ep, every activation led by the batch is split on it there (each
+    rank its own sequences). On tp every op splits its matrices (parameters of two or more dims: linear
+    weights, embedding tables), as Megatron-LM runs them: an op holding them whole there would make tp a
+    data-parallel axis the layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
     same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
     before them), which split their experts there (`planner/rules/experts.py`). On cp every op's float
     activations stay split (on the sequence, or wherever the ILP finds cheaper: attention's scores by
@@ -232,6 +233,9 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
     cp = [a for a, name in enumerate(layout.axis_names) if name == "cp"]
     batch = graph.dims.get("batch") if graph.dims.get("batch") != graph.dims.get(SEQUENCE_DIM) else None
+    # DDP's and FSDP's axes split every activation led by the batch on it (experts aside: ep's dispatch)
+    by_batch = [a for a in dp if layout.axis_names[a] in ("dp_replicate", "dp_shard") and layout.mesh_shape[a] > 1] \
+        if batch and not ep else []
     if not dp and not tp:
         return rules
     # A parameter read through a view or cast (Llama exports: W -> Transpose -> MatMul) is a parameter too.
@@ -259,12 +263,25 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
             _split_off_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
             for j, t in enumerate(ns.node.outputs) if t in acts for a in cp))
         strategies = along if along and acts and cp else strategies
+        batched = tuple(st for st in strategies if all(
+            _on_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
+            for j, t in enumerate(ns.node.outputs) if t and t not in held for a in by_batch))
+        strategies = batched if batched and by_batch else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
     ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method,
                             [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else [])
     for name, strategies in ring.items():
         out.by_node[name] = replace(out.by_node[name], strategies=strategies)
     return out
+
+
+def _on_batch(p: Placement, shape: tuple[int, ...], batch: int | None) -> bool:
+    """A data-parallel axis' placement of an activation led by the batch (dim 0 a multiple of it: the
+    batch, or the batch merged with the tokens): split there, as each rank holds its own sequences;
+    partial (a sum over the batch, the loss's). An activation not so led: any placement."""
+    if batch is None or not shape or shape[0] % batch or shape[0] < batch:
+        return True
+    return p == Shard(0) or isinstance(p, Partial)
 
 
 def _split_off_batch(p: Placement, shape: tuple[int, ...], batch: int | None) -> bool:
