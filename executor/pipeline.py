@@ -254,7 +254,7 @@ class PipelinedStep:
         if count and CountedStage.sends:
             executed["send"] = CountedStage.sends
         if count and ring_passes() > passes:
-            executed[Collective.SEND_RECV.value] = ring_passes() - passes
+            executed[Collective.SEND_RECV.value] = executed.get(Collective.SEND_RECV.value, 0) + ring_passes() - passes
         # The schedule's time beyond its chunks' compute: waiting for the other stages' sends (their
         # compute and the transfer), posting its own, the last stage's loss, ZeRO-2's reduce-scatters.
         return loss, executed, [fwd, bwd, t1 - t0 - fwd - bwd, clock(self.device) - t1], meter.peak

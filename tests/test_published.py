@@ -8,18 +8,27 @@ import pytest
 
 from bench.published import Run, price, runs
 from bench.zoo import GPT_SHAPES
+from core.layout import parse_layout
 from hwprofiles.files import load_profile
 
 ROWS = runs()
 
 
+# The Llama 3 paper's 405B (Table 3): layers, model dim, FFN dim, query heads, KV heads, vocabulary.
+LLAMA3_405B = (126, 16384, 53248, 128, 8, 128256)
+
+
 def test_every_row_is_there_with_its_model_and_profile() -> None:
-    assert [r.id for r in ROWS] == [*map(str, range(1, 17)), "17a", "17b", "17c"]
+    assert [r.id for r in ROWS] == [*map(str, range(1, 17)), "17a", "17b", "17c", "18"]
     for r in ROWS:
-        assert r.model in GPT_SHAPES and GPT_SHAPES[r.model][4] == r.seq, r.id
+        if r.source == "llama3":  # the long-context row: its own model, cp, and apart from the median
+            assert (r.model, r.seq, r.cp_method, r.summary) == ("llama3-405b", 131072, "allgather", False)
+            assert parse_layout(r.layout, r.gpus).context_parallel == 16
+        else:
+            assert r.model in GPT_SHAPES and GPT_SHAPES[r.model][4] == r.seq and r.summary, r.id
+            assert r.source in ("llm-foundry", "sc21") and r.zero in (0, 3)
         assert load_profile(r.profile).device.peak_for(r.dtype) > 0
-        assert r.global_batch % r.micro_batch == 0 and r.zero in (0, 3)
-        assert r.attention in ("flash", "fused-softmax") and r.source in ("llm-foundry", "sc21")
+        assert r.global_batch % r.micro_batch == 0 and r.attention in ("flash", "fused-softmax")
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
@@ -27,6 +36,11 @@ def test_published_step_follows_from_the_published_throughput(row: Run) -> None:
     value = float(row.published.split()[0].replace(",", ""))
     if row.source == "llm-foundry":  # tokens/s per GPU: step = global batch × seq ÷ (tok/s × GPUs)
         step = row.global_batch * row.seq / (value * row.gpus)
+    elif row.source == "llama3":  # model FLOPs (6·N_matmul + 12·L·d·s per token) ÷ (TFLOP/s × GPUs)
+        layers, d, ffn, heads, kv, vocab = LLAMA3_405B
+        per_layer = 2 * d * d + 2 * d * (d // heads * kv) + 3 * d * ffn  # q, o; k, v; gate, up, down
+        per_token = 6 * (layers * per_layer + d * vocab) + 12 * layers * d * row.seq
+        step = row.global_batch * row.seq * per_token / (value * 1e12 * row.gpus)
     else:  # SC'21: F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) per iteration ÷ (TFLOP/s × GPUs)
         layers, h, _, vocab, _ = GPT_SHAPES[row.model]
         f = 96 * row.global_batch * row.seq * layers * h * h * (1 + row.seq / (6 * h) + vocab / (16 * layers * h))

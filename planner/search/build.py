@@ -212,8 +212,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
     (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
     for use): no op may split a weight over a data-parallel axis, which would be tensor parallelism the
-    layout did not ask for; and, without ep, every activation led by the batch is split on it there (each
-    rank its own sequences). On tp every op splits its matrices (parameters of two or more dims: linear
+    layout did not ask for; and, with cp and without ep, every activation led by the batch is split on
+    it there (each rank its own sequences). On tp every op splits its matrices (parameters of two or more dims: linear
     weights, embedding tables), as Megatron-LM runs them: an op holding them whole there would make tp a
     data-parallel axis the layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
     same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
@@ -233,9 +233,11 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     tp = [a for a, name in enumerate(layout.axis_names) if name == "tp"]
     cp = [a for a, name in enumerate(layout.axis_names) if name == "cp"]
     batch = graph.dims.get("batch") if graph.dims.get("batch") != graph.dims.get(SEQUENCE_DIM) else None
-    # DDP's and FSDP's axes split every activation led by the batch on it (experts aside: ep's dispatch)
+    # Beside cp, DDP's and FSDP's axes split every activation led by the batch on it: each rank its own
+    # sequences (a dp x cp x tp mesh's ILP is otherwise too large to solve: 549,508 variables for
+    # Llama-3-405B's). Not yet elsewhere: on the published Megatron-LM layouts it moves their prices.
     by_batch = [a for a in dp if layout.axis_names[a] in ("dp_replicate", "dp_shard") and layout.mesh_shape[a] > 1] \
-        if batch and not ep else []
+        if batch and cp and not ep else []
     if not dp and not tp:
         return rules
     # A parameter read through a view or cast (Llama exports: W -> Transpose -> MatMul) is a parameter too.
