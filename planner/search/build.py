@@ -208,20 +208,20 @@ def training_settings(req: PlanRequest, graph: OpGraph, steps: int, priced: Pric
 
 
 def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
-               cp_method: CpMethod = CpMethod.ALLGATHER) -> RuleSet:
+               cp_method: CpMethod | None = None) -> RuleSet:
     """The rules a user's layout leaves. On its data-parallel axes (dp_replicate, dp_shard) every op
     (and cp: context parallelism) uses its parameters whole, as DDP and FSDP run them (FSDP gathers them
     for use): no op may split a weight over a data-parallel axis, which would be tensor parallelism the
     layout did not ask for; and, with cp and without ep, every activation led by the batch is split on
-    it there (each rank its own sequences). On tp every op splits its matrices (parameters of two or more dims: linear
-    weights, embedding tables), as Megatron-LM runs them: an op holding them whole there would make tp a
-    data-parallel axis the layout did not ask for. A node no strategy of which does either keeps its strategies. On ep the
-    same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
+    it there (each rank its own sequences). On tp every op splits its matrices (parameters of two or
+    more dims: linear weights, embedding tables), as Megatron-LM runs them: an op holding them whole
+    there would make tp a data-parallel axis the layout did not ask for. A node no strategy of which
+    does either keeps its strategies. On ep the same as on the data-parallel axes, but for the expert gathers (and the views of the experts' weights
     before them), which split their experts there (`planner/rules/experts.py`). On cp every op's float
     activations stay split (on the sequence, or wherever the ILP finds cheaper: attention's scores by
     its queries), none whole: only what an op reads may be gathered there — an attention's keys and
     values, all of them for each rank's queries: gathered (context parallelism's all-gather design), or
-    under `cp_method` ring passed around the cp ring (`planner/rules/context.py`)."""
+    under `cp_method` ring passed around the cp ring (`planner/rules/context.py`); None: all-gather."""
     if layout is None:
         return rules
     layout.check_experts(graph)
@@ -234,8 +234,7 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     cp = [a for a, name in enumerate(layout.axis_names) if name == "cp"]
     batch = graph.dims.get("batch") if graph.dims.get("batch") != graph.dims.get(SEQUENCE_DIM) else None
     # Beside cp, DDP's and FSDP's axes split every activation led by the batch on it: each rank its own
-    # sequences (a dp x cp x tp mesh's ILP is otherwise too large to solve: 549,508 variables for
-    # Llama-3-405B's). Not yet elsewhere: on the published Megatron-LM layouts it moves their prices.
+    # sequences (without it a dp × cp × tp mesh's ILP is too large to solve). Not yet on other layouts.
     by_batch = [a for a in dp if layout.axis_names[a] in ("dp_replicate", "dp_shard") and layout.mesh_shape[a] > 1] \
         if batch and cp and not ep else []
     if not dp and not tp:
@@ -270,7 +269,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
             for j, t in enumerate(ns.node.outputs) if t and t not in held for a in by_batch))
         strategies = batched if batched and by_batch else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
-    ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh, cp_method,
+    ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh,
+                            cp_method or CpMethod.ALLGATHER,
                             [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else [])
     for name, strategies in ring.items():
         out.by_node[name] = replace(out.by_node[name], strategies=strategies)

@@ -27,7 +27,7 @@ from core.collectives import Cadence, Collective, PricedBucket
 from core.errors import MeshplanError
 from core.graph import OpGraph
 from core.layout import Layout
-from core.levers import CpMethod, Recompute, Schedule
+from core.levers import Recompute, Schedule
 from core.mesh import DeviceMesh
 from costmodel.bucketing import is_bucketed, stage_buckets
 from costmodel.comm import collective_time_s
@@ -282,7 +282,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     say(f"pipeline {p} stages × {sub}: rules")
     rules = rules_for_graph(graph, sub, strict=req.strict)
     if req.layout is not None:  # the user's, priced as written (the search's own are its choice)
-        rules = build.as_written(rules, graph, layout, req.cp_method or CpMethod.ALLGATHER)
+        rules = build.as_written(rules, graph, layout, req.cp_method)
     policy = Recompute.FULL if recompute is Recompute.FULL else Recompute.NONE
     cm = build.cost_model_for(req, graph, sub, profile, precision, steps, policy)
     pins = {**layout.input_pins(graph, sub), **resolve_pins(graph, sub, req.pins)}

@@ -404,8 +404,7 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
     for shape, names in named:
         mesh = DeviceMesh.build(devices, shape, names, devices_per_node=profile.devices_per_node)
         say(f"mesh {mesh}: rules")
-        rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout,
-                           req.cp_method or CpMethod.ALLGATHER)
+        rules = as_written(rules_for_graph(graph, mesh, strict=req.strict), graph, layout, req.cp_method)
         model = partial(cost_model_for, req, graph, mesh, profile, precision, steps)
         # The ILP decides the count of recomputed layers per group (auto), or holds it (--recompute-layers).
         counted = graph.layers and req.decides and (recompute is Recompute.AUTO or req.recompute_layers is not None)
