@@ -26,7 +26,7 @@ from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from planner.graph import graph_from_proto, load_graph
 from planner.rules import OpContext, replicated_strategy, rules_for_graph
-from planner.search.decisions import InfeasiblePlanError
+from planner.search.decisions import InfeasiblePlanError, NodeDecision
 from planner.search.plan import make_plan
 from planner.search.request import PlanRequest
 from planner.search.solve import ShardingILP
@@ -154,6 +154,30 @@ def test_objective_equals_closed_form_on_a_chain(tmp_path: Path) -> None:
     loss = 3 * (3 * t * h * 4 / 3.35e12 + 2 * 4e-6)
     # (the 1 ns/MiB memory tie-break is in the solver's sum, not in the step it reports)
     assert sol.stats.objective == pytest.approx(matmuls + optimizer + loss, rel=1e-4)
+
+
+def _softmax_blocks(tokens: int, h: int, blocks: int = 2) -> onnx.ModelProto:
+    """`_mlp_blocks` with a softmax over the hidden dim in place of the Relu: it cannot run on the
+    column-parallel matmul's output (split on the dim it normalises)."""
+    model = _mlp_blocks(tokens, h, blocks)
+    for n in model.graph.node:
+        if n.op_type == "Relu":
+            n.op_type = "Softmax"  # (the node keeps its name, relu<b>)
+            n.attribute.append(helper.make_attribute("axis", -1))
+    return model
+
+
+@pytest.mark.parametrize(("tokens", "h", "devices"), [(512, 8192, 8), (4096, 8192, 4)])
+def test_follow_keeps_the_optimum_where_a_follower_cannot_take_its_input(tokens: int, h: int, devices: int) -> None:
+    # A softmax cannot take the column-parallel matmul's S(1): following would run it replicated there
+    # (gather, then the whole softmax on every rank), where the optimum reshards to a token split. The
+    # softmax keeps its own decision, and the reduced ILP's optimum is the exact one (follow=False).
+    g, mesh, cm, followed = _solve(_softmax_blocks(tokens, h), devices=devices)
+    _, _, _, exact = _solve(_softmax_blocks(tokens, h), devices=devices, follow=False)
+    assert followed.stats.status == exact.stats.status == "OPTIMAL"
+    assert followed.stats.objective == pytest.approx(exact.stats.objective, rel=1e-6)
+    ilp = ShardingILP(g, rules_for_graph(g, mesh), cm)
+    assert all(str(ilp.sigma[NodeDecision(f"relu{b}")][0]) == f"relu{b}" for b in range(2))  # their own decisions
 
 
 @pytest.mark.parametrize("follow", [True, False])

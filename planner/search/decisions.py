@@ -194,14 +194,15 @@ class DecisionGraph:
         return fully_sharded(self.graph.tensors[param].shape, self.rules.mesh.shape, spec)
 
     def _follow_source(self, name: str) -> tuple[str, int, int] | None:
-        """(producer, its output index, this node's input index) if `name` can follow its producer."""
+        """(producer, its output index, this node's input index) if `name` can follow its producer (where
+        it accepts every spec the producer outputs: `_assign_decisions`)."""
         g = self.graph
         node = g.node_by_name[name]
         strategies = self._strategies(name)
         placed = [i for i, sp in enumerate(strategies[0].input_specs)
                   if sp is not None and g.tensors[node.inputs[i]].kind is not TensorKind.CONSTANT]
-        if len(placed) != 1 or len(strategies) < 2 or not any(st.is_replicated for st in strategies):
-            return None  # (a follower takes the replicated strategy where its input comes otherwise)
+        if len(placed) != 1 or len(strategies) < 2:
+            return None
         i = placed[0]
         t = node.inputs[i]
         src = g.producer.get(t)
@@ -230,9 +231,11 @@ class DecisionGraph:
             src_strats = self._strategies(self.rep[src])
             mine = self._strategies(n.name)
             by_input = {st.input_specs[in_index]: j for j, st in enumerate(mine)}
-            fallback = next(j for j, st in enumerate(mine) if st.is_replicated)
-            self.sigma[NodeDecision(n.name)] = (d, [by_input.get(src_strats[k].output_specs[out_index], fallback)
-                                                    for k in src_map])
+            if any(src_strats[k].output_specs[out_index] not in by_input for k in src_map):
+                own = NodeDecision(n.name)
+                self.sigma[own] = (own, list(range(len(mine))))
+                continue
+            self.sigma[NodeDecision(n.name)] = (d, [by_input[src_strats[k].output_specs[out_index]] for k in src_map])
         for p in self.params:
             self.sigma[ParamDecision(p)] = (ParamDecision(p), list(range(len(self.param_specs[p]))))
         self.decisions: dict[Decision, int] = {}

@@ -5,9 +5,13 @@ Shrinking first, so that decisions are few while every node keeps its own strate
 - repeated layers are tied: node k of every layer of a `LayerGroup` takes the decision of node k of
   the first layer, and so do the parameters they read (costs counted once per layer);
 - followers (Alpa's "follow"): a node with one activation input, whose strategies are told apart by
-  that input's spec alone (element-wise ops, views, softmax, norms), takes its producer's decision:
-  it runs the strategy that accepts the producer's output spec (or, if none does, its replicated
-  one, paying the reshard). An 80-layer model thus costs about one layer's few matmuls.
+  that input's spec alone (element-wise ops, views, softmax, norms), and which accepts every spec its
+  producer can output, takes its producer's decision: it runs the strategy that accepts the
+  producer's output spec. A node that cannot accept some (a softmax after a partial sum, a split of
+  the dim a producer splits) keeps its own decision: had it followed, it would run replicated there,
+  where the best plan reshards to another split. An 80-layer model thus costs about one layer's few
+  matmuls. Following is still a restriction (a reshard between producer and follower is never
+  chosen); `follow=False` is exact.
 Each graph node n maps to a decision d(n) and a function σ_n from d's choices to n's strategies.
 
 Decisions d: compute decisions (a node and its followers) and parameter decisions (the spec a tied
