@@ -209,11 +209,13 @@ class HostSpec:
     copy_bandwidth_bytes_per_s: float
     optimizer_step: OptimizerStep
     node_copy_bandwidth_bytes_per_s: float | None = None  # None: no shared limit below the devices' own
+    node_memory_bytes: float | None = None  # the node's host memory, its devices' share each; None: not bounded
 
     def __post_init__(self) -> None:
         check_positive(self, "copy_bandwidth_bytes_per_s")
-        if self.node_copy_bandwidth_bytes_per_s is not None:
-            check_positive(self, "node_copy_bandwidth_bytes_per_s")
+        for name in ("node_copy_bandwidth_bytes_per_s", "node_memory_bytes"):
+            if getattr(self, name) is not None:
+                check_positive(self, name)
 
     def copy_rate(self, copying: int) -> float:
         """Bytes per second each of `copying` devices of one node moves when all copy at once."""
@@ -274,7 +276,7 @@ _UNITS = {
     "alpha_s": "s", "bus_bandwidth_bytes_per_s": "B/s", "elementwise_by_op": "B/s", "elementwise_backward_by_op": "B/s",
     "rank_skew": "1", "collective_wait_s": "s", "matmul_alignment": "1", "flops_per_s": "FLOP/s",
     "half_seq": "1", "half_head_dim": "1", "causal_fraction": "1", "copy_bandwidth_bytes_per_s": "B/s",
-    "node_copy_bandwidth_bytes_per_s": "B/s"}
+    "node_copy_bandwidth_bytes_per_s": "B/s", "node_memory_bytes": "B"}
 
 
 class _Reader:
@@ -386,6 +388,8 @@ def profile_from_json(data: Mapping[str, Any], *, origin_hint: str = "profile") 
                 node_copy_bandwidth_bytes_per_s=(r.q(host, "node_copy_bandwidth_bytes_per_s",
                                                      "host.node_copy_bandwidth_bytes_per_s")
                                                  if "node_copy_bandwidth_bytes_per_s" in host else None),
+                node_memory_bytes=(r.q(host, "node_memory_bytes", "host.node_memory_bytes")
+                                   if "node_memory_bytes" in host else None),
                 optimizer_step=OptimizerStep(**{k: r.q(host["optimizer_step"], k, f"host.optimizer_step.{k}")
                                                 for k in ("fixed_s", "tensor_s", "param_s")}),
             ) if host is not None else None,
@@ -513,5 +517,7 @@ def _host_json(h: HostSpec, q: Any) -> dict[str, Any]:
             **({"node_copy_bandwidth_bytes_per_s": q(h.node_copy_bandwidth_bytes_per_s, "B/s",
                                                      "host.node_copy_bandwidth_bytes_per_s")}
                if h.node_copy_bandwidth_bytes_per_s is not None else {}),
+            **({"node_memory_bytes": q(h.node_memory_bytes, "B", "host.node_memory_bytes")}
+               if h.node_memory_bytes is not None else {}),
             "optimizer_step": {k: q(getattr(h.optimizer_step, k), "s", f"host.optimizer_step.{k}")
                                for k in ("fixed_s", "tensor_s", "param_s")}}

@@ -236,3 +236,46 @@ def test_a_solver_crash_falls_back_to_cpsat(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(milp.LinearModel, "_mip", lambda self, *a: os.kill(os.getpid(), signal.SIGSEGV))
     again = model.solve("cbc", time_limit_s=10)
     assert again.values == [1] and again.note == "cbc crashed (signal 11): solved by cpsat"
+
+
+def _host_profile(tmp_path: Path, share_gib: float) -> str:
+    """The h100-sxm preset with `share_gib` of host memory per device (its node's, over its 8 devices)."""
+    doc = profile_to_json(load_profile("h100-sxm"))
+    doc["host"]["node_memory_bytes"]["value"] = 8 * share_gib * 2**30
+    (tmp_path / "p.json").write_text(json.dumps(doc))
+    return str(tmp_path / "p.json")
+
+
+def test_host_memory_bounds_what_auto_offloads(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """The host holds its node's memory over its devices (`host.node_memory_bytes`): GPT-2-medium on one
+    H100 under a device limit that needs offload puts 0.94 GiB of states on the host; with 0.8 GiB of host
+    memory a device, `auto` keeps within it (the embeddings' states alone, every layer recomputed
+    instead), at a slower step; with 0.2 GiB no plan fits both, and `plan` says so in one line."""
+    base = dict(model=str(zoo("gpt2-medium")), dims={"batch": 4, "seq": 512}, devices=1, offload="auto")
+    free, _ = make_plan(PlanRequest(**base, profile="h100-sxm"))
+    tight = free.cost.memory_bytes_per_device / 2**30 * 0.6
+    unbounded, _ = make_plan(PlanRequest(**base, profile="h100-sxm", memory_limit_gib=tight))
+    assert unbounded.cost.host_memory_bytes > 0.8 * 2**30
+    bounded, _ = make_plan(PlanRequest(**base, profile=_host_profile(tmp_path, 0.8), memory_limit_gib=tight))
+    assert 0 < bounded.cost.host_memory_bytes <= 0.8 * 2**30
+    assert bounded.cost.memory_bytes_per_device <= tight * 2**30
+    assert bounded.cost.step_time_s > unbounded.cost.step_time_s
+    with pytest.raises(MeshplanError, match=r"no plan satisfies the memory, host memory constraints together"):
+        make_plan(PlanRequest(**base, profile=_host_profile(tmp_path, 0.2), memory_limit_gib=tight))
+
+
+def test_offload_held_beyond_the_host_memory_is_refused(zoo: Callable[[str], Path], tmp_path: Path) -> None:
+    """Every parameter's states on the host (params,optimizer) on one device hold 16 bytes a parameter
+    there whatever the split: with less host memory than that, refused before solving, in one line."""
+    model = str(zoo("llama-tiny"))
+    s, _ = make_plan(PlanRequest(model=model, dims=TINY, profile="h100-sxm", devices=1, offload="params,optimizer"))
+    need = 16 * sum(_params(s).values())
+    assert s.cost.host_memory_bytes == pytest.approx(need)
+    profile = _host_profile(tmp_path, 0.99 * need / 2**30)
+    r = subprocess.run([sys.executable, "-m", "cli", "plan", model, "--dim", "batch=4", "--dim", "seq=64", "--devices",
+                        "1", "--profile", profile, "--offload", "params,optimizer", "-o", str(tmp_path / "s.json")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert f"keeps at least {need / 2**20:.1f} MiB per device on the host" in r.stderr, r.stderr
+    assert f"holds {0.99 * need / 2**20:.1f} MiB per device" in r.stderr, r.stderr
+    assert "host.node_memory_bytes over 8 devices" in r.stderr

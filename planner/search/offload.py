@@ -17,6 +17,8 @@ The count n is an integer variable; its products with the x_c are w_c = n·x_c, 
   objective  + Σ_c t_c·w_c
   memory     − Σ_c s_c·w_c                           (each row its own s)
   exposed    E ≥ Σ_c h_c·w_c − compute(x) − recomputation,  E ≥ F_p,m(x) − F⁺·(1 − z_g,m),  n ≤ L·z,  E ≥ 0
+  host       Σ_c m_c·w_c ≤ the device's share of its node's host memory, where the profile states it
+             (m_c: the bytes a layer holds there, states and saved activations alike)
 Σ_m n_g,m ≤ L_g. With x integral the relaxation holds w_c = n·x_c, so the solver branches on the counts
 themselves (a first form, n as bits with big-M rows per bit, took CBC 4–18 s a solve on Llama-3-8B on
 one device, where the sharding is fixed and the problem a knapsack of a few counts). E = max(the
@@ -30,6 +32,7 @@ a_g + r_g ≤ L_g (= L_g where every layer not recomputed is asked for), r_g the
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,7 +42,7 @@ from core.graph import OpGraph, TensorKind
 from core.levers import ActivationOffload, Offload, Recompute
 from core.placement import Spec
 from costmodel.step import CostModel
-from planner.search.decisions import KIB, NS_PER_S, Decision
+from planner.search.decisions import KIB, NS_PER_S, Decision, InfeasiblePlanError
 from planner.search.milp import LinearModel
 from planner.search.recompute import BIG
 
@@ -58,19 +61,21 @@ class LayerOffload:
     saved_kib: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # at the step's peak
     saved_end_kib: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # at the end of backward
     hideable_ns: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    host_kib: dict[int, float] = field(default_factory=lambda: defaultdict(float))  # what it holds in host memory
     first_ns: list[dict[int, float]] = field(default_factory=list)  # per parameter: its longest hideable copy
 
 
 @dataclass
 class OffloadCounts:
     """What the counts add to the ILP: objective terms (ns), the two memory rows' terms (KiB), the
-    hideable copies' terms (ns, for the exposed row) with the longest copies' rows still to add, and
-    per (group, mode) its count's variable."""
+    hideable copies' terms (ns, for the exposed row) with the longest copies' rows still to add, the
+    host memory's terms (KiB), and per (group, mode) its count's variable."""
 
     objective: list[tuple[int, int]]
     memory: list[tuple[int, int]]
     memory_end: list[tuple[int, int]]
     hideable: list[tuple[int, int]]
+    host: list[tuple[int, int]]
     firsts: list[tuple[int, list[tuple[int, int]], int]]  # (z, the parameter's terms, their bound)
     counts: dict[tuple[str, Offload | None], int]
     hideable_most: int = 1  # the most the hideable terms sum to (each decision's largest, times its layers)
@@ -80,7 +85,7 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
                        tag: str = "offload") -> OffloadCounts:
     """`decision`: each choice variable's decision (one choice of each is taken: bounds from each
     decision's largest coefficient); `tag`: the variables' and rows' names begin with it."""
-    out = OffloadCounts([], [], [], [], [], {})
+    out = OffloadCounts([], [], [], [], [], [], {})
     by_group: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for gi, g in enumerate(groups):
         lo, up = (g.fixed, g.fixed) if g.fixed is not None else (0, g.layers)
@@ -91,12 +96,13 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
         s = {v: int(c) for v, c in g.saved_kib.items() if int(c)}  # rounded down: the saving is not overstated
         se = {v: int(c) for v, c in g.saved_end_kib.items() if int(c)}
         h = {v: round(c) for v, c in g.hideable_ns.items() if round(c)}
+        hm = {v: math.ceil(c) for v, c in g.host_kib.items() if c > 0}  # rounded up: the host's use not understated
         big = g.layers
         largest: dict[int, int] = defaultdict(int)
         for v, c in h.items():
             largest[decision.get(v, -v - 1)] = max(largest[decision.get(v, -v - 1)], c)
         out.hideable_most += big * sum(largest.values())
-        for x in sorted(set(t) | set(s) | set(se) | set(h)):
+        for x in sorted(set(t) | set(s) | set(se) | set(h) | set(hm)):
             w = model.int_var(f"{tag}_layers_at[{gi},{x}]", 0, big)  # n·x
             model.add(f"{tag}_at_choice[{gi},{x}]", [(w, 1), (x, -big)], -BIG, 0)
             model.add(f"{tag}_at_count[{gi},{x}]", [(w, 1), (n, -1)], -BIG, 0)
@@ -109,6 +115,8 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
                 out.memory_end.append((w, -se[x]))
             if x in h:
                 out.hideable.append((w, h[x]))
+            if x in hm:
+                out.host.append((w, hm[x]))
         if g.first_ns:
             z = model.bool_var(f"{tag}_any[{gi}]")
             model.add(f"{tag}_any[{gi}]", [(n, 1), (z, -big)], -BIG, 0)
@@ -148,6 +156,7 @@ class OffloadDecisions:
     cost: CostModel
     gradients_held: bool
     overlapped: bool
+    constraint_counts: dict[str, int]
 
     def _offload_groups(self) -> None:
         """Under offload, each representative parameter's layer group (−1: outside the repeated layers),
@@ -196,7 +205,39 @@ class OffloadDecisions:
         per_byte = 2 * self.cost.micro_batches / self.cost.states.host_rate() * NS_PER_S  # to host and back
         for var, b in saved:
             terms.saved_kib[var] += b / KIB
+            terms.host_kib[var] += b / KIB
             terms.time_ns[var] += b * per_byte
+
+    def add_host_row(self, model: LinearModel, terms: Sequence[tuple[int, int]], decision: Mapping[int, int]) -> None:
+        """Σ host bytes ≤ the device's share of its node's host memory (`HostSpec.node_memory_bytes` over
+        the node's devices), where the profile states it; refused before solving where the counts the
+        request holds (every layer, for a mode other than auto) cannot fit however the states are split."""
+        host = self.cost.profile.host
+        if host is None or host.node_memory_bytes is None or not terms:
+            return
+        per_node = self.cost.profile.devices_per_node
+        share = host.node_memory_bytes / per_node
+        choices: dict[int, int] = defaultdict(int)
+        for d in decision.values():
+            choices[d] += 1
+        floor_kib = 0.0
+        for g in self.offload_terms.values():
+            if not g.fixed:
+                continue
+            held: dict[int, list[float]] = defaultdict(list)  # per decision: what its choices hold there
+            for var, kib in g.host_kib.items():
+                held[decision[var]].append(kib)
+            floor_kib += g.fixed * sum(min(kibs) if len(kibs) == choices[d] else 0.0 for d, kibs in held.items())
+        if floor_kib * KIB > share:
+            def size(b: float) -> str:
+                return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+            raise InfeasiblePlanError(
+                f"host memory: offload {self.offload.value} keeps at least {size(floor_kib * KIB)} per device "
+                f"on the host (every tensor split as far as its rules allow) but the profile's host holds "
+                f"{size(share)} per device (host.node_memory_bytes over {per_node} devices); offload less (`offload` auto) or add devices")
+        model.add("host_memory", list(terms), 0, math.floor(share / KIB))
+        self.constraint_counts["host memory"] += 1
 
     def add_activation_rows(self, model: LinearModel, counts: OffloadCounts,
                             recomputed: Mapping[str, list[tuple[int, int]]]) -> None:
@@ -225,10 +266,11 @@ class OffloadDecisions:
             for c, (spec, stage) in enumerate(at):
                 var = self.x[d][c]
                 w, g_, o = states.param_states(p, spec, stage=stage)
-                (w2, g2, o2), _ = states.offloaded(p, spec, mode, stage=stage)
+                (w2, g2, o2), host = states.offloaded(p, spec, mode, stage=stage)
                 peak = (w + g_ + o) - (w2 + g2 + o2) if self.gradients_held else (w + o) - (w2 + o2)
                 terms.saved_kib[var] += peak * k / KIB
                 terms.saved_end_kib[var] += ((w + g_ + o) - (w2 + g2 + o2)) * k / KIB
+                terms.host_kib[var] += host * k / KIB
                 copies = states.host_copies(p, spec, mode, stage=stage)
                 waited = [x for x in copies if not (self.overlapped and x.hideable)]
                 hidden = [x for x in copies if self.overlapped and x.hideable]

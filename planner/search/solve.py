@@ -489,6 +489,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         offloads = add_offload_counts(self.model, list(self.offload_terms.values()), decision)
         host_acts = add_offload_counts(self.model, self.act_groups, decision, tag="host_activations")
         self.add_activation_rows(self.model, host_acts, counts.bits)
+        self.add_host_row(self.model, [*offloads.host, *host_acts.host], decision)
         self.add_memory(mem, [*counts.memory, *offloads.memory, *host_acts.memory], end_extra=offloads.memory_end)
         edge_terms += self.add_overlap()
         cover = [(v, round(t * NS_PER_S)) for d, ts in self.host_cover_s.items()
@@ -521,7 +522,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
             raise NotBetterError(f"no plan {'fits the memory limit and ' if held else ''}beats {o.cutoff_s:.6g} s "
                                  "(a plan already found)", memory=held)
         if result.status == "INFEASIBLE":
-            families = ", ".join(f for f in ("memory", "pin") if self.constraint_counts.get(f))
+            families = ", ".join(f for f in ("memory", "host memory", "pin") if self.constraint_counts.get(f))
             raise InfeasiblePlanError(f"no plan satisfies the {families or 'model'} constraints together; "
                                       "raise `memory_limit_gib`, drop a pin, or add devices")
         if result.status not in ("OPTIMAL", "FEASIBLE"):
