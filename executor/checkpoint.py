@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from planner.strategy import Strategy
 
 META = "meshplan.json"
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
+Stepped = Mapping[int, torch.Tensor] | None  # a parameter's id → the tensor the optimizer steps for it
 
 
 class CheckpointError(MeshplanError):
@@ -243,11 +245,17 @@ def _dtensor(runner: SpmdRunner, name: str, local: torch.Tensor) -> DTensor:
                               stride=contiguous_stride(shape), run_check=False)
 
 
-def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: bool = False) -> dict[str, Any]:
+def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: bool = False,
+           stepped: Stepped = None) -> dict[str, Any]:
     """The state dict over this rank's shards (views: loading writes into the live tensors): saved in
     pieces of at most PIECE_BYTES, loaded into DTensors at the plan's placements (a fused ZeRO
-    parameter's states: into the pieces of them this rank's shard holds)."""
+    parameter's states: into the pieces of them this rank's shard holds). `stepped`: where the
+    optimizer steps a parameter (or ZeRO shard) through another tensor, by the id of the runner's —
+    its host copy (`executor.offload.HostStates`), whose states are saved as the parameter's."""
     params = runner.params
+
+    def at(p: torch.Tensor) -> torch.Tensor:
+        return stepped.get(id(p), p) if stepped else p
 
     def shard(n: str, local: torch.Tensor) -> Any:
         return _local(runner, n, local) if saving else _dtensor(runner, n, local)
@@ -258,19 +266,20 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
         out["optim"] = {}
         for n, p in params.items():
             if n in shards:  # a fused ZeRO bucket's: the shard's states, this parameter's part of them
-                st = optim.state[shards[n]]
+                st = optim.state[at(shards[n])]
                 out["optim"][n] = {**{k: _fused(runner, n, st[k], saving=saving) for k in ADAM_STATES},
                                    "step": st["step"]}
             else:
-                st = optim.state[p]
+                st = optim.state[at(p)]
                 out["optim"][n] = {**{k: shard(n, st[k]) for k in ADAM_STATES}, "step": st["step"]}
     return out
 
 
-def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
+def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer, stepped: Stepped = None) -> None:
     """AdamW's states, zero, for every parameter the optimizer steps (a ZeRO bucket's shard for its
-    parameters; torch creates them at the first step, loading needs them to exist)."""
-    zero_states(optim, runner.optimizer_parameters())
+    parameters, a host copy for an offloaded one; torch creates them at the first step, loading needs
+    them to exist)."""
+    zero_states(optim, [stepped.get(id(p), p) if stepped else p for p in runner.optimizer_parameters()])
 
 
 def zero_states(optim: torch.optim.Optimizer, params: Any) -> None:
@@ -283,10 +292,11 @@ def zero_states(optim: torch.optim.Optimizer, params: Any) -> None:
                               **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in ADAM_STATES}}
 
 
-def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, strategy: Strategy, steps: int) -> None:
+def save(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer, strategy: Strategy, steps: int,
+         stepped: Stepped = None) -> None:
     if not isinstance(optim, torch.optim.AdamW):
         raise CheckpointError("`save`: checkpoints hold AdamW's states; run with `optimizer` adamw")
-    dcp.save(_state(runner, optim, saving=True), checkpoint_id=str(path), planner=_save_planner())
+    dcp.save(_state(runner, optim, saving=True, stepped=stepped), checkpoint_id=str(path), planner=_save_planner())
     write_meta(path, strategy, steps, _folded(runner))
 
 
@@ -353,11 +363,12 @@ def load_model(path: str | Path, runner: SpmdRunner) -> None:
         dcp.load(state, checkpoint_id=str(path))
 
 
-def load_optimizer(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer) -> None:
+def load_optimizer(path: str | Path, runner: SpmdRunner, optim: torch.optim.Optimizer,
+                   stepped: Stepped = None) -> None:
     if not isinstance(optim, torch.optim.AdamW):
         raise CheckpointError("`load`: checkpoints hold AdamW's states; run with `optimizer` adamw")
-    init_optimizer_state(runner, optim)
-    state = _state(runner, optim)
+    init_optimizer_state(runner, optim, stepped)
+    state = _state(runner, optim, stepped=stepped)
     del state["model"]
     with torch.no_grad():
         dcp.load(state, checkpoint_id=str(path))

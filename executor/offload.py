@@ -35,6 +35,7 @@ class HostStates:
             else:
                 self.params.append(p)
         self.host = {id(h) for _, h in self.pairs}
+        self.stepped = {id(p): h for p, h in self.pairs}  # the runner's parameter → its host copy (checkpoints)
 
     def before_step(self) -> None:
         """Each offloaded gradient to the host."""

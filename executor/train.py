@@ -211,16 +211,14 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
 
     first_loss, _, _, peak_saved = train.step(measure=True)  # a pipeline's first step also infers its shapes
     host = HostStates(runner, dict(strategy.training.offload), device) if strategy.training.offload else None
-    if host is not None and (opts.load or opts.save):
-        raise RunError("checkpoints of a plan whose optimizer states live on the host are not written or read yet; "
-                       "drop --save/--load or plan with `offload` none")
     # (the first step packed ZeRO's shards; offloaded ones stepped through their host copies)
     optim = make_optimizer(host.params if host is not None else runner.optimizer_parameters(), opts)
     if opts.load:
-        checkpoint.init_optimizer_state(runner, optim)  # this rank's shards of the states, which the load fills
+        stepped = host.stepped if host is not None else None  # offloaded states: their host copies'
+        checkpoint.init_optimizer_state(runner, optim, stepped)  # this rank's shards of the states, which the load fills
         assert load_peak is not None
         with load_peak:
-            checkpoint.load_optimizer(opts.load, runner, optim)
+            checkpoint.load_optimizer(opts.load, runner, optim, stepped)
         # What a load held beyond this rank's own shards, against the largest parameter (whole).
         report["load_peak_extra_bytes"] = load_peak.peak_extra_bytes
         report["largest_parameter_bytes"] = max(graph.tensors[n].size_bytes for n in runner.params)
@@ -292,7 +290,7 @@ def run_rank(strategy: Strategy, model_path: str, opts: RunOptions) -> dict[str,
     if opts.save:
         from executor import checkpoint
 
-        checkpoint.save(opts.save, runner, optim, strategy, steps)
+        checkpoint.save(opts.save, runner, optim, strategy, steps, host.stepped if host is not None else None)
     report["optimizer_steps_before"] = before
     report["loss"] = float(first_loss)
     report["measured_step_s"] = statistics.median(times) if times else None

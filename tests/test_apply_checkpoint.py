@@ -88,11 +88,12 @@ def _ranks(phase: str, strategy: Path, zoo_json: Path, ck: Path) -> Any:
 
 
 CASES = [pytest.param("zero3", "dp", marks=pytest.mark.extended),  # (`make check`: the checkpoints' tests are
-         pytest.param("tp", "zero3", marks=pytest.mark.extended)]   # multi-phase, a minute each on 2 cores)
+         pytest.param("tp", "zero3", marks=pytest.mark.extended),   # multi-phase, a minute each on 2 cores)
+         pytest.param("zero3-offload", "dp", marks=pytest.mark.extended)]  # (CPUOffloadPolicy's host states)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("a", "b"), CASES, ids=["zero3-to-dp", "tp-to-zero3"])
+@pytest.mark.parametrize(("a", "b"), CASES, ids=["zero3-to-dp", "tp-to-zero3", "zero3-offload-to-dp"])
 def test_module_checkpoint_continues_under_another_plan(a: str, b: str, zoo: Callable[[str], Path],
                                                        tmp_path: Path) -> None:
     import torch
