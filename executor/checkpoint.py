@@ -246,19 +246,26 @@ def _dtensor(runner: SpmdRunner, name: str, local: torch.Tensor) -> DTensor:
 
 
 def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: bool = False,
-           stepped: Stepped = None) -> dict[str, Any]:
+           stepped: Stepped = None, moved: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> dict[str, Any]:
     """The state dict over this rank's shards (views: loading writes into the live tensors): saved in
     pieces of at most PIECE_BYTES, loaded into DTensors at the plan's placements (a fused ZeRO
     parameter's states: into the pieces of them this rank's shard holds). `stepped`: where the
     optimizer steps a parameter (or ZeRO shard) through another tensor, by the id of the runner's —
-    its host copy (`executor.offload.HostStates`), whose states are saved as the parameter's."""
+    its host copy (`executor.offload.HostStates`), whose states are saved as the parameter's. `moved`:
+    where a DTensor to load into is not the live tensor but its copy on the mesh's device (a host
+    copy's state on a GPU mesh), (that copy, the live tensor), for the loader to copy back."""
     params = runner.params
 
     def at(p: torch.Tensor) -> torch.Tensor:
         return stepped.get(id(p), p) if stepped else p
 
     def shard(n: str, local: torch.Tensor) -> Any:
-        return _local(runner, n, local) if saving else _dtensor(runner, n, local)
+        if saving:
+            return _local(runner, n, local)
+        d = _dtensor(runner, n, local)
+        if moved is not None and d.to_local().data_ptr() != local.data_ptr():
+            moved.append((d.to_local(), local))
+        return d
 
     out: dict[str, Any] = {"model": {n: shard(n, p.detach()) for n, p in params.items()}}
     if optim is not None:
@@ -368,7 +375,10 @@ def load_optimizer(path: str | Path, runner: SpmdRunner, optim: torch.optim.Opti
     if not isinstance(optim, torch.optim.AdamW):
         raise CheckpointError("`load`: checkpoints hold AdamW's states; run with `optimizer` adamw")
     init_optimizer_state(runner, optim, stepped)
-    state = _state(runner, optim, stepped=stepped)
+    moved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    state = _state(runner, optim, stepped=stepped, moved=moved)
     del state["model"]
     with torch.no_grad():
         dcp.load(state, checkpoint_id=str(path))
+        for loaded, live in moved:  # (DTensor.from_local moved a host copy's state to the mesh's device)
+            live.copy_(loaded)

@@ -255,6 +255,14 @@ class HardwareProfile:
         object.__setattr__(self, "sources", MappingProxyType(dict(self.sources)))
 
     @property
+    def host_memory_per_device(self) -> float | None:
+        """A device's share of its node's host memory (the node's devices each hold as much), where the
+        profile states it: a job's devices are taken to be a node's, and all of the memory usable."""
+        if self.host is None or self.host.node_memory_bytes is None:
+            return None
+        return self.host.node_memory_bytes / self.devices_per_node
+
+    @property
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(profile_to_json(self), sort_keys=True).encode()).hexdigest()[:16]
 

@@ -40,15 +40,18 @@ def _plan(zoo: Callable[[str], Path], out: Path, devices: int, **kw: object) -> 
 # ZeRO.
 # (dp2 → dp4, run until 2026-11-26, is in zero1-2 → zero1-4: another world size, and more.)
 # Optimizer states on the host (ZeRO-Offload, ZeRO-2's fused shards stepped through host copies): saved
-# as any plan's states, loaded into a plan that keeps them on the device, and the other way.
+# as any plan's states, loaded into a plan that keeps them on the device, and the other way (into fused
+# shards' host copies and into whole parameters' host copies).
 CASES = [("dp2", "tp2"), ("tp2", "zero3"), ("dp2", "pp2"), ("zero1-2", "zero1-4"), ("zero1-4", "dp2"),
-         ("host-zero2", "dp2"), pytest.param("zero1-2", "host-zero2", marks=pytest.mark.extended)]
+         ("host-zero2", "dp2"), pytest.param("zero1-2", "host-zero2", marks=pytest.mark.extended),
+         pytest.param("dp2", "host-dp2", marks=pytest.mark.extended)]
 PLANS: dict[str, tuple[int, dict[str, object]]] = {
     "dp2": (2, {"mode": "data-parallel", "zero_stage": 0}), "dp4": (4, {"mode": "data-parallel", "zero_stage": 0}),
     "tp2": (2, {"mode": "semi", "pins": TP}), "zero3": (2, {"layout": "dp_shard=2", "zero_stage": 3}),
     "pp2": (4, {"layout": "dp_replicate=2,pp=2", "global_batch_size": 8, "zero_stage": 0}),
     "zero1-2": (2, {"mode": "data-parallel", "zero_stage": 1}), "zero1-4": (4, {"mode": "data-parallel", "zero_stage": 1}),
-    "host-zero2": (2, {"mode": "data-parallel", "zero_stage": 2, "offload": "optimizer"})}
+    "host-zero2": (2, {"mode": "data-parallel", "zero_stage": 2, "offload": "optimizer"}),
+    "host-dp2": (2, {"mode": "data-parallel", "zero_stage": 0, "offload": "optimizer"})}
 
 
 @pytest.mark.slow

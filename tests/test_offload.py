@@ -279,3 +279,7 @@ def test_offload_held_beyond_the_host_memory_is_refused(zoo: Callable[[str], Pat
     assert f"keeps at least {need / 2**20:.1f} MiB per device on the host" in r.stderr, r.stderr
     assert f"holds {0.99 * need / 2**20:.1f} MiB per device" in r.stderr, r.stderr
     assert "host.node_memory_bytes over 8 devices" in r.stderr
+    # The data-parallel mode's plan is propagated, not solved: its host bytes are checked once priced.
+    with pytest.raises(MeshplanError, match=r"host memory: the data-parallel plan keeps .* per device on the host"):
+        make_plan(PlanRequest(model=model, dims=TINY, profile=profile, devices=1, mode="data-parallel", zero_stage=0,
+                              offload="optimizer"))

@@ -130,6 +130,11 @@ def add_offload_counts(model: LinearModel, groups: Sequence[LayerOffload], decis
     return out
 
 
+def host_size(b: float) -> str:
+    """Bytes of host memory in a message: GiB, or MiB below one."""
+    return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
 def add_exposed_row(model: LinearModel, counts: OffloadCounts, cover: Sequence[tuple[int, int]]) -> int | None:
     """E ≥ Σ hideable − cover (the step's compute and recomputation, as (variable, ns) terms) and
     E ≥ each offloaded parameter's longest copy; E's variable (None: nothing hideable)."""
@@ -157,6 +162,7 @@ class OffloadDecisions:
     gradients_held: bool
     overlapped: bool
     constraint_counts: dict[str, int]
+    memory_soft: bool
 
     def _offload_groups(self) -> None:
         """Under offload, each representative parameter's layer group (−1: outside the repeated layers),
@@ -212,11 +218,10 @@ class OffloadDecisions:
         """Σ host bytes ≤ the device's share of its node's host memory (`HostSpec.node_memory_bytes` over
         the node's devices), where the profile states it; refused before solving where the counts the
         request holds (every layer, for a mode other than auto) cannot fit however the states are split."""
-        host = self.cost.profile.host
-        if host is None or host.node_memory_bytes is None or not terms:
+        share = self.cost.profile.host_memory_per_device
+        if share is None or not terms:
             return
         per_node = self.cost.profile.devices_per_node
-        share = host.node_memory_bytes / per_node
         choices: dict[int, int] = defaultdict(int)
         for d in decision.values():
             choices[d] += 1
@@ -229,15 +234,13 @@ class OffloadDecisions:
                 held[decision[var]].append(kib)
             floor_kib += g.fixed * sum(min(kibs) if len(kibs) == choices[d] else 0.0 for d, kibs in held.items())
         if floor_kib * KIB > share:
-            def size(b: float) -> str:
-                return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
-
             raise InfeasiblePlanError(
-                f"host memory: offload {self.offload.value} keeps at least {size(floor_kib * KIB)} per device "
+                f"host memory: offload {self.offload.value} keeps at least {host_size(floor_kib * KIB)} per device "
                 f"on the host (every tensor split as far as its rules allow) but the profile's host holds "
-                f"{size(share)} per device (host.node_memory_bytes over {per_node} devices); offload less (`offload` auto) or add devices")
-        model.add("host_memory", list(terms), 0, math.floor(share / KIB))
-        self.constraint_counts["host memory"] += 1
+                f"{host_size(share)} per device (host.node_memory_bytes over {per_node} devices); offload less (`offload` auto) or add devices")
+        if not self.memory_soft:  # (a layout priced as it is: fitting or not, as the device's rows)
+            model.add("host_memory", list(terms), 0, math.floor(share / KIB))
+            self.constraint_counts["host memory"] += 1
 
     def add_activation_rows(self, model: LinearModel, counts: OffloadCounts,
                             recomputed: Mapping[str, list[tuple[int, int]]]) -> None:

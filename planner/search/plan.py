@@ -51,6 +51,7 @@ from planner.search.build import (
 from planner.search.dataset import check_splits, parse_dataset_strategy, split_pins
 from planner.search.decisions import NotBetterError, PinError
 from planner.search.incumbents import HandLayout, against_hand_layouts, incumbents, planned
+from planner.search.offload import host_size
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
 from planner.search.propagate import data_parallel_pins, propagate, resolve_pins
@@ -470,6 +471,14 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
                                     f"but `memory_limit_gib` is {limit / 2**30:.2f} GiB; raise `memory_limit_gib`, add devices, "
                                     "or use more micro-steps or recomputation" +
                                     (" or `mode` auto" if req.mode is not Mode.AUTO else ""))
+            share = cm.profile.host_memory_per_device
+            on_host = sum(cost.priced.host_memory.values())
+            if share is not None and on_host > share and not priced_as_is:  # (the ILP's row: its own estimate;
+                # propagation and the re-pricings after it have none)
+                raise MeshplanError(f"host memory: the {req.mode} plan keeps {host_size(on_host)} per device on the "
+                                    f"host but the profile's host holds {host_size(share)} per device "
+                                    f"(host.node_memory_bytes over {cm.profile.devices_per_node} devices); offload "
+                                    "less (`offload` auto) or add devices")
         except PinError:
             raise
         except MeshplanError as e:

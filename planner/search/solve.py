@@ -64,6 +64,9 @@ Constraints (every one named)
                          solution with over = 0 is optimal for the hard rows, one with over > 0 is
                          solved again with over held to 0
   pin[t]:                x[d,i] = 0 for every choice that puts a pinned tensor in another spec
+  host_memory:           under offload, what the offloaded layers hold on the host ≤ the device's share
+                         of its node's host memory (`planner/search/offload.py`; hard: a held mode that
+                         cannot fit is refused before solving, by its floor)
 Graph inputs are free (the loader delivers what the consumer requires); constants cost nothing.
 Given a cutoff (a plan the search already holds, `SolverOptions.cutoff_s`), a row holds the
 objective to it: an ILP whose relaxation already loses is then proved so without a search.
