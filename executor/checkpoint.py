@@ -43,6 +43,11 @@ ADAM_STATES = ("exp_avg", "exp_avg_sq")
 Stepped = Mapping[int, torch.Tensor] | None  # a parameter's id → the tensor the optimizer steps for it
 
 
+def _stepped(stepped: Stepped, p: torch.Tensor) -> torch.Tensor:
+    """The tensor the optimizer steps for `p`: its host copy where `stepped` names one, else itself."""
+    return stepped.get(id(p), p) if stepped else p
+
+
 class CheckpointError(MeshplanError):
     """A checkpoint that cannot be written or does not match the model or plan."""
 
@@ -256,9 +261,6 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
     copy's state on a GPU mesh), (that copy, the live tensor), for the loader to copy back."""
     params = runner.params
 
-    def at(p: torch.Tensor) -> torch.Tensor:
-        return stepped.get(id(p), p) if stepped else p
-
     def shard(n: str, local: torch.Tensor) -> Any:
         if saving:
             return _local(runner, n, local)
@@ -273,11 +275,11 @@ def _state(runner: SpmdRunner, optim: torch.optim.Optimizer | None, *, saving: b
         out["optim"] = {}
         for n, p in params.items():
             if n in shards:  # a fused ZeRO bucket's: the shard's states, this parameter's part of them
-                st = optim.state[at(shards[n])]
+                st = optim.state[_stepped(stepped, shards[n])]
                 out["optim"][n] = {**{k: _fused(runner, n, st[k], saving=saving) for k in ADAM_STATES},
                                    "step": st["step"]}
             else:
-                st = optim.state[at(p)]
+                st = optim.state[_stepped(stepped, p)]
                 out["optim"][n] = {**{k: shard(n, st[k]) for k in ADAM_STATES}, "step": st["step"]}
     return out
 
@@ -286,7 +288,7 @@ def init_optimizer_state(runner: SpmdRunner, optim: torch.optim.Optimizer, stepp
     """AdamW's states, zero, for every parameter the optimizer steps (a ZeRO bucket's shard for its
     parameters, a host copy for an offloaded one; torch creates them at the first step, loading needs
     them to exist)."""
-    zero_states(optim, [stepped.get(id(p), p) if stepped else p for p in runner.optimizer_parameters()])
+    zero_states(optim, [_stepped(stepped, p) for p in runner.optimizer_parameters()])
 
 
 def zero_states(optim: torch.optim.Optimizer, params: Any) -> None:
