@@ -37,7 +37,7 @@ from dataclasses import replace
 import numpy as np
 
 from core.collectives import Cadence, Collective, Phase, PricedCollective, Purpose, cadence_of
-from core.context import RING, cp_axis
+from core.context import RING, GatheredFeeds, cp_axis
 from core.experts import CAPACITY_FACTOR, EXPERT_PARALLEL, ep_axis, splits_over
 from core.graph import OpGraph, OpNode, TensorKind
 from core.levers import Attention, Composer, LossKind, Offload, Recompute, Runtime, lever
@@ -201,6 +201,8 @@ class CostModel:
         self.cp_axis = cp_axis(mesh)
         self.regions = {n: r for r in regions for n in r.nodes} if self.cp_axis is not None else {}
         self.causal_chains = causal_regions(graph) if self.cp_axis is not None else frozenset()
+        # The all-gather design's keys and values gathered before their repeat: partial gradients pass back.
+        self.feeds = GatheredFeeds.of(graph, mesh, [(r.nodes[0], r.nodes[-1]) for r in regions])
         self.selective_saves, self.selective_inside = self._selective_saves()
         self._edge_cache: dict[tuple[object, ...], tuple[PricedCollective, ...]] = {}
         self._edge_time_cache: dict[tuple[object, ...], tuple[float, float, float, float]] = {}
@@ -365,12 +367,18 @@ class CostModel:
         """Mesh axes along which a strategy divides the work (some input or output not replicated)."""
         return split_axes((*strategy.input_specs, *strategy.output_specs), self.mesh.shape)
 
+    def gradient_split(self, tensor: str, src: Spec, dst: Spec, split: frozenset[int]) -> frozenset[int]:
+        """The axes on which an edge's gradient arrives partial, its consumer divided over `split`: those,
+        but for the keys' and values' feeds under context parallelism's all-gather (`GatheredFeeds`)."""
+        return self.feeds.gradient_split(tensor, src, dst, split) if self.feeds is not None else split
+
     # -- one edge --------------------------------------------------------------------------------
 
     def edge_events(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int], *,
                     saved: bool = True) -> tuple[PricedCollective, ...]:
         """Forward reshard of `tensor` from `src` to `dst` and the backward work on its gradient;
         `saved`: the consumer's backward reads the tensor (a gathered parameter is then gathered again)."""
+        consumer_split = self.gradient_split(tensor, src, dst, consumer_split)
         return tuple(replace(e, tensor=tensor) for e in self._edge_events_alike(tensor, src, dst, consumer_split, saved))
 
     def _edge_events_alike(self, tensor: str, src: Spec, dst: Spec, consumer_split: frozenset[int],
@@ -412,6 +420,7 @@ class CostModel:
         stays exposed; the gradient all-reduces and the gradient reduce-scatters that may run under the
         last backward (`compose.hides_under_backward`); the parameter gathers that may be prefetched
         under compute (`compose.prefetched`)."""
+        consumer_split = self.gradient_split(tensor, src, dst, consumer_split)
         info = self.graph.tensors[tensor]
         stage = self._edge_stage(tensor, src, dst, zero_stage)
         key = self._edge_key(tensor, src, dst, consumer_split, recomputed, saved, zero_stage)
@@ -444,6 +453,7 @@ class CostModel:
                        recomputed: bool = False, saved: bool = True, zero_stage: int = 0) -> float:
         """The longest of one edge's gathers for use, once per micro-batch: what the overlapped step's
         first gather waits where this edge holds the step's longest (`compose.overlap`)."""
+        consumer_split = self.gradient_split(tensor, src, dst, consumer_split)
         self.edge_time_parts(tensor, src, dst, consumer_split, recomputed=recomputed, saved=saved, zero_stage=zero_stage)
         return self._first_gather_cache[self._edge_key(tensor, src, dst, consumer_split, recomputed, saved, zero_stage)]
 
@@ -574,7 +584,7 @@ class CostModel:
             priced.node_compute_s[node.name] = nc.compute_s
             priced.backward_s += nc.compute.bwd_s + nc.recompute_s
             priced.flops_matmul += nc.compute.fwd_matmul_flops * (2 if nc.recompute_s else 1) + nc.compute.bwd_matmul_flops
-            split = self.split_axes(strategy)
+            divided = self.split_axes(strategy)
             mine = priced.node_events.setdefault(node.name, [])
             if nc.loss is not None:
                 priced.events.extend(nc.loss.events)
@@ -592,6 +602,7 @@ class CostModel:
                 if info.kind is TensorKind.CONSTANT:
                     continue  # every rank holds constants whole: any placement is a local slice
                 have = need if info.kind is TensorKind.INPUT else placed[t]
+                split = self.gradient_split(t, have, need, divided)
                 events = tuple(e for e in self.edge_events(t, have, need, split,
                                                            saved=self.reads_in_backward(node, i))
                                if not seen_reduction(e, reduced))

@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_hf.py                     # GPT-2, tiny, gloo on CPU
     torchrun --nproc-per-node 2 examples/train_hf.py --model llama --layout dp_shard=2
     torchrun --nproc-per-node 4 examples/train_hf.py --model llama --layout pp=2,dp_shard=2   # a pipeline
+    torchrun --nproc-per-node 4 examples/train_hf.py --layout dp_shard=2,tp=2   # fully_shard over tensor parallelism
     torchrun --nproc-per-node 8 examples/train_hf.py --config my/config.json --profile h100-sxm  # nccl
     torchrun --nproc-per-node 1 examples/train_hf.py --config my/config.json --profile h100-sxm --runtime compiled
 

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-from core.context import RING, cp_axis
+from core.context import RING, GatheredFeeds, cp_axis
 from core.experts import EXPERT_PARALLEL, ExpertRegion, ep_axis, expert_region, find_expert_blocks
 from core.graph import OpNode
 from core.levers import Attention, Recompute
@@ -94,6 +94,11 @@ class SpmdRunner:
         self._plans: dict[str, tuple[list[Any], list[list[Placement]], set[int], list[str]]] = {}
         self._grads: dict[str, list[tuple[list[Placement], bool] | None]] = {}  # per input: placements, any partial
         self._shape_operand: dict[str, torch.Tensor] = {}  # Reshape/Expand: the local output shape
+        # cp's all-gather design: the keys' and values' feeds pass partial gradients back (as priced)
+        feeds = GatheredFeeds.of(self.graph, strategy.mesh, [(r.nodes[0], r.nodes[-1])
+                                                             for r in attention_regions(self.graph).values()])
+        made = {t: sp.normalized(self.mesh_shape) for n in self.graph.compute_nodes
+                for t, sp in zip(n.outputs, strategy.nodes[n.name].outputs, strict=False)} if feeds else {}
         for n in self.graph.compute_nodes:
             plan = strategy.nodes[n.name]
             in_specs = [x.normalized(self.mesh_shape) if x is not None else None for x in plan.inputs]
@@ -102,7 +107,9 @@ class SpmdRunner:
             want_in = [to_dtensor(sp) if sp is not None else None for sp in in_specs]
             want_out = [to_dtensor(sp) for sp in out_specs]
             self._plans[n.name] = (want_in, want_out, set(divided), list(plan.kernels))
-            grads = [to_dtensor(gradient_spec(sp, divided)) if sp is not None else None for sp in in_specs]
+            grads = [to_dtensor(gradient_spec(sp, feeds.gradient_split(t, made[t], sp, divided) if feeds and t in made
+                                              else divided)) if sp is not None else None
+                     for t, sp in zip(n.inputs, in_specs, strict=True)]
             self._grads[n.name] = [(gp, any(isinstance(p, Partial) for p in gp)) if gp is not None else None
                                    for gp in grads]
             if n.op_type in ("Reshape", "Expand"):

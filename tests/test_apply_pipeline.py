@@ -112,14 +112,17 @@ def test_pipelined_apply_equals_one_process(case: str, zoo: Callable[[str], Path
 
 @pytest.mark.slow
 @pytest.mark.extended
-def test_example_pipelined_equals_one_rank(tmp_path: Path) -> None:
-    """examples/train_hf.py as a user runs it: `--layout pp=2,dp_shard=2` on 4 ranks, against the same
-    script on 1 rank — the first steps' losses (AdamW between them) equal to 1e-5."""
-    pipelined = example_losses(tmp_path, "train_hf.py", 4, "--model", "llama", "--layout", "pp=2,dp_shard=2",
-                               "--micro-batch-size", "4")
-    one = example_losses(tmp_path, "train_hf.py", 1, "--model", "llama")
-    assert len(one) == len(pipelined) == 3
-    assert max(abs(a - b) for a, b in zip(pipelined, one, strict=True)) < 1e-5, (pipelined, one)
+@pytest.mark.parametrize("model,layout", [("llama", ("pp=2,dp_shard=2", "--micro-batch-size", "4")),
+                                          ("llama", ("dp_shard=2,tp=2",)), ("gpt2", ("dp_shard=2,tp=2",))],
+                         ids=["llama-pp2-dp2", "llama-dp2-tp2", "gpt2-dp2-tp2"])
+def test_example_on_four_ranks_equals_one_rank(model: str, layout: tuple[str, ...], tmp_path: Path) -> None:
+    """examples/train_hf.py as a user runs it: `--layout pp=2,dp_shard=2` (a pipeline of data-parallel
+    stages) and `--layout dp_shard=2,tp=2` (fully_shard over tensor parallelism) on 4 ranks, against the
+    same script on 1 rank — the first steps' losses (AdamW between them) equal to 1e-5, nothing falling back."""
+    four = example_losses(tmp_path, "train_hf.py", 4, "--model", model, "--layout", *layout)
+    one = example_losses(tmp_path, "train_hf.py", 1, "--model", model)
+    assert len(one) == len(four) == 3
+    assert max(abs(a - b) for a, b in zip(four, one, strict=True)) < 1e-5, (four, one)
 
 
 def test_a_stage_boundary_inside_a_layer_is_refused(zoo: Callable[[str], Path]) -> None:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from core.collectives import Collective, Phase, Purpose
-from core.context import RING
+from core.context import RING, key_value_feeds
 from core.layout import parse_layout
 from core.mesh import DeviceMesh
 from core.placement import Replicate, Shard
@@ -71,26 +71,38 @@ def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 
 
 
 def test_attention_gathers_keys_and_values_over_cp(zoo: Callable[[str], Path]) -> None:
-    """cp=4 on llama-tiny (batch 1, 32 tokens): every activation stays split on cp; each attention's
-    queries keep their 8 tokens and its keys and values are gathered over cp at its entry — an
-    all_gather each of b·heads·head_dim·s·4 bytes (the 4 query heads' keys, as the exported graph
-    repeats the 2 KV heads before the product) forward, a reduce_scatter of their gradients backward."""
+    """cp=4 on llama-tiny (batch 1, 32 tokens, 4 query heads on 2 KV heads): every activation stays split
+    on cp but the keys' and values' feeds (grouped-query attention's repeat, kᵀ's transpose, the scale);
+    each attention's queries keep their 8 tokens and its keys and values are gathered over cp before
+    their repeat, as Llama-3 gathers its KV heads — an all_gather each of b·kv_heads·s·head_dim·4 bytes
+    forward where the feeds begin, a reduce_scatter of the same backward (the feeds pass each rank's
+    partial gradient back as it is), nothing on cp at the attention products."""
     model = zoo("llama-tiny")
     s = _plan(model, "cp=4", batch=1)
     g = load_graph(model, s.model.dims)
     regions = attention_regions(g)
     assert len(regions) == 2
     cp = s.mesh.axis_names.index("cp")
+    feeds = key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in regions.values()])
+    assert sorted({g.node_by_name[n].op_type for n in feeds}) == ["Expand", "Identity", "Mul", "Reshape", "Transpose",
+                                                                  "Unsqueeze"]
+    kv_bytes = 1 * 2 * 32 * 16 * 4
     for r in regions.values():
         assert s.tensors[r.q].spec.placements[cp] == Shard(2)  # (b, h, s, d): the queries' tokens
         for t, mm in ((r.kt, r.nodes[0]), (r.v, r.nodes[-1])):
-            moved = [x for x in s.reshards if x.tensor == t and x.consumer == mm]
-            assert len(moved) == 1 and isinstance(moved[0].dst.placements[cp], Replicate), (t, moved)
-            events = [(e.kind.value, e.phase.value, e.size_bytes) for e in s.nodes[mm].collectives if e.tensor == t]
-            assert events == [("all_gather", "forward", 1 * 4 * 16 * 32 * 4),
-                              ("reduce_scatter", "backward", 1 * 4 * 16 * 32 * 4)], events
+            assert isinstance(s.tensors[t].spec.placements[cp], Replicate)
+            assert not [x for x in s.reshards if x.tensor == t and x.consumer == mm]
+            assert not [e for e in s.nodes[mm].collectives if e.tensor == t], s.nodes[mm].collectives
+            first = t  # back through the feeds to the first, where the tensor is gathered
+            while g.producer[first] in feeds:
+                first = next(x for x in g.node_by_name[g.producer[first]].inputs if x in g.tensors
+                             and g.tensors[x].kind.name == "ACTIVATION")
+            assert g.tensors[first].shape[1] == 2 or g.tensors[first].shape[-1] == 2 * 16  # the KV heads, unrepeated
+            (reader,) = [n.name for n in g.compute_nodes if first in n.inputs]
+            events = [(e.kind.value, e.phase.value, e.size_bytes) for e in s.nodes[reader].collectives if e.tensor == first]
+            assert events == [("all_gather", "forward", kv_bytes), ("reduce_scatter", "backward", kv_bytes)], events
     for name, node in s.nodes.items():  # no float activation whole on cp (a weight's view is the weight)
-        if any(g.tensors[t].kind.name == "PARAM" for t in g.node_by_name[name].inputs if t in g.tensors):
+        if name in feeds or any(g.tensors[t].kind.name == "PARAM" for t in g.node_by_name[name].inputs if t in g.tensors):
             continue
         for t, spec in zip(g.node_by_name[name].outputs, node.outputs, strict=True):
             info = g.tensors[t]
@@ -176,8 +188,8 @@ def _pipelined(model: Path, method: str) -> Strategy:
 def test_context_parallel_in_pipeline_stages(zoo: Callable[[str], Path]) -> None:
     """cp=2 inside each of 2 pipeline stages (the Llama-3 paper's 4D layout, in small): each stage's
     sub-mesh is the cp axis; under the ring design every attention product, in either stage, passes its
-    1·4·16·16·4 B block cp − 1 = 1 time forward and once backward; under all-gather none passes, and the
-    products gather kᵀ and v over cp instead."""
+    1·4·16·16·4 B block cp − 1 = 1 time forward and once backward; under all-gather none passes, and k
+    and v are gathered over cp where their feeds begin instead, in each stage (a reduce-scatter back)."""
     model = zoo("llama-tiny")
     ring, gather = _pipelined(model, "ring"), _pipelined(model, "allgather")
     assert ring.pipeline is not None and len(ring.pipeline.stages) == 2 and ring.mesh.axis_names == ("cp",)
@@ -191,7 +203,11 @@ def test_context_parallel_in_pipeline_stages(zoo: Callable[[str], Path]) -> None
             assert [(e.phase, e.size_bytes) for e in passes] == [(Phase.FORWARD, 1 * 4 * 16 * 16 * 4),
                                                                  (Phase.BACKWARD, 1 * 4 * 16 * 16 * 4)]
             assert not any(e.purpose is Purpose.CONTEXT_PASS for e in gather.nodes[mm].collectives)
-            assert any(e.kind is Collective.ALL_GATHER for e in gather.nodes[mm].collectives)
+            assert not gather.nodes[mm].collectives  # (k and v arrive gathered, before their repeat)
+    feeds = key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in attention_regions(g).values()])
+    gathers = [(chunk[n], e.kind.value, e.phase.value) for n in feeds for e in gather.nodes[n].collectives]
+    assert sorted(gathers) == sorted([(c, "all_gather", "forward") for c in (0, 1)] * 2
+                                     + [(c, "reduce_scatter", "backward") for c in (0, 1)] * 2)
 
 
 @pytest.mark.extended
@@ -271,5 +287,5 @@ def test_explain_names_the_design_and_its_traffic(zoo: Callable[[str], Path], me
     if method == "ring":
         assert (c["count"], c["bytes"]) == (24, 24 * 2048.0)
     else:
-        kv = [e for n in s.nodes.values() for e in n.collectives if e.size_bytes == 1 * 4 * 16 * 32 * 4]
+        kv = [e for n in s.nodes.values() for e in n.collectives if e.size_bytes == 1 * 2 * 16 * 32 * 4]
         assert c["count"] >= len(kv) >= 8

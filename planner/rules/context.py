@@ -6,7 +6,10 @@ tokens too (kᵀ's last dim, v's second-to-last) with the kernel `RING`; the pro
 before (the queries' rows). On the cp axis a product keeps only its strategies of the design asked
 for — `allgather` those, `ring` their ring ones — so both products of a chain run the same design (the
 executor runs the chain as one kernel), and neither splits the heads instead (DeepSpeed-Ulysses' design,
-not planned).
+not planned). Under the all-gather design the keys and values are gathered where they are smallest: the
+nodes that only move, repeat or scale them on their way to the products (`core/context.key_value_feeds`: grouped-query
+attention's repeat, kᵀ's transpose, the scale) run whole on cp, so the gather falls before the repeat,
+as Llama-3 gathers its KV heads (`planner/search/build.as_written`, `core/context.GatheredFeeds`).
 """
 
 from __future__ import annotations
@@ -57,3 +60,4 @@ def _ring(st: OpStrategy, a: int, row: int, dim: int) -> OpStrategy | None:
     kernels = [""] * len(placements)
     kernels[a] = RING
     return OpStrategy((rows, Spec(tuple(placements)), *st.input_specs[2:]), st.output_specs, tuple(kernels))
+

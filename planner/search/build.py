@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from core.collectives import Phase
-from core.context import cp_axis
+from core.context import cp_axis, key_value_feeds
 from core.experts import ep_axis, expert_weight_nodes, find_expert_blocks
 from core.graph import SEQUENCE_DIM, OpGraph, TensorKind
 from core.layout import WHOLE_AXES, Layout
@@ -221,7 +221,10 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     activations stay split (on the sequence, or wherever the ILP finds cheaper: attention's scores by
     its queries), none whole: only what an op reads may be gathered there — an attention's keys and
     values, all of them for each rank's queries: gathered (context parallelism's all-gather design), or
-    under `cp_method` ring passed around the cp ring (`planner/rules/context.py`); None: all-gather."""
+    under `cp_method` ring passed around the cp ring (`planner/rules/context.py`); None: all-gather.
+    Gathered, they are gathered where smallest: the ops that only move, repeat or scale them on the way
+    to the products (`key_value_feeds`) run whole on cp, so GQA's keys and values cross cp before their
+    repeat (n_kv_heads of them, not n_heads)."""
     if layout is None:
         return rules
     layout.check_experts(graph)
@@ -240,6 +243,8 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
     if not dp and not tp:
         return rules
     # A parameter read through a view or cast (Llama exports: W -> Transpose -> MatMul) is a parameter too.
+    chains = [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else []
+    gathered = key_value_feeds(graph, chains) if cp and cp_method is not CpMethod.RING else frozenset()
     held = {t for t, info in graph.tensors.items() if info.kind is TensorKind.PARAM}
     for node in graph.compute_nodes:
         if node.op_type in ("Transpose", "Cast", "Reshape", "Identity") and node.inputs and node.inputs[0] in held:
@@ -263,6 +268,10 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
         along = tuple(st for st in strategies if all(
             _split_off_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
             for j, t in enumerate(ns.node.outputs) if t in acts for a in cp))
+        if name in gathered:  # (kept whole on cp: keys and values gathered before these)
+            along = tuple(st for st in strategies if all(
+                isinstance(st.output_specs[j].placements[a], Replicate) for j, t in enumerate(ns.node.outputs)
+                if t in acts for a in cp))
         strategies = along if along and acts and cp else strategies
         batched = tuple(st for st in strategies if all(
             _on_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
@@ -270,8 +279,7 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
         strategies = batched if batched and by_batch else strategies
         out.by_node[name] = replace(ns, strategies=strategies)
     ring = context_parallel({n: ns.strategies for n, ns in out.by_node.items()}, graph, rules.mesh,
-                            cp_method or CpMethod.ALLGATHER,
-                            [(r.nodes[0], r.nodes[-1]) for r in attention_regions(graph).values()] if cp else [])
+                            cp_method or CpMethod.ALLGATHER, chains)
     for name, strategies in ring.items():
         out.by_node[name] = replace(out.by_node[name], strategies=strategies)
     return out
