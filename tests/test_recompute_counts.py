@@ -72,6 +72,26 @@ def test_memory_excess_is_solved_again_held_to_the_limit(zoo: Callable[[str], Pa
     assert free.cost.memory_bytes_per_device <= 12 * 2**30
 
 
+@pytest.mark.parametrize("layout", ["dp_shard=2", "pp=2"])
+def test_auto_recomputes_a_layout_that_does_not_fit_without(layout: str, zoo: Callable[[str], Path]) -> None:
+    """`--recompute auto` under a user's layout (priced as written, fitting or not): where the plan without
+    recomputation is over the limit, the plan with it (the layers the ILP chooses; in a pipeline's stages
+    every layer) — as `--recompute full` prices it — and, with room, none. Until 2026-11-29 auto returned
+    the plan without recomputation, over the limit, in both."""
+    def plan(recompute: str, limit: float | None) -> Any:
+        return make_plan(PlanRequest(model=str(zoo("llama-tiny")), dims={"seq": 64}, profile="cpu", devices=2,
+                                     layout=layout, global_batch_size=64, micro_batch_size=32, recompute=recompute,
+                                     memory_limit_gib=limit))[0]
+
+    none, full = plan("none", None), plan("full", None)
+    assert full.cost.memory_bytes_per_device < none.cost.memory_bytes_per_device
+    limit = (full.cost.memory_bytes_per_device + none.cost.memory_bytes_per_device) / 2 / 2**30
+    tight, roomy = plan("auto", limit), plan("auto", None)
+    assert tight.cost.memory_bytes_per_device <= limit * 2**30
+    assert tight.step_time_s == pytest.approx(full.step_time_s) and set(tight.training.recompute.values()) == {"full"}
+    assert roomy.step_time_s == pytest.approx(none.step_time_s) and not roomy.training.recompute
+
+
 @pytest.mark.slow
 def test_first_layers_recomputed_run_as_planned(zoo: Callable[[str], Path], tmp_path: Path) -> None:
     # FSDP on 2 ranks with the first of gpt2-tiny's 2 layers recomputed: only that layer's parameter

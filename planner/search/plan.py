@@ -161,6 +161,11 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
     # recomputation, more of them while each is faster; else from the most (below the plan without
     # recomputation) down while each is faster.
+    limit = _memory_limit(req, profile)
+    if len(policies) > 1 and found and all(f[1][0].cost.memory_bytes_per_device > limit for f in found):
+        # A layout priced as written that does not fit without recomputation: under auto, with it (the
+        # layers the ILP chooses; in a pipeline's stages, every layer)
+        attempt(min(k0 for k0, _ in found), policies[1])
     if len(policies) > 1 and (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) \
             and found:
         # Offload makes the plan without recomputation fit where it would not: recomputing layers keeps
@@ -197,13 +202,13 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     finally:  # its process waited for, whatever the hand layouts raise
         piped = pipelines() if pipelines is not None else []
     found += piped
-    limit = _memory_limit(req, profile)
     if not found:
         if not any(not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit for _, s in hand_plans):
             raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                                 f"recomputation {policies[-1]}, {failures[-1]}")
         return against_hand_layouts(None, hand_plans, limit), []
-    best = min((plan for _, plan in found), key=lambda plan: plan[0].step_time_s)
+    fitting = [plan for _, plan in found if plan[0].cost.memory_bytes_per_device <= limit]
+    best = min(fitting or [plan for _, plan in found], key=lambda plan: plan[0].step_time_s)
     if hands is None:
         return best
     chosen = against_hand_layouts(best[0], hand_plans, limit)

@@ -315,12 +315,13 @@ class PlanRequest:
         when asked for). Under auto the ILP decides how
         many layers of each group to recompute ("auto"); without an ILP, none and then full (also where
         pipelines are searched on several nodes: their candidates and the plans without them are many, and the counted
-        recomputation's ILP takes tens of seconds on meshes of hundreds of devices; and for the planner's
-        hand layouts, which practitioners run with full checkpointing or none)."""
+        recomputation's ILP takes tens of seconds on meshes of hundreds of devices; for the planner's
+        hand layouts, which practitioners run with full checkpointing or none; and for a pipelined layout,
+        whose stages' ILP recomputes whole groups or none)."""
         if self.recompute is not Recompute.AUTO:
             return [self.recompute]
         counted = self.decides and not (self.searches_pipelines() and self.devices > devices_per_node) \
-            and not self.must_fit
+            and not self.must_fit and not (self.layout is not None and self.layout.pipeline > 1)
         return [Recompute.NONE, Recompute.AUTO if counted else Recompute.FULL]
 
     def dims_for(self, steps: int) -> dict[str, int]:
