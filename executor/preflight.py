@@ -111,9 +111,6 @@ def check_step(strategy: Strategy, graph: OpGraph) -> None:
         kernels = strategy.nodes[block.gathers[0]].kernels
         if EXPERT_PARALLEL not in kernels:
             continue
-        if strategy.pipeline is not None:
-            raise RunError("the plan splits experts over ep inside pipeline stages, which the executor does not run "
-                           "yet; plan without pp or without ep")
         region = expert_region(graph, block)
         if region is None:
             raise RunError(f"the experts of {block.module or block.topk} are not one row-wise region from their "

@@ -186,6 +186,8 @@ class SpmdRunner:
             return {}
         out = {}
         for block in find_expert_blocks(self.graph):
+            if block.gathers[0] not in names:  # another pipeline chunk's
+                continue
             kernels = self._plans[block.gathers[0]][3]
             if len(kernels) <= a or kernels[a] != EXPERT_PARALLEL:
                 continue

@@ -149,6 +149,31 @@ def test_expert_parallel_run_equals_one_process_more(zoo: Callable[[str], Path],
     _run_ep(zoo, name, layout, tmp_path)
 
 
+@pytest.mark.parametrize("name", ["mixtral-tiny", pytest.param("deepseek-v3-tiny", marks=pytest.mark.extended)])
+def test_expert_parallel_in_pipeline_stages_runs_as_one_process(zoo: Callable[[str], Path], name: str,
+                                                                tmp_path: Path) -> None:
+    """pp=2 × (ep=2) on 4 gloo ranks, 1F1B, 2 micro-batches of 4 sequences per data-parallel rank: each stage routes its own blocks' tokens
+    over its ep pair (the blocks split between the stages); loss, gradients and parameters equal one process,
+    the first rank of each stage running its planned all-to-alls (5 a block and micro-batch) and sends."""
+    from planner.stagecut import strategy_chunks
+    from tests.test_training_step import run_equals_one_process
+
+    model = zoo(name)
+    s, _ = make_plan(PlanRequest(model=str(model), dims={"seq": 16}, profile="cpu", devices=4, recompute="none",
+                                 layout=parse_layout("pp=2,dp_shard=2,ep=2", 4), global_batch_size=16,
+                                 micro_batch_size=4))
+    assert s.pipeline is not None and s.mesh.axis_names == ("ep",) and s.training.micro_batches == 2
+    g = load_graph(model, s.model.dims)
+    blocks = find_expert_blocks(g)
+    chunk = strategy_chunks(g, s.pipeline)
+    assert {chunk[b.gathers[0]] for b in blocks} == {0, 1}
+    assert all(s.nodes[x].kernels[0] == EXPERT_PARALLEL for b in blocks for x in b.gathers)
+    r = run_equals_one_process(s, model, tmp_path, optimizer="sgd" if name.startswith("deepseek") else "adamw")
+    first = sum(chunk[b.gathers[0]] == 0 for b in blocks)  # (the report's figures: stage 0's first rank)
+    assert r["collectives_planned"]["all_to_all"] == 5 * first * 2 and r["collectives_planned"]["send"] > 0
+    assert r["grad_max_abs_diff"] < 1e-5 and r["loss_abs_diff"] < 1e-5
+
+
 @pytest.mark.slow
 @pytest.mark.extended
 @pytest.mark.timeout(900)  # two Mixtral-8x7B plans: about 3 minutes alone on this VM, near the default 300 s beside others
