@@ -25,7 +25,8 @@ exporter's names. `apply`:
    which node, and what the fallback costs by the plan's own prices.
 4. **Data parallelism** over the data-parallel axis: DDP's reducer through the composable
    `replicate` (gradient buckets of the plan's all-reduce fusion size) where parameters are
-   replicated; `fully_shard` (FSDP2) where the plan shards them (ZeRO-3), and ZeRO-1/2 as
+   replicated (beside tensor parallelism, whose DTensors DDP's reducer takes none of, FSDP2's
+   `replicate`: one all-reduce of the gradients a step); `fully_shard` (FSDP2) where the plan shards them (ZeRO-3), and ZeRO-1/2 as
    `fully_shard(reshard_after_forward=False)`: parameters gathered once a step and whole through
    backward, gradients reduce-scattered, states sharded — the plan's collectives (parameters rest
    sharded between steps). Activations the plan gathers over the batch inside the model run batch-local instead
@@ -115,6 +116,7 @@ class ApplyReport:
     offloaded: list[str] = field(default_factory=list)  # fully_shard units under CPUOffloadPolicy ("" the root)
     host_activations: list[str] = field(default_factory=list)  # layer FQNs whose saved activations go to the host
     host: Any = None  # their `HostActivations` (the host bytes one forward held: `host.peak_bytes`)
+    fsdp2_replicated: bool = False  # DDP as FSDP2's replicate (`_replicate_fsdp2`)
     experts: list[str] = field(default_factory=list)  # experts modules split over ep (`executor/apply_experts.py`)
     ep: int = 1  # … over this many ranks
 
@@ -134,10 +136,13 @@ class ApplyReport:
     def micro_batch(self, module: nn.Module, index: int) -> None:
         """Before micro-batch `index` of a step (0 … micro_batches − 1): under ZeRO-1/2 as fully_shard, the
         parameters stay gathered until the last micro-batch's backward, which reshards them for the
-        optimizer step; ZeRO-1 reduce-scatters on the last only. Nothing to do otherwise."""
+        optimizer step; ZeRO-1 reduce-scatters on the last only; DDP beside tensor parallelism all-reduces
+        on the last only. Nothing to do otherwise."""
+        last = index == self.micro_batches - 1
+        if self.fsdp2_replicated:  # FSDP2's replicate: the gradients all-reduced once, on the last
+            module.set_requires_gradient_sync(last)  # type: ignore[operator]
         if not self.zero_stage:
             return
-        last = index == self.micro_batches - 1
         module.set_reshard_after_backward(last)  # type: ignore[operator]
         if self.zero_stage == 1:
             module.set_requires_gradient_sync(last)  # type: ignore[operator]
@@ -281,11 +286,6 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
                          f"mesh {list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run "
                          "it with `meshplan run`)")
     names = s.mesh.axis_names
-    if tp_axes and dp_big and not s.training.zero_stage and not any(
-            isinstance(planned_spec(s, b.onnx).placements[a], mp.Shard) for b in bindings for a in dp_big):
-        raise ApplyError(f"apply runs data parallelism beside tensor parallelism with fully_shard; this plan keeps "
-                         f"every parameter whole over '{'+'.join(names[a] for a in dp_big)}' (DDP) — plan with "
-                         "`zero_stage` 3 (or `layout` dp_shard=N,tp=M), or run it with `meshplan run`")
     report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,
@@ -345,13 +345,6 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
     if [i for i in big if i not in dp_axes] or len(big) > 1:
         raise ApplyError(f"apply runs a pipeline's stages over one data-parallel axis; this plan's stage mesh {list(shape)} "
                          f"{list(names)} has more (plan with `layout` pp={p},dp_shard=N, or run it with `meshplan run`)")
-    if big and not any(isinstance(planned_spec(s, b.onnx).placements[big[0]], mp.Shard) for b in bindings) \
-            and not s.training.zero_stage:
-        # DDP's reducer under a pipeline schedule reduces at the first micro-batch's backward and misses the rest
-        # (torch's PipelineStage runs no_sync for DistributedDataParallel and fully_shard, not the composable one)
-        raise ApplyError(f"apply runs a pipeline's stages data-parallel with fully_shard; this plan keeps every parameter "
-                         f"whole over '{names[big[0]]}' (DDP) — plan with `layout` pp={p},dp_shard={shape[big[0]]}, or run "
-                         "it with `meshplan run`")
     report = ApplyReport(data_parallel="", dp_axis=names[big[0]] if big else None, tp_axis=None,
                          micro_batches=s.training.micro_batches, planned_step_s=s.cost.step_time_s, bindings=bindings,
                          precision=s.settings.dtype, device=mesh.device_type, runtime=s.settings.runtime.value,
@@ -379,7 +372,9 @@ def _apply_pipelined(s: Strategy, graph: OpGraph, module: nn.Module, mesh: Devic
             return
         held = {n for n, _ in chunk.named_parameters(remove_duplicate=False)}
         mine = tuple(b for b in bindings if set(b.fqns) & held)
-        _apply_data_parallel(s, graph, chunk, mesh, mine, big[0], report)
+        # (DDP as FSDP2's replicate: torch's PipelineStage holds its gradient sync to the last micro-batch, as
+        # it does fully_shard's; DDP's reducer would reduce at the first micro-batch's backward alone)
+        _apply_data_parallel(s, graph, chunk, mesh, mine, big[0], report, fsdp2_replicate=True)
 
     run = apply_pp.build(s, graph, module, mesh, splits, example, loss_fn or apply_pp.cross_entropy, parallelize)
     report.pipeline = run
@@ -413,8 +408,11 @@ def _apply_tensor_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh:
 
 
 def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: DeviceMesh,
-                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport) -> None:
-    """(The experts expert parallelism holds, `report.experts`, are left out of the data-parallel wrapping.)"""
+                         bindings: tuple[Binding, ...], axis: int, report: ApplyReport, *,
+                         fsdp2_replicate: bool = False) -> None:
+    """(The experts expert parallelism holds, `report.experts`, are left out of the data-parallel wrapping.)
+    `fsdp2_replicate`: whole parameters under FSDP2's replicate rather than DDP's reducer (a pipeline's
+    chunks); so too beside tensor parallelism."""
     name = s.mesh.axis_names[axis]
     _batch_local(s, graph, bindings, [axis], report)
     bindings = _without_experts(bindings, report)
@@ -436,6 +434,9 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
             raise ApplyError(f"the plan keeps weights on the host (offload params,optimizer) and every parameter whole "
                              f"over '{name}' (DDP); apply offloads weights with fully_shard's CPUOffloadPolicy: plan with "
                              "`zero_stage` 3 (or `layout` dp_shard=N)")
+        if fsdp2_replicate or report.tp_axis is not None:  # (tensor parallelism's DTensors: DDP takes none)
+            _replicate_fsdp2(s, module, sub, report)
+            return
         from torch.distributed._composable.replicate import replicate
 
         cap = s.training.comm_fusion.allreduce
@@ -447,6 +448,26 @@ def _apply_data_parallel(s: Strategy, graph: OpGraph, module: nn.Module, mesh: D
         report.data_parallel = "replicate"
         if s.buckets is not None:  # DDP's buckets, as the plan priced them
             _expect(report, {"all_reduce": sum(1 for b in s.buckets if b.kind is Collective.ALL_REDUCE and b.axes == (axis,))})
+
+
+def _replicate_fsdp2(s: Strategy, module: nn.Module, mesh: DeviceMesh, report: ApplyReport) -> None:
+    """DDP over `mesh` as FSDP2's `replicate` — beside tensor parallelism, as torchtitan runs it (DDP's
+    reducer takes no DTensor), and in a pipeline's chunks (torch's PipelineStage syncs its gradients on
+    the last micro-batch): parameters whole over the data-parallel axis, the gradients all-reduced once
+    for the module after backward (one flat buffer: the plan's buckets are not kept), a mixed plan under
+    its MixedPrecisionPolicy."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mixed = s.settings.dtype == "mixed"
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
+        else MixedPrecisionPolicy()
+    ignored = {p for f in report.experts for p in module.get_submodule(f).parameters()}
+    replicate(module, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+    report.fsdp2_replicated = True
+    report.data_parallel = "replicate"
+    report.mixed_policy = mixed
+    _expect(report, {"all_reduce": 1})
 
 
 def _expect(report: ApplyReport, counts: dict[str, int]) -> None:

@@ -468,25 +468,31 @@ def _dp_tp_pins(name: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.extended
-@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny"])
-def test_dp_shard_by_tp_equals_one_process(name: str, zoo: Callable[[str], Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "layout", "zero"), [("llama-tiny", "dp_shard=2,tp=2", 3),
+                                                    ("gpt2-tiny", "dp_shard=2,tp=2", 3),
+                                                    ("llama-tiny", "dp_replicate=2,tp=2", 0)])
+def test_data_by_tensor_parallel_equals_one_process(name: str, layout: str, zero: int, zoo: Callable[[str], Path],
+                                                    tmp_path: Path) -> None:
     """dp_shard=2 x tp=2 on 4 gloo ranks: fully_shard over dp_shard on the DTensor shards tensor
     parallelism made over tp (Llama: column/row-wise linears, norms on sequence shards, the loss on
-    gathered logits), equal to one process training the same module, nothing falling back."""
+    gathered logits); dp_replicate=2 x tp=2 (DDP beside tp): FSDP2's replicate over dp_replicate on those
+    DTensors, the gradients all-reduced once. Each equal to one process training the same module,
+    nothing falling back."""
     import torch
 
     from planner.search.plan import make_plan
     from planner.search.request import Mode, PlanRequest
 
     s, _ = make_plan(PlanRequest(model=str(zoo(name)), dims={"batch": B, "seq": S}, profile="h100-sxm", dtype="fp32",
-                                 devices=4, layout="dp_shard=2,tp=2", zero_stage=3, mode=Mode.SEMI,
-                                 pins=_dp_tp_pins(name)))
+                                 devices=4, layout=layout, zero_stage=zero, mode=Mode.SEMI, pins=_dp_tp_pins(name)))
     strategy = tmp_path / "s.json"
     s.save(strategy)
     zoo_json = zoo(name).with_suffix(".json")
     _, loss, grads, params, executed, expected, lines, names_before, names_after, styles = _run(strategy, zoo_json, 4)
     assert names_after == names_before
     assert not [ln for ln in lines if ln.startswith("fallback")], lines
+    dp = layout.split("=")[0]
+    assert f"data parallel: {'fully_shard' if zero == 3 else 'replicate'} over {dp}" in lines, lines
     ref = hf_module(zoo_json)
     ids, labels = _data(ref.config.vocab_size)
     optim = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -505,7 +511,7 @@ def test_dp_shard_by_tp_equals_one_process(name: str, zoo: Callable[[str], Path]
         assert {roles[f"model.layers.{i}.{m}"] for i in (0, 1) for m in
                 ("input_layernorm", "post_attention_layernorm")} == {"sequence"}
         # The plan's collectives on tp (read from the strategy; its all-to-all an all-gather on gloo) and
-        # fully_shard's over dp_shard, counted as torch runs them
+        # fully_shard's over dp_shard (replicate's one all-reduce over dp_replicate), counted as torch runs them
         assert executed == expected, (executed, expected)
     else:
         assert {roles[f"transformer.h.{i}.mlp.{m}"] for i in (0, 1) for m in ("c_fc", "c_proj")} == {"colwise", "rowwise"}
