@@ -247,6 +247,19 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         raise ApplyError("apply needs torch.distributed initialised (torchrun, then "
                          "dist.init_process_group); it places parameters on the process group's ranks")
     shape = tuple(s.mesh.shape)
+    names = s.mesh.axis_names
+    dp_axes = _data_parallel_axes(s)
+    big = [i for i, n in enumerate(shape) if n > 1]
+    tp_axes = [i for i in big if i not in dp_axes]
+    dp_big = [i for i in big if i in dp_axes]
+    if s.pipeline is None and (len(tp_axes) > 1 or len(dp_big) > 2):
+        raise ApplyError(f"apply runs one tensor-parallel axis and up to two data-parallel ones (HSDP); this plan's "
+                         f"mesh {list(shape)} {list(names)} has more; plan with `mesh_shape` N (or run "
+                         "it with `meshplan run`)")
+    if s.pipeline is None and tp_axes and len(dp_big) == 2:  # (8 ranks at the least: not run here, not claimed)
+        raise ApplyError(f"apply runs two data-parallel axes (HSDP) without a tensor-parallel one; this plan has "
+                         f"'{names[dp_big[0]]}', '{names[dp_big[1]]}' and '{names[tp_axes[0]]}': plan with one "
+                         "data-parallel axis beside tp (`layout` dp_shard=N,tp=M), or run it with `meshplan run`")
     devices = s.pipeline.devices if s.pipeline is not None else s.mesh.num_devices
     if dist.get_world_size() != devices:
         raise ApplyError(f"the strategy's {'pipeline' if s.pipeline else 'mesh'} "
@@ -277,15 +290,6 @@ def apply(module: nn.Module, strategy: Strategy | str | Path, mesh: DeviceMesh |
         if missing:
             raise ApplyError(f"compile: {missing}; apply without compile=True (and plan with `runtime` eager)")
     bindings = bind_parameters(s, graph, module)
-    dp_axes = _data_parallel_axes(s)
-    big = [i for i, n in enumerate(shape) if n > 1]
-    tp_axes = [i for i in big if i not in dp_axes]
-    dp_big = [i for i in big if i in dp_axes]
-    if len(tp_axes) > 1 or len(dp_big) > 2:
-        raise ApplyError(f"apply runs one tensor-parallel axis and up to two data-parallel ones (HSDP); this plan's "
-                         f"mesh {list(shape)} {list(s.mesh.axis_names)} has more; plan with `mesh_shape` N (or run "
-                         "it with `meshplan run`)")
-    names = s.mesh.axis_names
     report = ApplyReport(data_parallel="", dp_axis="+".join(names[a] for a in dp_big) if dp_big else None,
                          tp_axis=names[tp_axes[0]] if tp_axes else None, micro_batches=s.training.micro_batches,
                          planned_step_s=s.cost.step_time_s, bindings=bindings, precision=s.settings.dtype,

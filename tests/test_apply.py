@@ -449,6 +449,35 @@ def test_compile_without_inductor_is_refused_before_any_step(zoo: Callable[[str]
         dist.destroy_process_group()
 
 
+def test_hsdp_beside_tensor_parallelism_is_refused_before_any_step(zoo: Callable[[str], Path]) -> None:
+    """dp_replicate × dp_shard × tp (8 ranks, not run here): one line naming the three axes, from the
+    strategy alone — before the world size is checked, the module is touched or any step runs. (The MLP's
+    plan: Llama's on 8 devices takes minutes to plan.)"""
+    import socket
+
+    import torch.distributed as dist
+
+    import meshplan
+    from executor.binding import ApplyError
+    from planner.search.plan import make_plan
+    from planner.search.request import PlanRequest
+
+    s, _ = make_plan(PlanRequest(model=str(zoo("mlp")), dims={"batch": 8}, profile="cpu", devices=8,
+                                 layout="dp_replicate=2,dp_shard=2,tp=2", zero_stage=3))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    module = hf_module(zoo("llama-tiny").with_suffix(".json"))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ApplyError, match=r"^apply runs two data-parallel axes \(HSDP\) without a tensor-parallel "
+                                             r"one; this plan has 'dp_replicate', 'dp_shard' and 'tp'") as e:
+            meshplan.apply(module, s)
+        assert "\n" not in str(e.value) and not hasattr(module, "meshplan_report")
+    finally:
+        dist.destroy_process_group()
+
+
 def _dp_tp_pins(name: str) -> dict[str, str]:
     """Megatron-LM's split on the tensor-parallel axis, batch on dp_shard: the linears' outputs column-
     and row-wise (weights left to the layout), and for Llama sequence parallelism — the residual stream
