@@ -11,9 +11,10 @@ must be the module's own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -419,21 +420,14 @@ def test_compile_without_inductor_is_refused_before_any_step(zoo: Callable[[str]
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """compile=True where Inductor cannot build kernels (here: no C++ compiler for CPU kernels): one line,
     from apply, before the module is touched."""
-    import socket
-
     import torch._inductor.config as inductor
-    import torch.distributed as dist
 
     import meshplan
     from executor.binding import ApplyError
 
     monkeypatch.setattr(inductor.cpp, "cxx", ("no-such-c++-compiler",))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     module = hf_module(zoo("gpt2-tiny").with_suffix(".json"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _alone():
         from planner.search.plan import make_plan
         from planner.search.request import PlanRequest
 
@@ -445,6 +439,21 @@ def test_compile_without_inductor_is_refused_before_any_step(zoo: Callable[[str]
             meshplan.apply(module, s, compile=True)
         assert "\n" not in str(e.value)
         assert not hasattr(module, "meshplan_report") and module._compiled_call_impl is None
+
+
+@contextlib.contextmanager
+def _alone() -> Iterator[None]:
+    """A gloo process group of this process alone (apply needs one), destroyed after."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
 
@@ -453,10 +462,6 @@ def test_hsdp_beside_tensor_parallelism_is_refused_before_any_step(zoo: Callable
     """dp_replicate × dp_shard × tp (8 ranks, not run here): one line naming the three axes, from the
     strategy alone — before the world size is checked, the module is touched or any step runs. (The MLP's
     plan: Llama's on 8 devices takes minutes to plan.)"""
-    import socket
-
-    import torch.distributed as dist
-
     import meshplan
     from executor.binding import ApplyError
     from planner.search.plan import make_plan
@@ -464,18 +469,12 @@ def test_hsdp_beside_tensor_parallelism_is_refused_before_any_step(zoo: Callable
 
     s, _ = make_plan(PlanRequest(model=str(zoo("mlp")), dims={"batch": 8}, profile="cpu", devices=8,
                                  layout="dp_replicate=2,dp_shard=2,tp=2", zero_stage=3))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     module = hf_module(zoo("llama-tiny").with_suffix(".json"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    try:
+    with _alone():
         with pytest.raises(ApplyError, match=r"^apply runs two data-parallel axes \(HSDP\) without a tensor-parallel "
                                              r"one; this plan has 'dp_replicate', 'dp_shard' and 'tp'") as e:
             meshplan.apply(module, s)
         assert "\n" not in str(e.value) and not hasattr(module, "meshplan_report")
-    finally:
-        dist.destroy_process_group()
 
 
 def _dp_tp_pins(name: str) -> dict[str, str]:
