@@ -65,7 +65,9 @@ class GatheredFeeds:
     and values' gradient — an addend, partial on cp. The feeds are linear, so the addends pass back
     through them as they are and are reduce-scattered once, where the gather was (the all-gather's
     transpose, at the smaller, pre-repeat size), not all-reduced at the attention product. One rule for
-    the cost model and the executor (`gradient_split`). `reads`, `makes`: the tensors the feeds read and
+    the cost model and the executor (`gradient_split`). It holds where the attention products are split
+    on cp, as a layout's cp axis makes them (`planner/search/build.as_written`; an axis named cp is
+    refused outside a layout: `PlanRequest`). `reads`, `makes`: the tensors the feeds read and
     produce."""
 
     axis: int

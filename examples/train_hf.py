@@ -175,7 +175,7 @@ def _build(config_path: Path) -> Any:
     model_type = raw.pop("model_type")
     config = transformers.AutoConfig.for_model(model_type, **raw)
     config._attn_implementation = "sdpa"
-    torch.manual_seed(0)  # the same weights on every rank (DDP also broadcasts rank 0's)
+    torch.manual_seed(0)  # the same weights on every rank (fully_shard and FSDP2's replicate broadcast none)
     return transformers.AutoModelForCausalLM.from_config(config)
 
 

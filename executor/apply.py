@@ -194,7 +194,8 @@ class ApplyReport:
                        "the module's own parameters are not the chunks' — save with meshplan.save_checkpoint)")
         elif self.micro_batches > 1:
             out.append(f"{self.micro_batches} micro-batches per step: accumulate them, synchronising on the last"
-                       + (" (call report.micro_batch(module, i) before each)" if self.zero_stage else ""))
+                       + (" (call report.micro_batch(module, i) before each)" if self.zero_stage or self.fsdp2_replicated
+                          else ""))
         out += [f"fallback: {f}" for f in self.fallbacks]
         if self.batch_local:
             out.append(f"{len(self.batch_local)} activation gather(s) over the batch run batch-local instead "
@@ -459,7 +460,8 @@ def _replicate_fsdp2(s: Strategy, module: nn.Module, mesh: DeviceMesh, report: A
     reducer takes no DTensor), and in a pipeline's chunks (torch's PipelineStage syncs its gradients on
     the last micro-batch): parameters whole over the data-parallel axis, the gradients all-reduced once
     for the module after backward (one flat buffer: the plan's buckets are not kept), a mixed plan under
-    its MixedPrecisionPolicy."""
+    its MixedPrecisionPolicy. Unlike DDP's reducer it broadcasts no parameters: every rank starts from the
+    same weights, as under fully_shard."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -1,7 +1,7 @@
 """Checkpoints of a module trained under `meshplan.apply`, in `meshplan run`'s format
 (`executor/checkpoint.py`): each parameter and its AdamW states under the strategy's (the exported
-graph's) name, as a DTensor where the module holds one (fully_shard, tensor parallelism) or a plain
-tensor where it is whole (DDP), a weight the exporter transposed saved transposed back to the graph's
+graph's) name, as a DTensor where the module holds one (fully_shard, tensor parallelism, FSDP2's
+replicate) or a plain tensor where it is whole (DDP's reducer, one device), a weight the exporter transposed saved transposed back to the graph's
 layout. So a checkpoint saved from the module under one plan loads into the module under another, and
 into `meshplan run`, and one `run` saved loads into the module: DCP reads each rank's shards from
 whatever shards were written.

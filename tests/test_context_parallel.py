@@ -249,6 +249,16 @@ def test_bad_context_parallelism_is_one_line(zoo: Callable[[str], Path], model: 
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_an_axis_named_cp_outside_a_layout_is_one_line(zoo: Callable[[str], Path]) -> None:
+    """`--axis-names cp` without a layout would be an axis the search splits freely while the cost model
+    and the executor price and run it as context parallelism's (its keys' and values' gradients taken as
+    partial there): refused in one line."""
+    r = _cli("plan", str(zoo("llama-tiny")), "--devices", "2", "--profile", "cpu", "--dim", "batch=2", "--dim",
+             "seq=32", "--mesh", "2", "--axis-names", "cp", "-o", "/dev/null")
+    assert r.returncode == 2 and "'cp' is context parallelism's axis, planned from a layout" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
 def test_long_sequences_add_an_fsdp_cp_hand_layout() -> None:
     """The planner's hand layouts add FSDP + CP (the sequence split over a node) from LONG_CONTEXT tokens."""
     from planner.search.incumbents import LONG_CONTEXT, hand_layouts

@@ -80,7 +80,8 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
     hand layout that fits (`incumbents.py`)."""
     with sharing():
         if req.layout is not None and req.layout.context_parallel > 1 and req.cp_method in (None, CpMethod.AUTO):
-            # context parallelism's two designs, each planned; the faster
+            # context parallelism's two designs, each planned; the faster of those that fit (a layout is
+            # priced fitting or not), else the faster
             plans, errors = [], []
             for m in (CpMethod.ALLGATHER, CpMethod.RING):
                 try:
@@ -91,7 +92,9 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                     errors.append(e)
             if not plans:
                 raise errors[0]
-            return min(plans, key=lambda p: p[0].step_time_s)
+            limit = _memory_limit(req, load_profile(req.profile))
+            fitting = [p for p in plans if p[0].cost.memory_bytes_per_device <= limit]
+            return min(fitting or plans, key=lambda p: p[0].step_time_s)
         return _make_plan(req, progress)
 
 
@@ -156,21 +159,21 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     for k in steps[tried:] if not found else []:
         if attempt(k, policies[0]) is not None:
             break
-    # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
-    # micro-batches). The step against the micro-steps is taken as unimodal: fewer add recomputation,
-    # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
-    # recomputation, more of them while each is faster; else from the most (below the plan without
-    # recomputation) down while each is faster.
     limit = _memory_limit(req, profile)
     if len(policies) > 1 and found and all(f[1][0].cost.memory_bytes_per_device > limit for f in found):
         # A layout priced as written that does not fit without recomputation: under auto, with it (the
         # layers the ILP chooses; in a pipeline's stages, every layer)
         attempt(min(k0 for k0, _ in found), policies[1])
-    if len(policies) > 1 and (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) \
+    elif len(policies) > 1 and (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) \
             and found:
         # Offload makes the plan without recomputation fit where it would not: recomputing layers keeps
         # more states on the device instead (the host's optimizer step and copies against a forward again)
         attempt(min(k0 for k0, _ in found), policies[1])
+    # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
+    # micro-batches). The step against the micro-steps is taken as unimodal: fewer add recomputation,
+    # more add per-micro-step work. First the fewest micro-steps: if that beats the plan without
+    # recomputation, more of them while each is faster; else from the most (below the plan without
+    # recomputation) down while each is faster.
     if len(policies) > 1:
         fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
         below = [k for k in steps if k < fewest]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
+from core.context import CP_AXIS
 from core.errors import MeshplanError
 from core.layout import Layout, parse_layout
 from core.levers import (
@@ -137,6 +138,10 @@ class PlanRequest:
                 raise MeshplanError("`layout` and `mesh_shape` both fix the mesh; give one")
             if not self.decides:
                 raise MeshplanError(f"`layout` is priced by the ILP: use `mode` auto or semi, not {self.mode}")
+        if self.axis_names is not None and CP_AXIS in self.axis_names:  # (its rules and design come with a layout)
+            raise MeshplanError(f"`axis_names` {','.join(self.axis_names)}: '{CP_AXIS}' is context parallelism's axis, "
+                                "planned from a layout: give `layout` with cp=N (e.g. dp_shard=8,cp=8), or name the "
+                                "axis otherwise")
         if self.cp_method not in (None, CpMethod.AUTO) and (self.layout is None or self.layout.context_parallel == 1):
             raise MeshplanError(f"`cp_method` {self.cp_method}: context parallelism needs a cp axis; give `layout` "
                                 "with cp=N (e.g. dp_shard=8,cp=8), or drop `cp_method`")
