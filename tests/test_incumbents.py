@@ -23,6 +23,7 @@ from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.rules import rules_for_graph
+from planner.search.incumbents import hand_layouts
 from planner.search.plan import make_plan
 from planner.search.propagate import data_parallel_pins
 from planner.search.request import PlanRequest
@@ -209,3 +210,20 @@ def test_a_layout_far_over_the_limit_is_still_priced(zoo: Callable[[str], Path])
                                  devices=2, layout="dp_replicate=2", zero_stage=0, recompute="none",
                                  memory_limit_gib=limit))
     assert s.cost.memory_bytes_per_device > 4 * limit * 2**30
+
+
+def test_a_mixture_of_experts_adds_the_fsdp_ep_hand_layout(zoo: Callable[[str], Path]) -> None:
+    """torchtitan's layout for a mixture of experts, FSDP + EP (dp_shard=N, ep=E: the most experts' ranks
+    of a node dividing N and every block's experts), is among the hand layouts of a model with experts
+    only; mixtral-tiny (8 experts) on 4 CPU devices (2 a node) records it planned as written (ep=2), and
+    the plan is no slower than it."""
+    names = {h.name: h.layout for h in hand_layouts(64, 8, 4096, experts=8)}
+    assert names["FSDP + EP"] == "dp_shard=64,ep=8"
+    assert {h.name: h.layout for h in hand_layouts(2048, 8, 4096, experts=256)}["FSDP + EP"] == "dp_shard=2048,ep=8"
+    assert {h.name: h.layout for h in hand_layouts(6, 8, None, experts=8)}["FSDP + EP"] == "dp_shard=6,ep=2"
+    assert "FSDP + EP" not in {h.name for h in hand_layouts(64, 8, 4096)}
+    s, _ = make_plan(PlanRequest(model=str(zoo("mixtral-tiny")), dims={"seq": 16}, profile="cpu", devices=4,
+                                 global_batch_size=16))
+    (ep,) = [h for h in s.hand_layouts if h.name == "FSDP + EP"]
+    assert ep.layout == "dp_shard=4,ep=2" and ep.zero == 3 and ep.step_time_s is not None, ep
+    assert not ep.fits or s.step_time_s <= ep.step_time_s * (1 + 1e-9)

@@ -13,6 +13,10 @@ slower, and says which: a plan is never predicted slower than a hand layout that
   FSDP + CP  dp_shard=N/G, cp=G, ZeRO 3      long sequences (LONG_CONTEXT tokens or more): the
                                              sequence split over a node (context parallelism,
                                              `--cp-method` auto), FSDP over both
+  FSDP + EP  dp_shard=N, ep=E, ZeRO 3        a mixture of experts (torchtitan's): the experts split
+                                             over E ranks of a node (the most of them that divide N
+                                             and every block's experts), ep borrowing them from
+                                             dp_shard; FSDP over the rest
 
 Each is tried on the request's mesh shape where the request fixes one, on its own otherwise, and at
 the request's ZeRO stage where it fixes one (and its other levers: precision, recomputation, micro-steps).
@@ -42,9 +46,11 @@ class HandLayout:
 LONG_CONTEXT = 32768
 
 
-def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = None) -> list[HandLayout]:
+def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = None,
+                 experts: int | None = None) -> list[HandLayout]:
     """The hand layouts for `devices` GPUs in nodes of `devices_per_node`; `sequence`: the tokens of the
-    model's sequence dim, where it has one."""
+    model's sequence dim, where it has one; `experts`: what every mixture-of-experts block's count of
+    experts is a multiple of, where the model has such blocks."""
     n, g = devices, min(devices_per_node, devices)
     out = [HandLayout("DDP", f"dp_replicate={n}", 0), HandLayout("FSDP", f"dp_shard={n}", 3)]
     if n > g > 1 and n % g == 0:
@@ -53,6 +59,9 @@ def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = Non
         out.append(HandLayout("FSDP + TP", f"dp_shard={n // g},tp={g}", 3))
     if sequence is not None and sequence >= LONG_CONTEXT and g > 1 and n % g == 0:
         out.append(HandLayout("FSDP + CP", f"dp_shard={n // g},cp={g}" if n > g else f"cp={g}", 3))
+    ep = max((e for e in range(2, g + 1) if n % e == 0 and experts and experts % e == 0), default=None)
+    if ep is not None:
+        out.append(HandLayout("FSDP + EP", f"dp_shard={n},ep={ep}", 3))
     return out
 
 
@@ -66,11 +75,11 @@ def states_floor(layout: Layout, zero: int, num_params: float, precision: Precis
 
 def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,
                num_params: float, precision: Precision, limit: float,
-               sequence: int | None = None) -> list[tuple[HandLayout, Strategy | str]]:
+               sequence: int | None = None, experts: int | None = None) -> list[tuple[HandLayout, Strategy | str]]:
     """Each hand layout planned by `plan` as written for the request (its devices, global batch,
     precision and levers) at the fewest micro-steps and the recomputation that fit, or why none fits."""
     out: list[tuple[HandLayout, Strategy | str]] = []
-    for hand in hand_layouts(req.devices, devices_per_node, sequence):
+    for hand in hand_layouts(req.devices, devices_per_node, sequence, experts):
         if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
             # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
             if (hand.name == "DDP") == (req.zero_stage == 3):

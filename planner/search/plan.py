@@ -233,9 +233,11 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
             graph = graph_for(req.model, req.dims_for(req.step_candidates()[0]))
         except DimBindingError:  # a static export: its batch is its own
             graph = graph_for(req.model, req.dims)
+        blocks = find_expert_blocks(graph)
         return incumbents(req, profile.devices_per_node, lambda r: make_plan(r)[0], num_params=graph.num_params,
                           precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile),
-                          sequence=graph.dims.get(SEQUENCE_DIM) if graph.sequence_dims() else None)
+                          sequence=graph.dims.get(SEQUENCE_DIM) if graph.sequence_dims() else None,
+                          experts=math.gcd(*(b.num_experts for b in blocks)) if blocks else None)
 
     if req.searches_pipelines():
         return lambda: job(say)
