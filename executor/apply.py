@@ -463,17 +463,27 @@ def _replicate_fsdp2(s: Strategy, module: nn.Module, mesh: DeviceMesh, report: A
     its MixedPrecisionPolicy. Unlike DDP's reducer it broadcasts no parameters: every rank starts from the
     same weights, as under fully_shard."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
-    from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    mixed = s.settings.dtype == "mixed"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
-        else MixedPrecisionPolicy()
-    ignored = {p for f in report.experts for p in module.get_submodule(f).parameters()}
-    replicate(module, mesh=mesh, mp_policy=policy, ignored_params=ignored or None)
+    replicate(module, mesh=mesh, mp_policy=_precision_policy(s), ignored_params=_experts_params(module, report))
     report.fsdp2_replicated = True
     report.data_parallel = "replicate"
-    report.mixed_policy = mixed
+    report.mixed_policy = s.settings.dtype == "mixed"
     _expect(report, {"all_reduce": 1})
+
+
+def _precision_policy(s: Strategy) -> Any:
+    """FSDP2's MixedPrecisionPolicy for the plan: a mixed plan's bf16 compute on the gathered weights with
+    fp32 reductions and states; the module's own dtype otherwise."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if s.settings.dtype == "mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
+def _experts_params(module: nn.Module, report: ApplyReport) -> set[nn.Parameter] | None:
+    """The parameters of the experts modules expert parallelism holds (kept out of data parallelism's units)."""
+    return {p for f in report.experts for p in module.get_submodule(f).parameters()} or None
 
 
 def _expect(report: ApplyReport, counts: dict[str, int]) -> None:
@@ -548,20 +558,18 @@ def _fully_shard(s: Strategy, module: nn.Module, mesh: DeviceMesh, reshard_after
     keeps layers' weights on the host (offload params,optimizer), each such layer its own unit under
     CPUOffloadPolicy, and the root under it where the parameters outside them are too
     (`apply_layers.offloaded_units`)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-    mixed = s.settings.dtype == "mixed"
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed \
-        else MixedPrecisionPolicy()
+    policy = _precision_policy(s)
     host = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     units, root = offloaded_units(s, module, report)
-    ignored = {p for f in report.experts for p in module.get_submodule(f).parameters()}  # expert parallelism's
+    ignored = _experts_params(module, report)
     for fqn, layer in units:
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy, offload_policy=host,
-                    ignored_params=ignored or None)
+                    ignored_params=ignored)
         report.offloaded.append(fqn)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
-                offload_policy=host if root else OffloadPolicy(), ignored_params=ignored or None)
+                offload_policy=host if root else OffloadPolicy(), ignored_params=ignored)
     if root:
         report.offloaded.append("")
-    report.mixed_policy = mixed
+    report.mixed_policy = s.settings.dtype == "mixed"

@@ -265,13 +265,12 @@ def as_written(rules: RuleSet, graph: OpGraph, layout: Layout | None,
         strategies = split if split and matrices and tp else strategies
         acts = [t for t in ns.node.outputs if t and t not in held and graph.tensors[t].kind is TensorKind.ACTIVATION
                 and graph.tensors[t].is_float]
+        # (a feed of the gathered keys and values whole on cp, any other activation split there)
+        on_cp = (lambda p, _: isinstance(p, Replicate)) if name in gathered \
+            else (lambda p, shape: _split_off_batch(p, shape, batch))
         along = tuple(st for st in strategies if all(
-            _split_off_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)
+            on_cp(st.output_specs[j].placements[a], graph.tensors[t].shape)
             for j, t in enumerate(ns.node.outputs) if t in acts for a in cp))
-        if name in gathered:  # (kept whole on cp: keys and values gathered before these)
-            along = tuple(st for st in strategies if all(
-                isinstance(st.output_specs[j].placements[a], Replicate) for j, t in enumerate(ns.node.outputs)
-                if t in acts for a in cp))
         strategies = along if along and acts and cp else strategies
         batched = tuple(st for st in strategies if all(
             _on_batch(st.output_specs[j].placements[a], graph.tensors[t].shape, batch)

@@ -92,9 +92,7 @@ def make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Strat
                     errors.append(e)
             if not plans:
                 raise errors[0]
-            limit = _memory_limit(req, load_profile(req.profile))
-            fitting = [p for p in plans if p[0].cost.memory_bytes_per_device <= limit]
-            return min(fitting or plans, key=lambda p: p[0].step_time_s)
+            return _fastest(plans, _memory_limit(req, load_profile(req.profile)))
         return _make_plan(req, progress)
 
 
@@ -160,14 +158,13 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
         if attempt(k, policies[0]) is not None:
             break
     limit = _memory_limit(req, profile)
-    if len(policies) > 1 and found and all(f[1][0].cost.memory_bytes_per_device > limit for f in found):
-        # A layout priced as written that does not fit without recomputation: under auto, with it (the
-        # layers the ILP chooses; in a pipeline's stages, every layer)
-        attempt(min(k0 for k0, _ in found), policies[1])
-    elif len(policies) > 1 and (req.offload is not Offload.NONE or req.offload_activations is not ActivationOffload.NONE) \
-            and found:
-        # Offload makes the plan without recomputation fit where it would not: recomputing layers keeps
-        # more states on the device instead (the host's optimizer step and copies against a forward again)
+    over = all(f[1][0].cost.memory_bytes_per_device > limit for f in found)
+    if len(policies) > 1 and found and (over or req.offload is not Offload.NONE
+                                        or req.offload_activations is not ActivationOffload.NONE):
+        # Recomputation at the same micro-steps: where a layout priced as written does not fit without it
+        # (the layers the ILP chooses; in a pipeline's stages, every layer), and where offload made the plan
+        # without it fit (recomputing keeps more states on the device instead: the host's optimizer step
+        # and copies against a forward again)
         attempt(min(k0 for k0, _ in found), policies[1])
     # Under --recompute auto: with the layers the ILP recomputes at fewer micro-steps (larger
     # micro-batches). The step against the micro-steps is taken as unimodal: fewer add recomputation,
@@ -210,8 +207,7 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
             raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                                 f"recomputation {policies[-1]}, {failures[-1]}")
         return against_hand_layouts(None, hand_plans, limit), []
-    fitting = [plan for _, plan in found if plan[0].cost.memory_bytes_per_device <= limit]
-    best = min(fitting or [plan for _, plan in found], key=lambda plan: plan[0].step_time_s)
+    best = _fastest([plan for _, plan in found], limit)
     if hands is None:
         return best
     chosen = against_hand_layouts(best[0], hand_plans, limit)
@@ -358,6 +354,13 @@ def _beside(job: Callable[[Progress], _T], say: Progress) -> Callable[[], _T]:
         out: _T = value
         return out
     return result
+
+
+def _fastest(plans: list[tuple[Strategy, list[Candidate]]], limit: float) -> tuple[Strategy, list[Candidate]]:
+    """The fastest of the plans that fit `limit` (bytes a device), else of all (a layout is priced fitting
+    or not)."""
+    fitting = [p for p in plans if p[0].cost.memory_bytes_per_device <= limit]
+    return min(fitting or plans, key=lambda p: p[0].step_time_s)
 
 
 def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
