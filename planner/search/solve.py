@@ -104,6 +104,7 @@ from planner.search.decisions import (
     merge_identical,
     takes,
 )
+from planner.search.floor import Group, time_floor
 from planner.search.memory_rows import OVER_NS_PER_KIB, MemoryRows
 from planner.search.milp import LinearModel
 from planner.search.offload import OffloadDecisions, add_exposed_row, add_offload_counts
@@ -421,6 +422,26 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
                 self._activation_terms(node, [(self.x[d][c], priced[j].activation_bytes) for c, j in enumerate(m)])
         return costs, mem
 
+    def _check_time_floor(self, costs: dict[Decision, list[float]], mem: dict[Decision, list[float]]) -> None:
+        """Given a cutoff, no solve where the objective's lower bound without edges (`floor.py`) is already
+        above it. (Not where offload trades memory for time outside the recomputation counts, nor on a
+        pipeline's stage rows.)"""
+        o = self.options
+        if o.cutoff_s is None or self.offload_terms or self.act_groups or self.stage_mem or self.memory_soft:
+            return
+        groups = [Group(lo=t.fixed if t.fixed is not None else 0, hi=t.fixed if t.fixed is not None else t.layers,
+                        time_s={v: c / NS_PER_S for v, c in t.time_ns.items()},
+                        saved_bytes={v: c * KIB for v, c in t.saved_kib.items()})
+                  for t in {id(t): t for t in self.layer_terms.values()}.values()]
+        limit = self.memory_limit_bytes if self.memory_limit_bytes is not None else float("inf")
+        floor = time_floor(costs, mem, self.x, groups, limit)
+        # (the objective's coefficients are rounded to whole ns: at most half a ns each below these sums)
+        slack = 0.5 * self.model.num_variables / NS_PER_S
+        if floor.seconds - slack + sum(self.cost.fixed_s()) > o.cutoff_s:
+            raise NotBetterError(f"no plan {'fits the memory limit and ' if floor.by_memory else ''}beats "
+                                 f"{o.cutoff_s:.6g} s (a plan already found; lower bound "
+                                 f"{floor.seconds + sum(self.cost.fixed_s()):.6g} s)", memory=floor.by_memory)
+
     def add_overlap(self) -> list[tuple[int, int]]:
         """The overlapped step's exposed-communication terms (`overlap.py`); their objective terms."""
         cm = self.cost  # the most gradient bytes the composer's buckets can hold (over every axis, in fp32)
@@ -482,6 +503,7 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         self.add_one_choice()
         node_costs, mem = self._costs_and_memory()
         self._check_floor(mem)  # before the edges: an infeasible memory limit is told in a fraction of the time
+        self._check_time_floor(node_costs, mem)  # and an ILP that cannot beat the plan the search holds
         edge_terms = self.add_edges()
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
