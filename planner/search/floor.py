@@ -23,8 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,11 @@ def _padded(rows: Sequence[Sequence[float]], fill: float) -> np.ndarray:
     return out
 
 
-def time_floor(costs: Mapping[Hashable, Sequence[float]], mem: Mapping[Hashable, Sequence[float]],
-               x: Mapping[Hashable, Sequence[int]], groups: Sequence[Group], limit_bytes: float, *,
-               iterations: int = 40) -> Floor:
+def time_floor(costs: Mapping[K, Sequence[float]], mem: Mapping[K, Sequence[float]], x: Mapping[K, Sequence[int]],
+               groups: Sequence[Group], limit_bytes: float, *, iterations: int = 40) -> Floor:
     """The lower bound above: `costs[d]`, `mem[d]`: per choice of decision d, seconds and bytes;
     `x[d]`: its choices' variables, which `groups` key their per-layer terms by."""
-    member: dict[Hashable, int] = {}
+    member: dict[K, int] = {}
     for gi, g in enumerate(groups):
         keys = set(g.time_s) | set(g.saved_bytes)
         member.update({d: gi for d, xs in x.items() if d not in member and any(v in keys for v in xs)})
