@@ -23,6 +23,7 @@ from costmodel.step import CostModel
 from hwprofiles.files import load_profile
 from planner.graph import load_graph
 from planner.rules import rules_for_graph
+from planner.search.decisions import NotBetterError
 from planner.search.incumbents import hand_layouts
 from planner.search.plan import make_plan
 from planner.search.propagate import data_parallel_pins
@@ -227,3 +228,36 @@ def test_a_mixture_of_experts_adds_the_fsdp_ep_hand_layout(zoo: Callable[[str], 
     (ep,) = [h for h in s.hand_layouts if h.name == "FSDP + EP"]
     assert ep.layout == "dp_shard=4,ep=2" and ep.zero == 3 and ep.step_time_s is not None, ep
     assert not ep.fits or s.step_time_s <= ep.step_time_s * (1 + 1e-9)
+
+
+@pytest.mark.hand_layouts
+def test_ddp_and_fsdp_bound_the_pipelined_search(zoo: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the search walks micro-steps, recomputation and pipelines, DDP and FSDP are planned first
+    and the fastest that fits is the cutoff every later ILP must beat (a hand layout as the search's
+    incumbent): the plan is the one planned without that bound, and the pipelines' candidates slower
+    than it are refused without a plan (GPT-2-medium, 64 × 1024 tokens on 8 H100: FSDP beats them)."""
+    import planner.search.incumbents as incumbents_mod
+    import planner.search.pipeline as pipeline_mod
+    import planner.search.plan as plan_mod
+
+    req = PlanRequest(model=str(zoo("gpt2-medium")), dims={"seq": 1024}, profile="h100-sxm", devices=8,
+                      global_batch_size=64)
+    monkeypatch.setattr(plan_mod, "_beside", lambda job, say: lambda: job(say))  # (the candidates seen here)
+    refused: list[str] = []
+    real = pipeline_mod.plan_pipelined
+
+    def spy(*args: object, **kwargs: object) -> object:
+        try:
+            return real(*args, **kwargs)  # type: ignore[arg-type]
+        except NotBetterError:
+            refused.append(str(args[6]))
+            raise
+
+    monkeypatch.setattr(plan_mod, "plan_pipelined", spy)
+    bounded, _ = make_plan(req)
+    assert refused  # (the shallowest pipeline is slower than FSDP, and the walk stops there)
+    monkeypatch.setattr(plan_mod, "one_axis", lambda _: False)  # no hand layout first: nothing bounds the search
+    free, _ = make_plan(req)
+    assert bounded.step_time_s == free.step_time_s and bounded.training.layout == free.training.layout
+    assert [h.name for h in bounded.hand_layouts] == [h.name for h in free.hand_layouts]
+    assert incumbents_mod.one_axis(incumbents_mod.HandLayout("FSDP", "dp_shard=8", 3))

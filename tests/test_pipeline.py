@@ -261,3 +261,18 @@ def test_explain_draws_an_interleaved_timeline(zoo: Callable[[str], Path], tmp_p
     r = CliRunner().invoke(main, ["explain", str(out), "--timeline", str(tmp_path / "t.png")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "t.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("model", "layout", "schedule"), [
+    ("gpt2-tiny", "dp_replicate=4,pp=2", None), ("llama-tiny", "tp=4,pp=2", "gpipe"),
+    ("gpt2-medium", "tp=2,pp=4", None), ("gpt2-medium", "dp_replicate=2,pp=4,vpp=2", None)])
+def test_a_pipelined_step_is_at_least_its_objective_over_the_stages(model: str, layout: str, schedule: str | None,
+                                                                     zoo: Callable[[str], Path]) -> None:
+    # What lets the search refuse a pipeline candidate against a plan already held (`plan_pipelined`'s
+    # cutoff, p times the held step): the step is at least the stage ILP's objective (all p stages' work)
+    # over p — the slowest stage paces m micro-batches and does the most per-step work.
+    s, _ = make_plan(PlanRequest(model=str(zoo(model)), dims={"seq": 64}, profile="h100-sxm", devices=8,
+                                 layout=layout, global_batch_size=32, schedule=schedule))
+    assert s.pipeline is not None
+    p = len(s.pipeline.stages)
+    assert s.step_time_s >= s.solver.objective / p

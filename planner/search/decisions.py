@@ -21,6 +21,11 @@ NS_PER_S = 1e9
 
 KIB = 1024
 
+# How far above a plan already found an ILP's objective may be and still be solved: the objective prices
+# some redistributes per edge where execution shares them and gradient buckets by their bytes' share, so
+# a plan it prices above the incumbent can price below it composed.
+CUTOFF_MARGIN = 0.05
+
 
 class InfeasiblePlanError(MeshplanError):
     """No plan satisfies the constraints (memory limit, pins)."""

@@ -73,13 +73,21 @@ def states_floor(layout: Layout, zero: int, num_params: float, precision: Precis
                              dp_degree=layout.data_parallel * layout.context_parallel)
 
 
+def one_axis(hand: HandLayout) -> bool:
+    """DDP and FSDP: a mesh of one axis, whose ILP is small (a few strategies an op) — planned first where
+    the search's plans are many (`plan._make_plan`), their step then the bound the search must beat."""
+    return "," not in hand.layout
+
+
 def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,
-               num_params: float, precision: Precision, limit: float,
-               sequence: int | None = None, experts: int | None = None) -> list[tuple[HandLayout, Strategy | str]]:
-    """Each hand layout planned by `plan` as written for the request (its devices, global batch,
-    precision and levers) at the fewest micro-steps and the recomputation that fit, or why none fits."""
+               num_params: float, precision: Precision, limit: float, sequence: int | None = None,
+               experts: int | None = None,
+               which: Callable[[HandLayout], bool] = lambda _: True) -> list[tuple[HandLayout, Strategy | str]]:
+    """Each hand layout (those `which` keeps) planned by `plan` as written for the request (its devices,
+    global batch, precision and levers) at the fewest micro-steps and the recomputation that fit, or why
+    none fits."""
     out: list[tuple[HandLayout, Strategy | str]] = []
-    for hand in hand_layouts(req.devices, devices_per_node, sequence, experts):
+    for hand in filter(which, hand_layouts(req.devices, devices_per_node, sequence, experts)):
         if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
             # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
             if (hand.name == "DDP") == (req.zero_stage == 3):
@@ -118,6 +126,12 @@ def planned(hands: Callable[[], list[tuple[HandLayout, Strategy | str]]] | None,
     except MeshplanError as e:  # a comparison, never a reason to lose the search's plan
         say(f"hand layouts not compared: {str(e).splitlines()[0]}")
         return []
+
+
+def fastest_fitting(tried: list[tuple[HandLayout, Strategy | str]], limit: float) -> Strategy | None:
+    """The fastest hand layout planned that fits, if any."""
+    fits = [s for _, s in tried if not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit]
+    return min(fits, key=lambda s: s.step_time_s, default=None)
 
 
 def against_hand_layouts(plan: Strategy | None, tried: list[tuple[HandLayout, Strategy | str]],

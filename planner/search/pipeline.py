@@ -41,6 +41,7 @@ from costmodel.step import CostModel
 from hwprofiles.profile import HardwareProfile
 from planner.rules import rules_for_graph
 from planner.search import build
+from planner.search.decisions import CUTOFF_MARGIN
 from planner.search.propagate import resolve_pins
 from planner.search.request import Candidate, PlanRequest
 from planner.stagecut import Cut, crossings, cut, param_stages
@@ -269,10 +270,14 @@ def interleaved(layout: Layout, layers: int) -> Layout | None:
 
 def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, precision: Precision, steps: int,
                    recompute: Recompute, layout: Layout, limit: float, say: Callable[[str], None], *,
-                   enforce_limit: bool = False) -> tuple[Strategy, list[Candidate]]:
+                   enforce_limit: bool = False, cutoff_s: float | None = None) -> tuple[Strategy, list[Candidate]]:
     """A pipelined plan for a layout with pp > 1: the cut, one ILP over a stage's sub-mesh with a memory
     row per stage, the stages priced, the strategy with its `pipeline`. A hand layout is priced fitting
-    or not; under `enforce_limit` (the planner's own candidates) every stage must fit."""
+    or not; under `enforce_limit` (the planner's own candidates) every stage must fit. `cutoff_s`: the step
+    of a plan already held; the ILP's objective, all p stages' work, must then be below p times it
+    (`CUTOFF_MARGIN` above: it prices some collectives per edge), else NotBetterError — the step is at
+    least (m·Σ t + Σ per-step work)/p: the slowest stage paces m micro-batches and does the most per-step
+    work."""
     p, v = layout.pipeline, layout.virtual
     schedule = req.schedule or (Schedule.INTERLEAVED if v > 1 else Schedule.ONE_F_ONE_B)
     the_cut = cut(graph, p, v)
@@ -291,6 +296,7 @@ def plan_pipelined(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, p
     # The planner's own candidates are many: each gets a few seconds (a hand layout, all).
     sol = build.sharding_ilp(req, graph, rules, cm, sub, layout, pins=pins, memory_limit_bytes=limit if enforce_limit else None,
                        time_limit_s=min(req.time_limit_s, CANDIDATE_TIME_LIMIT_S) if enforce_limit else None,
+                       cutoff_s=p * cutoff_s * (1 + CUTOFF_MARGIN) if cutoff_s is not None else None,
                        stages=the_cut.node_stage, in_flight=held).solve()
     priced = cm.price_items(sol.choice, sol.param_specs, zero=sol.zero)
     stages = price_stages(cm, priced, graph, the_cut, full, schedule, steps)

@@ -49,8 +49,15 @@ from planner.search.build import (
     training_settings,
 )
 from planner.search.dataset import check_splits, parse_dataset_strategy, split_pins
-from planner.search.decisions import NotBetterError, PinError
-from planner.search.incumbents import HandLayout, against_hand_layouts, incumbents, planned
+from planner.search.decisions import CUTOFF_MARGIN, NotBetterError, PinError
+from planner.search.incumbents import (
+    HandLayout,
+    against_hand_layouts,
+    fastest_fitting,
+    incumbents,
+    one_axis,
+    planned,
+)
 from planner.search.offload import host_size
 from planner.search.pipeline import candidates as pipeline_candidates
 from planner.search.pipeline import interleaved, plan_pipelined
@@ -112,7 +119,11 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
         graphs[steps[0]] = traced
     failures: list[MeshplanError] = []
     found: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
-    hands = _hand_layouts(req, profile, say)
+    limit = _memory_limit(req, profile)
+    job = _hand_layouts(req, profile)
+    early: list[tuple[HandLayout, Strategy | str]] = []  # DDP and FSDP, planned before the pipelines' search
+    incumbent: Strategy | None = None  # the fastest of them that fits: what every later plan must beat
+    settled: list[int] = []  # micro-step counts whose plans (without recomputation) are all slower than one held
 
     def attempt(k: int, recompute: Recompute) -> tuple[Strategy, list[Candidate]] | None:
         if k not in graphs:
@@ -124,28 +135,45 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 if req.global_batch_size is None or "batch" not in e.unknown:
                     raise
                 raise DimBindingError(f"`global_batch_size` binds the model's dim 'batch' per micro-step: {e}") from e
+        held = [f[1][0] for f in found] + ([incumbent] if incumbent is not None else [])
         try:
             plan = _plan_meshes(req, graphs[k], profile, precision, k, recompute, say,
-                                cutoff_s=min((_incumbent_s(f[1][0]) for f in found), default=None))
+                                cutoff_s=min((_incumbent_s(s) for s in held), default=None))
         except PinError:
             raise
         except MeshplanError as e:  # out of memory
             if len(steps) * len(policies) == 1:
                 raise
             failures.append(e)
+            if isinstance(e, NotBetterError) and not e.memory and recompute is policies[0]:
+                settled.append(k)
             return None
         found.append((k, plan))
         return plan
 
     # The pipelines' search runs beside the rest (another process, forked: the machine's second core);
     # it needs only the layer count, known once the model is imported.
-    pipelines: Callable[[], list[tuple[int, tuple[Strategy, list[Candidate]]]]] | None = None
+    Beside = tuple[list[tuple[int, tuple[Strategy, list[Candidate]]]], list[tuple[HandLayout, Strategy | str]]]
+    pipelines: Callable[[], Beside] | None = None
     tried = 0
+    hands = None if job is None else _beside(partial(job, which=lambda _: True), say) if not req.searches_pipelines() \
+        else partial(job, say, which=lambda _: True)
     if req.searches_pipelines() and traced is None:  # a static batch is one micro-batch: no other to try
         attempt(steps[0], policies[0])
         tried = 1
+        if job is not None:  # DDP and FSDP first (small ILPs): the step every later plan must beat, the
+            # pipelines' candidates too (a hand layout as the search's incumbent: CBC takes no start solution)
+            early = planned(partial(job, say, which=one_axis), say)
+            incumbent = fastest_fitting(early, limit)
         layers = max((g.num_layers for g in graphs[steps[0]].layers), default=0)
-        pipelines = _beside(partial(_pipelines, req, profile, precision, layers), say)
+        later = None if job is None else partial(job, which=lambda h: not one_axis(h))
+        cutoff = _incumbent_s(incumbent) if incumbent is not None else None
+
+        def beside(said: Progress) -> Beside:  # the pipelines, then the other hand layouts, on the other core
+            piped = _pipelines(req, profile, precision, layers, said, cutoff_s=cutoff)
+            return piped, planned(partial(later, said) if later is not None else None, said)
+
+        pipelines, hands = _beside(beside, say), None
     if req.must_fit:  # a hand layout as practitioners size it: the fewest micro-steps at which it fits
         # without recomputation, or else with every layer recomputed (two solves a count, not a walk)
         for k in steps:
@@ -155,9 +183,8 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     # Without recomputation (or with the policy asked for) at the fewest micro-steps that fit: more
     # micro-steps only add per-micro-step costs.
     for k in steps[tried:] if not found else []:
-        if attempt(k, policies[0]) is not None:
-            break
-    limit = _memory_limit(req, profile)
+        if attempt(k, policies[0]) is not None or settled:
+            break  # (or its plans are all slower than one held: more micro-steps only add to them)
     over = all(f[1][0].cost.memory_bytes_per_device > limit for f in found)
     if len(policies) > 1 and found and (over or req.offload is not Offload.NONE
                                         or req.offload_activations is not ActivationOffload.NONE):
@@ -172,7 +199,7 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     # recomputation, more of them while each is faster; else from the most (below the plan without
     # recomputation) down while each is faster.
     if len(policies) > 1:
-        fewest = min((k0 for k0, _ in found), default=steps[-1] + 1)
+        fewest = min([k0 for k0, _ in found] + settled, default=steps[-1] + 1)
         below = [k for k in steps if k < fewest]
 
         def walk(order: list[int]) -> None:  # more micro-steps while each is faster
@@ -197,34 +224,33 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 walk(below[1:])
             else:
                 down(below[:0:-1])
-    try:
-        hand_plans = planned(hands, say)  # (here, where the pipelines' search holds the other core, beside it)
-    finally:  # its process waited for, whatever the hand layouts raise
-        piped = pipelines() if pipelines is not None else []
+    hand_plans = early + planned(hands, say)
+    piped, more = pipelines() if pipelines is not None else ([], [])
     found += piped
+    hand_plans += more
     if not found:
         if not any(not isinstance(s, str) and s.cost.memory_bytes_per_device <= limit for _, s in hand_plans):
             raise MeshplanError(f"no accumulation step count or recomputation fits: with {steps[-1]} micro-steps and "
                                 f"recomputation {policies[-1]}, {failures[-1]}")
         return against_hand_layouts(None, hand_plans, limit), []
     best = _fastest([plan for _, plan in found], limit)
-    if hands is None:
+    if job is None:
         return best
     chosen = against_hand_layouts(best[0], hand_plans, limit)
     return chosen, best[1] if chosen.training.layout == best[0].training.layout else []
 
 
-def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
-                  ) -> Callable[[], list[tuple[HandLayout, Strategy | str]]] | None:
-    """The hand layouts to check the search's plan against (`incumbents.py`), planned beside the search
-    where the machine has a core to spare and the pipelines' search does not take it; None where the
-    request leaves the planner no freedom to compare (a layout, pins, a mode other than auto, one device)
-    or MESHPLAN_HAND_LAYOUTS=0 says to skip them (faster; no never-worse check)."""
+def _hand_layouts(req: PlanRequest, profile: HardwareProfile,
+                  ) -> Callable[..., list[tuple[HandLayout, Strategy | str]]] | None:
+    """How to plan the hand layouts (those `which` keeps) to check the search's plan against
+    (`incumbents.py`); None where the request leaves the planner no freedom to compare (a layout, pins, a
+    mode other than auto, one device) or MESHPLAN_HAND_LAYOUTS=0 says to skip them (faster; no
+    never-worse check)."""
     if req.layout is not None or req.mode is not Mode.AUTO or not req.decides or req.pins or req.devices == 1 \
             or os.environ.get("MESHPLAN_HAND_LAYOUTS") == "0":
         return None
 
-    def job(_say: Progress) -> list[tuple[HandLayout, Strategy | str]]:
+    def job(_say: Progress, which: Callable[[HandLayout], bool]) -> list[tuple[HandLayout, Strategy | str]]:
         try:
             graph = graph_for(req.model, req.dims_for(req.step_candidates()[0]))
         except DimBindingError:  # a static export: its batch is its own
@@ -233,11 +259,9 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile, say: Progress,
         return incumbents(req, profile.devices_per_node, lambda r: make_plan(r)[0], num_params=graph.num_params,
                           precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile),
                           sequence=graph.dims.get(SEQUENCE_DIM) if graph.sequence_dims() else None,
-                          experts=math.gcd(*(b.num_experts for b in blocks)) if blocks else None)
+                          experts=math.gcd(*(b.num_experts for b in blocks)) if blocks else None, which=which)
 
-    if req.searches_pipelines():
-        return lambda: job(say)
-    return _beside(job, say)
+    return job
 
 
 def _traced(req: PlanRequest) -> tuple[OpGraph | None, dict[int, OpGraph]]:
@@ -275,10 +299,11 @@ def _multi_node_search(req: PlanRequest, profile: HardwareProfile) -> bool:
 
 
 def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision, layers: int,
-               say: Progress) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
+               say: Progress, *, cutoff_s: float | None = None) -> list[tuple[int, tuple[Strategy, list[Candidate]]]]:
     """The planner's pipeline candidates (`planner/search/pipeline.py`) for a model of `layers` repeated layers,
     each with one sequence per data-parallel rank per micro-batch, without recomputation or else with
-    every layer recomputed; those that fit."""
+    every layer recomputed; those that fit. `cutoff_s`: the step of a plan already held (a hand layout),
+    which a candidate must beat."""
     assert req.global_batch_size is not None
     limit = _memory_limit(req, profile)
     out: list[tuple[int, tuple[Strategy, list[Candidate]]]] = []
@@ -296,16 +321,22 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
         for recompute in (Recompute.NONE, Recompute.FULL):
             try:
                 return k, plan_pipelined(req, graphs[dp], profile, precision, k, recompute, layout, limit, say,
-                                         enforce_limit=True)
+                                         enforce_limit=True, cutoff_s=cutoff_s)
+            except NotBetterError as e:
+                if not e.memory:  # its plans are all slower than the one held (recomputing adds to them)
+                    raise
             except MeshplanError:  # (a pin error included: a candidate the model's rules cannot hold)
                 continue
         return None
 
     # Deeper pipelines hold less per device and idle more: from shallow to deep, until one that fits is
-    # slower than the one before it; then the best with 2 interleaved chunks per stage.
+    # slower than the one before it, or than the plan held; then the best with 2 interleaved chunks per stage.
     best: tuple[float, Layout] | None = None
     for layout in pipeline_candidates(req.devices, profile.devices_per_node, layers):
-        found = attempt(layout)
+        try:
+            found = attempt(layout)
+        except NotBetterError:
+            break
         if found is None:
             continue
         out.append(found)
@@ -314,7 +345,10 @@ def _pipelines(req: PlanRequest, profile: HardwareProfile, precision: Precision,
             break
         best = (t, layout) if best is None or t < best[0] else best
     if best is not None and (chunked := interleaved(best[1], layers)) is not None:
-        found = attempt(chunked)
+        try:
+            found = attempt(chunked)
+        except NotBetterError:
+            found = None
         if found is not None:
             out.append(found)
     return out
@@ -366,12 +400,6 @@ def _fastest(plans: list[tuple[Strategy, list[Candidate]]], limit: float) -> tup
 def _memory_limit(req: PlanRequest, profile: HardwareProfile) -> float:
     """--memory-limit in bytes; by default 90% of the device's capacity."""
     return req.memory_limit_gib * 2**30 if req.memory_limit_gib is not None else 0.9 * profile.device.mem_capacity_bytes
-
-
-# How far above a plan already found an ILP's objective may be and still be solved: the objective prices
-# some redistributes per edge where execution shares them and gradient buckets by their bytes' share, so
-# a plan it prices above the incumbent can price below it composed.
-CUTOFF_MARGIN = 0.05
 
 
 def _incumbent_s(plan: Strategy) -> float:
