@@ -261,3 +261,20 @@ def test_ddp_and_fsdp_bound_the_pipelined_search(zoo: Callable[[str], Path], mon
     assert bounded.step_time_s == free.step_time_s and bounded.training.layout == free.training.layout
     assert [h.name for h in bounded.hand_layouts] == [h.name for h in free.hand_layouts]
     assert incumbents_mod.one_axis(incumbents_mod.HandLayout("FSDP", "dp_shard=8", 3))
+
+
+@pytest.mark.hand_layouts
+def test_megatron_3d_where_pipelines_are_searched(zoo: Callable[[str], Path]) -> None:
+    """Where the planner searches pipeline stages (a global batch on several nodes), Megatron-LM's 3D
+    layout is a hand layout too: a node's tensor parallelism, P stages (a power of two up to the layers,
+    the shallowest that fits), data parallelism over the rest, one sequence per micro-batch. GPT-2-tiny
+    (2 layers) on 4 CPU devices, 2 a node: tp=2,pp=2, planned as written, and the plan no slower."""
+    got = [h.layout for h in hand_layouts(512, 8, 4096, layers=80) if h.name == "Megatron 3D"]
+    assert got == ["dp_replicate=32,tp=8,pp=2", "dp_replicate=16,tp=8,pp=4", "dp_replicate=8,tp=8,pp=8",
+                   "dp_replicate=4,tp=8,pp=16", "dp_replicate=2,tp=8,pp=32", "tp=8,pp=64"]
+    assert not [h for h in hand_layouts(8, 8, 4096, layers=80) if h.name == "Megatron 3D"]  # one node: no pipeline
+    s, _ = make_plan(PlanRequest(model=str(zoo("gpt2-tiny")), dims={"seq": 64}, profile="cpu", devices=4,
+                                 global_batch_size=8))
+    (mega,) = [h for h in s.hand_layouts if h.name == "Megatron 3D"]
+    assert mega.layout == "tp=2,pp=2" and mega.zero == 0 and mega.fits and mega.step_time_s is not None
+    assert s.step_time_s <= mega.step_time_s

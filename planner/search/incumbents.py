@@ -17,6 +17,11 @@ slower, and says which: a plan is never predicted slower than a hand layout that
                                              over E ranks of a node (the most of them that divide N
                                              and every block's experts), ep borrowing them from
                                              dp_shard; FSDP over the rest
+  Megatron 3D  dp_replicate=N/(G·P), tp=G,   where the planner searches pipelines (several nodes): a
+             pp=P, ZeRO 0                    node's tensor parallelism, P pipeline stages (the fewest,
+                                             a power of two, whose model states can fit), data
+                                             parallelism over the rest, one sequence per micro-batch
+                                             (Megatron-LM's, SC'21), 1F1B
 
 Each is tried on the request's mesh shape where the request fixes one, on its own otherwise, and at
 the request's ZeRO stage where it fixes one (and its other levers: precision, recomputation, micro-steps).
@@ -42,15 +47,19 @@ class HandLayout:
     zero: int
 
 
+MEGATRON_3D = "Megatron 3D"
+
 # From this many tokens per sequence a practitioner splits the sequence (Llama-3's long-context stage: 128k)
 LONG_CONTEXT = 32768
 
 
 def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = None,
-                 experts: int | None = None) -> list[HandLayout]:
+                 experts: int | None = None, layers: int | None = None) -> list[HandLayout]:
     """The hand layouts for `devices` GPUs in nodes of `devices_per_node`; `sequence`: the tokens of the
     model's sequence dim, where it has one; `experts`: what every mixture-of-experts block's count of
-    experts is a multiple of, where the model has such blocks."""
+    experts is a multiple of, where the model has such blocks; `layers`: the repeated layers a pipeline
+    cuts, where pipelines are searched (Megatron 3D at every depth: `incumbents` plans the shallowest
+    whose states can fit)."""
     n, g = devices, min(devices_per_node, devices)
     out = [HandLayout("DDP", f"dp_replicate={n}", 0), HandLayout("FSDP", f"dp_shard={n}", 3)]
     if n > g > 1 and n % g == 0:
@@ -62,14 +71,21 @@ def hand_layouts(devices: int, devices_per_node: int, sequence: int | None = Non
     ep = max((e for e in range(2, g + 1) if n % e == 0 and experts and experts % e == 0), default=None)
     if ep is not None:
         out.append(HandLayout("FSDP + EP", f"dp_shard={n},ep={ep}", 3))
+    if layers and n > g > 1 and n % g == 0:
+        p = 2
+        while p <= min(layers, n // g):
+            if (n // g) % p == 0:
+                dp = n // g // p
+                out.append(HandLayout(MEGATRON_3D, (f"dp_replicate={dp}," if dp > 1 else "") + f"tp={g},pp={p}", 0))
+            p *= 2
     return out
 
 
 def states_floor(layout: Layout, zero: int, num_params: float, precision: Precision) -> float:
     """A lower bound of a layout's model states per device: ZeRO's forms (`memory.model_states`) over
     all its data-parallel ranks (and cp's: FSDP shards over dp_shard × cp), tensor parallelism splitting
-    every parameter."""
-    return model_state_bytes(num_params / layout.degree.get("tp", 1), precision, zero_stage=zero,
+    every parameter, pipeline stages their layers (the stage holding the most holds at least the mean)."""
+    return model_state_bytes(num_params / layout.degree.get("tp", 1) / layout.pipeline, precision, zero_stage=zero,
                              dp_degree=layout.data_parallel * layout.context_parallel)
 
 
@@ -81,37 +97,53 @@ def one_axis(hand: HandLayout) -> bool:
 
 def incumbents(req: PlanRequest, devices_per_node: int, plan: Callable[[PlanRequest], Strategy], *,
                num_params: float, precision: Precision, limit: float, sequence: int | None = None,
-               experts: int | None = None,
+               experts: int | None = None, layers: int | None = None,
                which: Callable[[HandLayout], bool] = lambda _: True) -> list[tuple[HandLayout, Strategy | str]]:
     """Each hand layout (those `which` keeps) planned by `plan` as written for the request (its devices,
     global batch, precision and levers) at the fewest micro-steps and the recomputation that fit, or why
     none fits."""
     out: list[tuple[HandLayout, Strategy | str]] = []
-    for hand in filter(which, hand_layouts(req.devices, devices_per_node, sequence, experts)):
-        if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
-            # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
-            if (hand.name == "DDP") == (req.zero_stage == 3):
+    deeper: tuple[HandLayout, str] | None = None  # Megatron 3D out of memory at the depth tried: try deeper
+    for hand in filter(which, hand_layouts(req.devices, devices_per_node, sequence, experts, layers)):
+        if hand.name == MEGATRON_3D and deeper is None and any(h.name == MEGATRON_3D for h, _ in out):
+            continue  # (the shallowest pipeline that fits is planned)
+        tried = _planned_as_written(hand, req, plan, num_params=num_params, precision=precision, limit=limit)
+        if tried is None:
+            continue
+        if hand.name == MEGATRON_3D:
+            if isinstance(tried, str) and "memory" in tried:
+                deeper = (hand, tried)
                 continue
-            hand = replace(hand, zero=req.zero_stage)
-        layout = parse_layout(hand.layout, req.devices)
-        if req.mesh_shape is not None and tuple(req.mesh_shape) != layout.mesh_shape:
-            continue
-        floor = states_floor(layout, hand.zero, num_params, precision)
-        if floor > limit:  # its model states alone do not fit: no need to plan it
-            out.append((hand, f"memory: its model states alone need at least {floor / 2**30:.1f} GiB per device"))
-            continue
-        if req.global_batch_size is not None and req.global_batch_size % layout.data_parallel:
-            out.append((hand, f"the global batch {req.global_batch_size} does not split over "
-                              f"{layout.data_parallel} data-parallel ranks"))
-            continue
-        try:
-            out.append((hand, plan(replace(req, layout=layout, zero_stage=hand.zero, mesh_shape=None, axis_names=None,
-                                           mode=Mode.AUTO, must_fit=True,
-                                           gradient_accumulation_shard="auto" if hand.zero in (0, 3)
-                                           else req.gradient_accumulation_shard))))
-        except MeshplanError as e:
-            out.append((hand, str(e).splitlines()[0]))
+            deeper = None
+        out.append((hand, tried))
+    if deeper is not None:
+        out.append(deeper)
     return out
+
+
+def _planned_as_written(hand: HandLayout, req: PlanRequest, plan: Callable[[PlanRequest], Strategy], *,
+                        num_params: float, precision: Precision, limit: float) -> Strategy | str | None:
+    """One hand layout planned as written for the request, or why none fits; None where the request
+    rules it out (its mesh shape or ZeRO stage)."""
+    if req.zero_stage is not None:  # the user's ZeRO stage holds for every layout: DDP at 3 is FSDP,
+        # and a dp_shard layout shards its parameters (ZeRO-3) whatever the stage says
+        if (hand.name == "DDP") == (req.zero_stage == 3):
+            return None
+        hand = replace(hand, zero=req.zero_stage)
+    layout = parse_layout(hand.layout, req.devices)
+    if req.mesh_shape is not None and tuple(req.mesh_shape) != layout.mesh_shape:
+        return None
+    floor = states_floor(layout, hand.zero, num_params, precision)
+    if floor > limit:  # its model states alone do not fit: no need to plan it
+        return f"memory: its model states alone need at least {floor / 2**30:.1f} GiB per device"
+    if req.global_batch_size is not None and req.global_batch_size % layout.data_parallel:
+        return f"the global batch {req.global_batch_size} does not split over {layout.data_parallel} data-parallel ranks"
+    try:
+        return plan(replace(req, layout=layout, zero_stage=hand.zero, mesh_shape=None, axis_names=None, mode=Mode.AUTO,
+                            must_fit=True, micro_batch_size=1 if layout.pipeline > 1 else req.micro_batch_size,
+                            gradient_accumulation_shard="auto" if hand.zero in (0, 3) else req.gradient_accumulation_shard))
+    except MeshplanError as e:
+        return str(e).splitlines()[0]
 
 
 def planned(hands: Callable[[], list[tuple[HandLayout, Strategy | str]]] | None,

@@ -51,8 +51,17 @@ class MemoryRows:
     def _check_floor(self, mem: dict[Decision, list[float]]) -> None:
         """No plan fits if even every tensor split as far as its rules allow (and every layer recomputed,
         where the ILP may) does not: the memory row is separable, its minimum the sum of per-decision
-        minima. (A pipeline's stages are checked row by row in `add_memory`.)"""
-        if self.floor_limit_bytes is None or self.stage_mem:
+        minima (a pipeline's: each stage's row)."""
+        if self.floor_limit_bytes is None:
+            return
+        if self.stage_mem:  # each stage's row apart
+            for i in self._binding_stages():
+                floor = self.min_memory_bytes(self.stage_mem[i])
+                if floor > self.floor_limit_bytes:
+                    raise InfeasiblePlanError(
+                        f"memory: pipeline stage {i} needs at least {floor / 2**30:.1f} GiB per device but "
+                        f"`memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise `memory_limit_gib`, add "
+                        "stages or devices, or recompute")
             return
         floor = max(self.min_memory_bytes(self._with_all_recomputed(self._with_all_offloaded(mem, "saved_kib"))),
                     self.min_memory_bytes(self._with_all_offloaded(self.end_mem, "saved_end_kib")))
@@ -76,14 +85,7 @@ class MemoryRows:
         rows = dict(enumerate(self.stage_mem or [mem]))
         if self.stage_mem:
             rows = {i: self.stage_mem[i] for i in self._binding_stages()}
-        for i, row in rows.items():
-            if self.stage_mem:
-                floor = self.min_memory_bytes(row)
-                if floor > self.memory_limit_bytes:
-                    raise InfeasiblePlanError(
-                        f"memory: pipeline stage {i} needs at least {floor / 2**30:.1f} GiB per device but "
-                        f"`memory_limit_gib` is {self.memory_limit_bytes / 2**30:.1f} GiB; raise `memory_limit_gib`, add "
-                        "stages or devices, or recompute")
+        for i, row in rows.items():  # (each stage's floor checked before the edges: `_check_floor`)
             terms = [(x, math.ceil(b / KIB)) for v, bs in row.items() for b, x in zip(bs, self.x[v], strict=True) if b]
             over = self._over(f"memory_over[{i}]" if self.stage_mem else "memory_over", row, extra)
             self.model.add(f"memory[{i}]" if self.stage_mem else "memory", [*terms, *extra, (over, -1)], -BIG,

@@ -259,7 +259,9 @@ def _hand_layouts(req: PlanRequest, profile: HardwareProfile,
         return incumbents(req, profile.devices_per_node, lambda r: make_plan(r)[0], num_params=graph.num_params,
                           precision=PRECISIONS[req.dtype or "fp32"], limit=_memory_limit(req, profile),
                           sequence=graph.dims.get(SEQUENCE_DIM) if graph.sequence_dims() else None,
-                          experts=math.gcd(*(b.num_experts for b in blocks)) if blocks else None, which=which)
+                          experts=math.gcd(*(b.num_experts for b in blocks)) if blocks else None,
+                          layers=max((g.num_layers for g in graph.layers), default=0) if req.searches_pipelines() else None,
+                          which=which)
 
     return job
 
