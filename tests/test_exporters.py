@@ -204,3 +204,32 @@ def test_legacy_default_export_says_batchnorm_was_folded(tmp_path: Path) -> None
     fused_biases = sum(m.out_channels for m in module.modules() if isinstance(m, torch.nn.Conv2d))
     assert g.num_params == sum(p.numel() for p in module.parameters()) - bn + fused_biases
     assert any("BatchNormalization folded into Conv" in n for n in g.notes)
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_keys_and_values_gathered_before_their_repeat_on_every_export(way: str,
+                                                                      exports: Callable[[str, str], Path]) -> None:
+    """Context parallelism's all-gather design on llama-tiny (4 query heads on 2 KV heads of 16, batch 1,
+    32 tokens, cp=4) as each exporter writes it: the nodes that only move, repeat or scale the keys and
+    values (`core.context.key_value_feeds`) found on every export, so that k and v are gathered over cp
+    before grouped-query attention's repeat — each all-gather b·kv_heads·s·head_dim·4 = 4096 bytes — and
+    nothing runs on cp at the attention products."""
+    from core.context import key_value_feeds
+    from core.placement import Replicate
+    from costmodel.attention import attention_regions
+    from tests.test_context_parallel import _plan
+
+    path = exports("llama-tiny", way)
+    s = _plan(path, "cp=4", batch=1)
+    g = load_graph(path, s.model.dims)
+    regions = attention_regions(g)
+    assert len(regions) == 2
+    cp = s.mesh.axis_names.index("cp")
+    feeds = key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in regions.values()])
+    gathers = sorted((e.kind.value, e.phase.value, e.size_bytes) for n in feeds for e in s.nodes[n].collectives)
+    # k and v of each of the 2 layers, at their unrepeated size: gathered forward, reduce-scattered backward
+    assert gathers == sorted([("all_gather", "forward", 4096.0), ("reduce_scatter", "backward", 4096.0)] * 4), way
+    for r in regions.values():
+        for t, mm in ((r.kt, r.nodes[0]), (r.v, r.nodes[-1])):
+            assert isinstance(s.tensors[t].spec.placements[cp], Replicate)
+            assert not s.nodes[mm].collectives and not [x for x in s.reshards if x.consumer == mm]
