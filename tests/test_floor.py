@@ -115,3 +115,30 @@ def test_an_ilp_below_its_floor_is_not_solved(tight_ilp: Callable[[float], objec
     with pytest.raises(NotBetterError, match="fits the memory limit") as e:
         tight_ilp(f.seconds * 0.999).solve()  # type: ignore[attr-defined]
     assert e.value.memory
+
+
+def test_counts_the_memory_floor_rules_out_are_not_imported(zoo: Callable[[str], Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # GPT-2-medium, a global batch of 64 × 1024 on 2 H100s at 20 GiB: one micro-step's floor is over the
+    # limit by more than twice its activations' share, so 2 micro-steps (half the activations, the same
+    # states) cannot fit either: not imported; the plan is the one the unskipped walk finds.
+    import planner.search.plan as plan_mod
+    from planner.search.decisions import MemoryFloorError
+    from planner.search.plan import make_plan
+
+    f = MemoryFloorError("m", parts=((10.0, 40.0, 12.0), (30.0, 8.0, 31.0)))
+    assert f.may_fit(0.25, 20.0) and not f.may_fit(0.5, 20.0)  # 10 + 40·¼ = 20; 10 + 20 = 30 and 30 + 4 > 20
+    assert not MemoryFloorError("m", parts=((1.0, 1.0, 25.0),)).may_fit(0.01, 20.0)  # the end of backward's
+
+    req = PlanRequest(model=str(zoo("gpt2-medium")), dims={"seq": 1024}, profile="h100-sxm", devices=2, mesh_shape=(2,),
+                      global_batch_size=64, memory_limit_gib=20.0, recompute="none")
+    imported: list[int] = []
+    real = plan_mod.graph_for
+    monkeypatch.setattr(plan_mod, "graph_for", lambda path, dims: imported.append(dims["batch"]) or real(path, dims))
+    skipped, _ = make_plan(req)
+    monkeypatch.setattr(MemoryFloorError, "may_fit", lambda *_: True)
+    walked = list(imported)
+    imported.clear()
+    every, _ = make_plan(req)
+    assert skipped.step_time_s == every.step_time_s and skipped.training.micro_batches == every.training.micro_batches
+    assert len(walked) < len(imported), (walked, imported)

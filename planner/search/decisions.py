@@ -47,6 +47,30 @@ def _not_better(message: str, memory: bool) -> NotBetterError:
     return NotBetterError(message, memory=memory)
 
 
+class MemoryFloorError(InfeasiblePlanError):
+    """Even the least memory every decision can take is over the limit (`MemoryRows._check_floor`), on each
+    of the meshes tried: per mesh, `parts` (bytes a device) the least its parameters' decisions hold at
+    the step's peak, the least its nodes' (activations) hold there, and the least at the end of backward."""
+
+    def __init__(self, message: str, *, parts: tuple[tuple[float, float, float], ...]) -> None:
+        super().__init__(message)
+        self.parts = parts
+
+    def __reduce__(self) -> tuple[object, ...]:  # (a forked search's error comes back pickled)
+        return _memory_floor, (str(self), self.parts)
+
+    def may_fit(self, scale: float, limit: float) -> bool:
+        """Whether some mesh may fit with each micro-step's batch `scale` times this one's (< 1: more
+        micro-steps): its activations then hold at least `scale` times these (a tensor with a batch dim
+        scales so, one without holds the same, a split the smaller batch does not divide is lost), its
+        parameters at least as much."""
+        return any(max(states + activations * scale, end) <= limit for states, activations, end in self.parts)
+
+
+def _memory_floor(message: str, parts: tuple[tuple[float, float, float], ...]) -> MemoryFloorError:
+    return MemoryFloorError(message, parts=parts)
+
+
 class PinError(MeshplanError):
     """A pin names an unknown tensor or a spec no strategy can produce."""
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from core.levers import Offload
 from costmodel.step import CostModel
-from planner.search.decisions import KIB, Decision, InfeasiblePlanError
+from planner.search.decisions import KIB, Decision, InfeasiblePlanError, MemoryFloorError, ParamDecision
 from planner.search.milp import LinearModel
 from planner.search.offload import LayerOffload
 from planner.search.recompute import BIG, GroupTerms
@@ -63,13 +63,16 @@ class MemoryRows:
                         f"`memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise `memory_limit_gib`, add "
                         "stages or devices, or recompute")
             return
-        floor = max(self.min_memory_bytes(self._with_all_recomputed(self._with_all_offloaded(mem, "saved_kib"))),
-                    self.min_memory_bytes(self._with_all_offloaded(self.end_mem, "saved_end_kib")))
+        peak = self._with_all_recomputed(self._with_all_offloaded(mem, "saved_kib"))
+        states = self.min_memory_bytes({d: bs for d, bs in peak.items() if isinstance(d, ParamDecision)})
+        activations = self.min_memory_bytes({d: bs for d, bs in peak.items() if not isinstance(d, ParamDecision)})
+        end = self.min_memory_bytes(self._with_all_offloaded(self.end_mem, "saved_end_kib"))
+        floor = max(states + activations, end)
         if floor > self.floor_limit_bytes:
-            raise InfeasiblePlanError(
+            raise MemoryFloorError(
                 f"memory: the plan needs at least {floor / 2**30:.1f} GiB per device (every tensor split as far "
                 f"as its rules allow) but `memory_limit_gib` is {self.floor_limit_bytes / 2**30:.1f} GiB; raise "
-                f"`memory_limit_gib`{self._offload_hint()} or add devices")
+                f"`memory_limit_gib`{self._offload_hint()} or add devices", parts=((states, activations, end),))
 
     def _offload_hint(self) -> str:
         """Where states could go to the host and the plan does not let them: the lever that would."""

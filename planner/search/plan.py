@@ -49,7 +49,7 @@ from planner.search.build import (
     training_settings,
 )
 from planner.search.dataset import check_splits, parse_dataset_strategy, split_pins
-from planner.search.decisions import CUTOFF_MARGIN, NotBetterError, PinError
+from planner.search.decisions import CUTOFF_MARGIN, MemoryFloorError, NotBetterError, PinError
 from planner.search.incumbents import (
     HandLayout,
     against_hand_layouts,
@@ -125,7 +125,15 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     incumbent: Strategy | None = None  # the fastest of them that fits: what every later plan must beat
     settled: list[int] = []  # micro-step counts whose plans (without recomputation) are all slower than one held
 
+    floors: dict[Recompute, tuple[int, MemoryFloorError]] = {}  # per policy, the most micro-steps whose floor failed
+
     def attempt(k: int, recompute: Recompute) -> tuple[Strategy, list[Candidate]] | None:
+        if recompute in floors and k != steps[-1]:  # more micro-steps than a count whose memory floor failed:
+            # skipped, not imported, where that floor says they cannot fit either (the last count is tried)
+            k0, floor = floors[recompute]
+            if k0 < k and not floor.may_fit(k0 / k, limit):
+                failures.append(floor)
+                return None
         if k not in graphs:
             dims = req.dims_for(k)
             say("importing the model" + (f" (batch {dims['batch']} per micro-step, {k} micro-steps)" if k > 1 else ""))
@@ -147,6 +155,8 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
             failures.append(e)
             if isinstance(e, NotBetterError) and not e.memory and recompute is policies[0]:
                 settled.append(k)
+            if isinstance(e, MemoryFloorError):
+                floors[recompute] = (k, e)
             return None
         found.append((k, plan))
         return plan
@@ -535,6 +545,8 @@ def _plan_meshes(req: PlanRequest, graph: OpGraph, profile: HardwareProfile, pre
             best = (cost.step_time_s, mesh, rules, cm, choice, cost, stats, recomputed)
     if best is None:  # (a mesh that fits but beats no plan the search holds says so first)
         beaten = [e for e in errors if isinstance(e, NotBetterError)]
+        if all(isinstance(e, MemoryFloorError) for e in errors):  # every mesh's floor, for the counts after
+            raise MemoryFloorError(str(errors[0]), parts=tuple(p for e in errors for p in e.parts))  # type: ignore[attr-defined]
         raise next((e for e in beaten if not e.memory), beaten[0] if beaten else errors[0])
     _, mesh, rules, cm, choice, cost, stats, recomputed = best
     settings = plan_settings(req, graph, search=req.search if req.mode in (Mode.AUTO, Mode.SEMI) else Search.PROPAGATION,
