@@ -75,6 +75,7 @@ EXTENDED = {
     "tests/test_apply.py::test_apply_equals_one_process[gpt2-tiny-hsdp]",  # 12 (llama-tiny-hsdp kept)
     "tests/test_apply.py::test_apply_equals_one_process[llama-tiny-dp]",  # 7
     "tests/test_exporters.py::test_default_export_runs_distributed_equal_to_one_process[llama-tiny]",  # 15
+    "tests/test_incumbents.py::test_ddp_and_fsdp_bound_the_pipelined_search",  # 26 (two whole searches)
     # (up to 10 s each where its worker has not exported llama-tiny that way yet; the default export's stays)
     "tests/test_exporters.py::test_keys_and_values_gathered_before_their_repeat_on_every_export[no-optimize]",
     "tests/test_exporters.py::test_keys_and_values_gathered_before_their_repeat_on_every_export[meshplan-export]",
