@@ -112,9 +112,12 @@ def test_an_ilp_below_its_floor_is_not_solved(tight_ilp: Callable[[float], objec
         raise AssertionError("the solver ran")
 
     monkeypatch.setattr(milp.LinearModel, "solve", no_solve)
-    with pytest.raises(NotBetterError, match="fits the memory limit") as e:
-        tight_ilp(f.seconds * 0.999).solve()  # type: ignore[attr-defined]
+    with pytest.raises(NotBetterError, match="fits the memory limit") as e:  # between L(0) and the bound
+        tight_ilp(f.without_memory + 0.9 * (f.seconds - f.without_memory)).solve()  # type: ignore[attr-defined]
     assert e.value.memory
+    with pytest.raises(NotBetterError) as e:  # below L(0): not for memory
+        tight_ilp(f.without_memory * 0.99).solve()  # type: ignore[attr-defined]
+    assert not e.value.memory
 
 
 def test_counts_the_memory_floor_rules_out_are_not_imported(zoo: Callable[[str], Path],

@@ -44,7 +44,12 @@ class Group:
 @dataclass(frozen=True)
 class Floor:
     seconds: float  # the best lower bound found
-    by_memory: bool  # above the bound without memory (L(0)): the memory row raised it
+    without_memory: float  # L(0): every decision's cheapest choice
+
+    @property
+    def by_memory(self) -> bool:
+        """The memory row raised the bound above L(0)."""
+        return self.seconds > self.without_memory
 
 
 def _padded(rows: Sequence[Sequence[float]], fill: float) -> np.ndarray:
@@ -91,7 +96,7 @@ def time_floor(costs: Mapping[K, Sequence[float]], mem: Mapping[K, Sequence[floa
 
     base, used = lagrangian(0.0)
     if used <= limit_bytes or not np.isfinite(base):
-        return Floor(base, False)
+        return Floor(base, base)
     best, lo, hi = base, 0.0, max(base, 1e-9) / max(limit_bytes, 1.0)
     for _ in range(64):  # a multiplier at which the minimising choices fit
         value, used = lagrangian(hi)
@@ -100,10 +105,10 @@ def time_floor(costs: Mapping[K, Sequence[float]], mem: Mapping[K, Sequence[floa
             break
         lo, hi = hi, hi * 4
     else:
-        return Floor(best, best > base)  # (nothing fits: `_check_floor` tells that)
+        return Floor(best, base)  # (nothing fits: `_check_floor` tells that)
     for _ in range(iterations):
         mid = (lo + hi) / 2
         value, used = lagrangian(mid)
         best = max(best, value)
         lo, hi = (mid, hi) if used > limit_bytes else (lo, mid)
-    return Floor(best, best > base)
+    return Floor(best, base)

@@ -436,11 +436,11 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         limit = self.memory_limit_bytes if self.memory_limit_bytes is not None else float("inf")
         floor = time_floor(costs, mem, self.x, groups, limit)
         # (the objective's coefficients are rounded to whole ns: at most half a ns each below these sums)
-        slack = 0.5 * self.model.num_variables / NS_PER_S
-        if floor.seconds - slack + sum(self.cost.fixed_s()) > o.cutoff_s:
-            raise NotBetterError(f"no plan {'fits the memory limit and ' if floor.by_memory else ''}beats "
-                                 f"{o.cutoff_s:.6g} s (a plan already found; lower bound "
-                                 f"{floor.seconds + sum(self.cost.fixed_s()):.6g} s)", memory=floor.by_memory)
+        slack, fixed = 0.5 * self.model.num_variables / NS_PER_S, sum(self.cost.fixed_s())
+        if floor.seconds - slack + fixed > o.cutoff_s:
+            memory = floor.without_memory - slack + fixed <= o.cutoff_s  # (the memory row took it over)
+            raise NotBetterError(f"no plan {'fits the memory limit and ' if memory else ''}beats {o.cutoff_s:.6g} s "
+                                 f"(a plan already found; lower bound {floor.seconds + fixed:.6g} s)", memory=memory)
 
     def add_overlap(self) -> list[tuple[int, int]]:
         """The overlapped step's exposed-communication terms (`overlap.py`); their objective terms."""
