@@ -399,3 +399,18 @@ def test_replicated_strategy_is_always_available() -> None:
     rules = rules_for_graph(g, mesh)
     for n in g.compute_nodes:
         assert replicated_strategy(OpContext.of(n, g), 1) in rules.by_node[n.name].strategies
+
+
+def test_every_ilp_survives_its_mip_solver_crashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CBC aborted the process (CoinError) on MPT-30B's own plan on 8 A100 (published row 5) at bc9e26e,
+    # an ILP with neither offload nor experts: every sharding ILP is now solved in a forked process, and
+    # one whose solver dies there is solved by CP-SAT — the same plan on this small case.
+    import os
+    import signal
+
+    import planner.search.milp as milp
+
+    _, _, _, by_cbc = _solve(_mlp_blocks(tokens=8, h=8192), devices=8)
+    monkeypatch.setattr(milp.LinearModel, "_mip", lambda self, *a: os.kill(os.getpid(), signal.SIGSEGV))
+    _, _, _, by_cpsat = _solve(_mlp_blocks(tokens=8, h=8192), devices=8)
+    assert by_cpsat.stats.status == "OPTIMAL" and by_cpsat.choice == by_cbc.choice

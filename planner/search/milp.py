@@ -43,7 +43,8 @@ class LinearModel:
     # Solved by a MIP backend in a forked process, so that the solver crashing is not the end of the
     # planner: the ILP is solved again by CP-SAT (`MilpResult.note` says so). CBC died of a segmentation
     # fault inside Solver.Solve twice on Llama-3-70B's offload search on 8 H100 (`planner/search/
-    # offload.py`), and aborted (CoinError) on Mixtral-8x7B's on 16 H100; not yet found which ILPs.
+    # offload.py`), and aborted (CoinError) on Mixtral-8x7B's on 16 H100 and on MPT-30B's own plan on 8
+    # A100 (published row 5, at bc9e26e); not yet found which ILPs. `ShardingILP` isolates every solve.
     isolated: bool = False
     _names: set[str] = field(default_factory=set)
 

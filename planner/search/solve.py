@@ -508,8 +508,8 @@ class ShardingILP(MemoryRows, OffloadDecisions, DecisionGraph):
         for d, inner in self.inner_cost.items():
             node_costs[d] = [a + b for a, b in zip(node_costs[d], inner, strict=True)]
         counts = add_counts(self.model, list({id(t): t for t in self.layer_terms.values()}.values()))
-        # (`LinearModel.isolated`: where CBC has crashed)
-        self.model.isolated = bool(self.offload_terms or self.act_groups or self.cost.experts.blocks)
+        # (`LinearModel.isolated`: CBC has aborted the process on offload, expert and published-run ILPs)
+        self.model.isolated = True
         decision = {x: i for i, xs in enumerate(self.x.values()) for x in xs}
         offloads = add_offload_counts(self.model, list(self.offload_terms.values()), decision)
         host_acts = add_offload_counts(self.model, self.act_groups, decision, tag="host_activations")
