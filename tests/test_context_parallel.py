@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -62,6 +63,16 @@ def test_layout_cp_splits_the_sequence(zoo: Callable[[str], Path]) -> None:
             assert all(isinstance(x, Shard) for x in s.tensors[p.name].spec.placements), p.name  # FSDP over both
 
 
+def planned_feeds(model: Path) -> tuple[Strategy, Any, dict[str, Any], frozenset[str]]:
+    """llama-tiny (its 2 layers) planned at cp=4, batch 1, all-gather design: the plan, the graph, its
+    attention regions and the keys' and values' feeds (`key_value_feeds`)."""
+    s = _plan(model, "cp=4", batch=1)
+    g = load_graph(model, s.model.dims)
+    regions = attention_regions(g)
+    assert len(regions) == 2
+    return s, g, regions, key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in regions.values()])
+
+
 def _plan(model: Path, layout: str, *, batch: int, devices: int = 4, seq: int = 32, method: str = "allgather",
           profile: str = "cpu", recompute: str = "none") -> Strategy:
     s, _ = make_plan(PlanRequest(model=str(model), dims={"batch": batch, "seq": seq}, profile=profile, devices=devices,
@@ -77,13 +88,8 @@ def test_attention_gathers_keys_and_values_over_cp(zoo: Callable[[str], Path]) -
     their repeat, as Llama-3 gathers its KV heads — an all_gather each of b·kv_heads·s·head_dim·4 bytes
     forward where the feeds begin, a reduce_scatter of the same backward (the feeds pass each rank's
     partial gradient back as it is), nothing on cp at the attention products."""
-    model = zoo("llama-tiny")
-    s = _plan(model, "cp=4", batch=1)
-    g = load_graph(model, s.model.dims)
-    regions = attention_regions(g)
-    assert len(regions) == 2
+    s, g, regions, feeds = planned_feeds(zoo("llama-tiny"))
     cp = s.mesh.axis_names.index("cp")
-    feeds = key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in regions.values()])
     assert sorted({g.node_by_name[n].op_type for n in feeds}) == ["Expand", "Identity", "Mul", "Reshape", "Transpose",
                                                                   "Unsqueeze"]
     kv_bytes = 1 * 2 * 32 * 16 * 4

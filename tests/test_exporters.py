@@ -214,18 +214,11 @@ def test_keys_and_values_gathered_before_their_repeat_on_every_export(way: str,
     values (`core.context.key_value_feeds`) found on every export, so that k and v are gathered over cp
     before grouped-query attention's repeat — each all-gather b·kv_heads·s·head_dim·4 = 4096 bytes — and
     nothing runs on cp at the attention products."""
-    from core.context import key_value_feeds
     from core.placement import Replicate
-    from costmodel.attention import attention_regions
-    from tests.test_context_parallel import _plan
+    from tests.test_context_parallel import planned_feeds
 
-    path = exports("llama-tiny", way)
-    s = _plan(path, "cp=4", batch=1)
-    g = load_graph(path, s.model.dims)
-    regions = attention_regions(g)
-    assert len(regions) == 2
+    s, _, regions, feeds = planned_feeds(exports("llama-tiny", way))
     cp = s.mesh.axis_names.index("cp")
-    feeds = key_value_feeds(g, [(r.nodes[0], r.nodes[-1]) for r in regions.values()])
     gathers = sorted((e.kind.value, e.phase.value, e.size_bytes) for n in feeds for e in s.nodes[n].collectives)
     # k and v of each of the 2 layers, at their unrepeated size: gathered forward, reduce-scattered backward
     assert gathers == sorted([("all_gather", "forward", 4096.0), ("reduce_scatter", "backward", 4096.0)] * 4), way
