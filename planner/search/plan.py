@@ -166,8 +166,8 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
     Beside = tuple[list[tuple[int, tuple[Strategy, list[Candidate]]]], list[tuple[HandLayout, Strategy | str]]]
     pipelines: Callable[[], Beside] | None = None
     tried = 0
-    hands = None if job is None else _beside(partial(job, which=lambda _: True), say) if not req.searches_pipelines() \
-        else partial(job, say, which=lambda _: True)
+    every = partial(job, which=lambda _: True) if job is not None else None
+    hands = None if every is None else _beside(every, say) if not req.searches_pipelines() else partial(every, say)
     if req.searches_pipelines() and traced is None:  # a static batch is one micro-batch: no other to try
         attempt(steps[0], policies[0])
         tried = 1
@@ -234,8 +234,10 @@ def _make_plan(req: PlanRequest, progress: Progress | None = None) -> tuple[Stra
                 walk(below[1:])
             else:
                 down(below[:0:-1])
-    hand_plans = early + planned(hands, say)
-    piped, more = pipelines() if pipelines is not None else ([], [])
+    try:
+        hand_plans = early + planned(hands, say)
+    finally:  # the pipelines' process waited for, whatever the hand layouts raise
+        piped, more = pipelines() if pipelines is not None else ([], [])
     found += piped
     hand_plans += more
     if not found:
